@@ -1,0 +1,316 @@
+"""The background thread: queue -> negotiate -> fuse -> execute -> complete handles.
+
+Every rank runs the same cycle in lock step. Each cycle costs one small bitwise-AND allreduce
+(the response-cache bits plus flags); announcements not in the cache are allgathered in full,
+and every rank derives the same ordered list of responses from the same table.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from hvdplus.common.engines.base import Engine
+from hvdplus.common.exceptions import HorovodInternalError
+from hvdplus.common.executor import Executor, Work
+from hvdplus.common.fusion import plan_batches
+from hvdplus.common.handles import Handle
+from hvdplus.common.hierarchical import HierarchicalGroups
+from hvdplus.common.messages import Key, Request, Response
+from hvdplus.common.negotiation import JOIN_KEY, MessageTable
+from hvdplus.common.ops import OpKind, storage_dtype
+from hvdplus.common.response_cache import Lookup, ResponseCache
+from hvdplus.common.settings import Settings
+
+__all__ = ["Coordinator"]
+
+log = logging.getLogger("hvdplus")
+
+_HAS_UNCACHED, _SHUTDOWN, _STALL_ABORT = 1, 2, 4
+
+
+@dataclass
+class _ProcessSet:
+    ranks: tuple[int, ...]
+    group: Any
+
+
+class Coordinator:
+    """Owns the engine after init: all collectives of this process run on its thread."""
+
+    def __init__(self, engine: Engine, settings: Settings, hierarchical: HierarchicalGroups | None) -> None:
+        self._engine = engine
+        self._settings = settings
+        self.rank, self.size = engine.rank, engine.size
+        self._sets: dict[int, _ProcessSet] = {0: _ProcessSet(tuple(range(self.size)), engine.world)}
+        self._next_set_id = 1
+        self._executor = Executor(engine, lambda set_id: self._sets[set_id].group, hierarchical)
+        self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._inflight: dict[Key, Work] = {}
+        self._names_in_flight: set[str] = set()
+        self._table = MessageTable()
+        self._cache = ResponseCache(-(-settings.cache_capacity // 64) * 64)
+        self._words = self._cache.capacity // 64
+        self._hits: dict[int, Work] = {}
+        self._partial_cycles: dict[int, int] = {}
+        self._to_send: list[Work] = []
+        self._invalid: set[int] = set()
+        self._joined = False
+        self._shutdown_requested = False
+        self._fatal: BaseException | None = None
+        self._last_stall_warning = 0.0
+        self._thread = threading.Thread(target=self._loop, name="hvdplus-coordinator", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- public, any thread
+    def submit(self, request: Request, input: np.ndarray | None = None, output: np.ndarray | None = None) -> Handle:
+        """Queue one collective; the handle completes when every rank has run it."""
+        if self._fatal is not None:
+            raise HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}")
+        if request.process_set not in self._sets:
+            raise ValueError(f"process set {request.process_set} does not exist (it was removed or never added)")
+        if self.rank not in self._sets[request.process_set].ranks:
+            raise ValueError(f"rank {self.rank} is not a member of process set {request.process_set} "
+                             f"(ranks {list(self._sets[request.process_set].ranks)}); only members may submit")
+        with self._lock:
+            if request.name in self._names_in_flight:
+                raise ValueError(f"a collective named {request.name!r} is already in flight on this rank; "
+                                 f"names must be unique until synchronize() returns (duplicate name)")
+            self._names_in_flight.add(request.name)
+        work = Work(request, Handle(request.name), input, output)
+        self._queue.put(work)
+        self._wake.set()
+        return work.handle
+
+    def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
+        entry = self._sets.get(set_id)
+        return entry.ranks if entry else None
+
+    def shutdown(self) -> None:
+        """Stop the thread once every rank's cycle sees the request (any rank's request stops all)."""
+        self._shutdown_requested = True
+        self._wake.set()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive()
+
+    # ----------------------------------------------------------------- background thread
+    def _loop(self) -> None:
+        cycle = self._settings.cycle_time_ms / 1000.0
+        try:
+            while self._cycle():
+                self._wake.wait(cycle)
+                self._wake.clear()
+        except BaseException as exc:  # engine failure: every pending and future call must fail
+            log.error("hvdplus background thread failed: %s", exc)
+            self._fatal = exc
+            self._fail_everything(HorovodInternalError(f"collective failed on rank {self.rank}: {exc}"))
+        finally:
+            try:
+                self._engine.shutdown()
+            except Exception as exc:  # pragma: no cover - best effort at exit
+                log.debug("engine shutdown failed: %s", exc)
+
+    def _members(self, set_id: int) -> tuple[int, ...]:
+        entry = self._sets.get(set_id)
+        return entry.ranks if entry else ()
+
+    def _drain_queue(self) -> None:
+        while True:
+            try:
+                work = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._inflight[work.request.key] = work
+            status, bit = self._cache.lookup(self.rank, work.request)
+            if status == Lookup.HIT:
+                self._hits[bit] = work
+            else:
+                if status == Lookup.INVALID:
+                    self._invalid.add(bit)
+                self._to_send.append(work)
+
+    def _control_words(self) -> np.ndarray:
+        hits = np.zeros(self._cache.capacity, dtype=bool)
+        invalid = np.zeros(self._cache.capacity, dtype=bool)
+        hits[list(self._hits)] = True
+        if self._joined:
+            for bit in self._cache.bits():
+                response = self._cache.peek(bit)
+                if self.rank in response.members:
+                    (hits if response.kind == OpKind.ALLREDUCE else invalid)[bit] = True
+        invalid[list(self._invalid)] = True
+        flags = (_HAS_UNCACHED if self._to_send else 0) | (_SHUTDOWN if self._shutdown_requested else 0)
+        flags |= _STALL_ABORT if self._stall_abort_due() else 0
+        pack = lambda bits: np.packbits(bits, bitorder="little").view(np.int64)  # noqa: E731
+        return np.concatenate([[~flags], pack(hits), ~pack(hits), ~pack(invalid)]).astype(np.int64)
+
+    def _cycle(self) -> bool:
+        """One negotiation cycle; False once the job shuts down."""
+        self._drain_queue()
+        words = self._engine.bitwise_and(self._control_words(), self._engine.world)
+        flags = int(~words[0])
+        unpack = lambda w: np.unpackbits(w.view(np.uint8), bitorder="little").astype(bool)  # noqa: E731
+        n = self._words
+        all_hit, any_hit, any_invalid = unpack(words[1:1 + n]), unpack(~words[1 + n:1 + 2 * n]), \
+            unpack(~words[1 + 2 * n:1 + 3 * n])
+        self._invalid.clear()
+        if flags & (_SHUTDOWN | _STALL_ABORT):
+            self._stop(flags)
+            return False
+        for bit in np.flatnonzero(any_invalid | self._stale_partials(all_hit, any_hit)):
+            self._evict(int(bit))
+        ready_bits = [int(bit) for bit in np.flatnonzero(all_hit & ~any_invalid)]
+        responses = [self._cache.get(bit) for bit in ready_bits]
+        for bit in ready_bits:
+            self._hits.pop(bit, None)
+        if flags & _HAS_UNCACHED:
+            responses += self._negotiate()
+        for response in responses:
+            evicted = self._cache.put(response)
+            if evicted is not None:
+                self._evict(evicted)
+        self._execute(responses)
+        self._warn_stalls()
+        return True
+
+    def _evict(self, bit: int) -> None:
+        self._cache.erase(bit)
+        self._partial_cycles.pop(bit, None)
+        work = self._hits.pop(bit, None)
+        if work is not None:
+            self._to_send.append(work)
+
+    def _stale_partials(self, all_hit: np.ndarray, any_hit: np.ndarray) -> np.ndarray:
+        """Cached collectives only some ranks announced for many cycles: evict them (on every rank
+        alike) so full negotiation can name the missing ranks."""
+        limit = max(10, int(self._settings.stall_check_time_seconds * 250 / self._settings.cycle_time_ms))
+        stale = np.zeros_like(all_hit)
+        for bit in np.flatnonzero(any_hit & ~all_hit):
+            count = self._partial_cycles.get(int(bit), 0) + 1
+            self._partial_cycles[int(bit)] = count
+            stale[bit] = count >= limit
+        for bit in list(self._partial_cycles):
+            if all_hit[bit] or not any_hit[bit]:
+                del self._partial_cycles[bit]
+        return stale
+
+    def _negotiate(self) -> list[Response]:
+        payload = pickle.dumps([w.request for w in self._to_send], protocol=pickle.HIGHEST_PROTOCOL)
+        self._to_send.clear()
+        errors = []
+        for rank, data in enumerate(self._engine.allgather_bytes(payload, self._engine.world)):
+            for request in pickle.loads(data):
+                problem = self._table.add(rank, request)
+                if problem:
+                    errors.append(Response(request.key, request.kind, (request,), error=problem,
+                                           members=self._members(request.process_set)))
+        return errors + self._table.take_ready(self._members)
+
+    def _execute(self, responses: list[Response]) -> None:
+        runnable = [response for response in responses if self.rank in response.members]
+        for batch in plan_batches(runnable, self._settings.fusion_threshold):
+            pairs = [(response, self._take_work(response)) for response in batch]
+            head, work = pairs[0]
+            if head.error is not None:
+                for response, work in pairs:
+                    self._executor.fail(response, work)
+            elif head.kind == OpKind.ALLREDUCE:
+                self._executor.run_allreduce(pairs)
+            elif work is not None:
+                work.handle.set_result(self._run_control(head, work))
+
+    def _take_work(self, response: Response) -> Work | None:
+        """This rank's work for a response; a joined rank contributes zeros to an allreduce."""
+        work = self._inflight.pop(response.key, None)
+        if work is not None:
+            with self._lock:
+                self._names_in_flight.discard(work.request.name)
+            return work
+        if response.kind == OpKind.ALLREDUCE and response.error is None:
+            request = response.first
+            zeros = np.zeros(request.shape, dtype=storage_dtype(request.dtype))
+            return Work(request, Handle(request.name), zeros, zeros)
+        return None
+
+    def _run_control(self, response: Response, work: Work) -> Any:
+        if response.kind == OpKind.JOIN:
+            self._joined = False
+            return response.join_last_rank
+        if response.kind == OpKind.ADD_PROCESS_SET:
+            return self._add_process_set(tuple(sorted(work.request.ranks or ())))
+        if response.kind == OpKind.REMOVE_PROCESS_SET:
+            removed = work.request.root  # the id of the set to remove travels in `root`
+            self._sets.pop(removed, None)
+            return removed
+        return self._executor.run(response, work, response.members.index(self.rank))
+
+    def _add_process_set(self, ranks: tuple[int, ...]) -> int:
+        """Collective over all ranks (it runs in the agreed order): create the set's engine group."""
+        set_id = self._next_set_id
+        self._sets[set_id] = _ProcessSet(ranks, self._engine.new_group(ranks))
+        self._next_set_id += 1
+        return set_id
+
+    def mark_joined(self) -> None:
+        """Called by join(): from now on this rank contributes zeros to every allreduce."""
+        self._joined = True
+
+    # ----------------------------------------------------------------- stalls and shutdown
+    def _stall_abort_due(self) -> bool:
+        limit = self._settings.stall_shutdown_time_seconds
+        return self.rank == 0 and limit > 0 and bool(self._table.stalls(limit, self._members))
+
+    def _warn_stalls(self) -> None:
+        if self.rank != 0 or self._settings.stall_check_disable or len(self._table) == 0:
+            return
+        threshold = self._settings.stall_check_time_seconds
+        now = time.monotonic()
+        if now - self._last_stall_warning < threshold:
+            return
+        stalls = [s for s in self._table.stalls(threshold, self._members) if s.key != JOIN_KEY]
+        if stalls:
+            self._last_stall_warning = now
+            lines = [f"  {s.description} on process set {s.key[0]}: submitted by ranks {list(s.submitted)}, "
+                     f"missing ranks {list(s.missing)} (waiting {s.seconds:.0f} s)" for s in stalls]
+            log.warning("One or more collectives were submitted by only some ranks; the others may be "
+                        "stuck or running a different code path:\n%s", "\n".join(lines))
+
+    def _stop(self, flags: int) -> None:
+        if flags & _STALL_ABORT:
+            reason = ("a collective stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
+                      f"{self._settings.stall_shutdown_time_seconds:g}")
+        else:
+            reason = "hvdplus was shut down on one or more ranks"
+        self._fail_everything(HorovodInternalError(f"{reason}; the collective cannot complete"))
+        self._fatal = HorovodInternalError(reason)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        self._drain_queue_into_inflight()
+        for work in list(self._inflight.values()):
+            work.handle.set_error(error)
+        self._inflight.clear()
+        self._hits.clear()
+        self._to_send.clear()
+        with self._lock:
+            self._names_in_flight.clear()
+
+    def _drain_queue_into_inflight(self) -> None:
+        while True:
+            try:
+                work = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._inflight[work.request.key] = work

@@ -1,0 +1,52 @@
+"""Single-process engine: every collective of a job of one rank is a local copy."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from hvdplus.common.ops import ReduceOp
+
+__all__ = ["LocalEngine"]
+
+
+class LocalEngine:
+    """The engine of a job with one rank (a script run without a launcher, as Horovod allows)."""
+
+    name = "local"
+    rank = 0
+    size = 1
+    world = "world"
+
+    def new_group(self, ranks: Sequence[int]) -> str:
+        return "world"
+
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: str) -> None:
+        return None
+
+    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: str) -> None:
+        recv[...] = send
+
+    def broadcast(self, buf: np.ndarray, root: int, group: str) -> None:
+        return None
+
+    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
+                 recv_counts: Sequence[int], group: str) -> None:
+        recv[...] = send
+
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str,
+                      op: ReduceOp, group: str) -> None:
+        recv[...] = send
+
+    def barrier(self, group: str) -> None:
+        return None
+
+    def allgather_bytes(self, data: bytes, group: str) -> list[bytes]:
+        return [data]
+
+    def bitwise_and(self, words: np.ndarray, group: str) -> np.ndarray:
+        return words.copy()
+
+    def shutdown(self) -> None:
+        return None

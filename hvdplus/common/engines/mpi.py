@@ -1,0 +1,96 @@
+"""MPI engine: mpi4py collectives (Open MPI, MPICH or a cluster's own MPI)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from hvdplus.common import halfops
+from hvdplus.common.ops import ReduceOp
+
+__all__ = ["MPIEngine"]
+
+
+class MPIEngine:
+    """Runs collectives with mpi4py on `comm` (MPI.COMM_WORLD unless the user passes one)."""
+
+    name = "mpi"
+
+    def __init__(self, comm: Any = None) -> None:
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ImportError("the MPI engine needs mpi4py: pip install 'hvdplus[mpi]'") from exc
+        self._MPI = MPI
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        elif isinstance(comm, (list, tuple)):
+            comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(comm)))
+        self.world = comm.Dup()
+        self.rank = self.world.Get_rank()
+        self.size = self.world.Get_size()
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
+                     ReduceOp.PRODUCT: MPI.PROD}
+        self._bf16_ops: dict[ReduceOp, Any] = {}
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        member = self.rank in ranks
+        comm = self.world.Split(0 if member else self._MPI.UNDEFINED, sorted(ranks).index(self.rank) if member else 0)
+        return comm if member else None
+
+    def _op(self, dtype: str, op: ReduceOp) -> Any:
+        if dtype != "bfloat16":
+            return self._ops[op]
+        if op not in self._bf16_ops:
+            self._bf16_ops[op] = self._MPI.Op.Create(halfops.bfloat16_reducer(op), commute=True)
+        return self._bf16_ops[op]
+
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any) -> None:
+        group.Allreduce(self._MPI.IN_PLACE, buf, op=self._op(dtype, op))
+
+    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
+        group.Allgatherv(send, [recv, list(counts), _displacements(counts), _mpi_type(self._MPI, recv)])
+
+    def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
+        group.Bcast(buf, root=root)
+
+    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
+                 recv_counts: Sequence[int], group: Any) -> None:
+        mpi_type = _mpi_type(self._MPI, send)
+        group.Alltoallv([send, list(send_counts), _displacements(send_counts), mpi_type],
+                        [recv, list(recv_counts), _displacements(recv_counts), mpi_type])
+
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str,
+                      op: ReduceOp, group: Any) -> None:
+        group.Reduce_scatter([send, _mpi_type(self._MPI, send)], [recv, _mpi_type(self._MPI, recv)],
+                             recvcounts=list(counts), op=self._op(dtype, op))
+
+    def barrier(self, group: Any) -> None:
+        group.Barrier()
+
+    def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
+        sizes = np.array(group.allgather(len(data)), dtype=np.int64)
+        recv = np.empty(int(sizes.sum()), dtype=np.uint8)
+        group.Allgatherv(np.frombuffer(data, dtype=np.uint8), [recv, sizes.tolist(), _displacements(sizes), self._MPI.BYTE])
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        return [recv[offsets[i]:offsets[i + 1]].tobytes() for i in range(len(sizes))]
+
+    def bitwise_and(self, words: np.ndarray, group: Any) -> np.ndarray:
+        out = np.empty_like(words)
+        group.Allreduce(words, out, op=self._MPI.BAND)
+        return out
+
+    def shutdown(self) -> None:
+        for op in self._bf16_ops.values():
+            op.Free()
+        self._bf16_ops.clear()
+
+
+def _displacements(counts: Sequence[int]) -> list[int]:
+    return [0] + np.cumsum(np.asarray(counts, dtype=np.int64))[:-1].tolist()
+
+
+def _mpi_type(MPI: Any, buf: np.ndarray) -> Any:
+    """The MPI datatype of a numpy buffer (bfloat16 travels as its uint16 storage)."""
+    return MPI._typedict[buf.dtype.char]

@@ -1,0 +1,131 @@
+"""torch.distributed engine: Gloo collectives over host buffers (imports torch only when chosen)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Sequence
+
+import numpy as np
+
+from hvdplus.common.ops import ReduceOp
+from hvdplus.common.settings import LaunchEnv
+
+__all__ = ["TorchDistEngine"]
+
+# Gloo cannot reduce these; they are widened for the reduction and narrowed back.
+_WIDENED = {"int16": np.int32, "uint16": np.int32}
+
+
+class TorchDistEngine:
+    """Runs collectives with torch.distributed's Gloo backend; rendezvous by file or TCP store."""
+
+    name = "gloo"
+
+    def __init__(self, launch: LaunchEnv, timeout_seconds: float) -> None:
+        try:
+            import torch
+            import torch.distributed as dist
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise ImportError("the gloo engine needs PyTorch: pip install 'hvdplus[torch]' "
+                              "(or launch with mpirun and install 'hvdplus[mpi]')") from exc
+        self._torch, self._dist = torch, dist
+        if launch.rank is None or launch.size is None:
+            raise RuntimeError("hvd.init() found no rank environment: start the job with hvdplusrun, mpirun or "
+                               "srun, or set HOROVOD_RANK, HOROVOD_SIZE and a rendezvous address")
+        self.rank, self.size = launch.rank, launch.size
+        timeout = datetime.timedelta(seconds=timeout_seconds)
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            dist.init_process_group("gloo", store=self._make_store(launch, timeout), rank=self.rank,
+                                    world_size=self.size, timeout=timeout)
+        elif dist.get_world_size() != self.size:
+            raise RuntimeError(f"torch.distributed is already initialized with world size {dist.get_world_size()}, "
+                               f"but the launcher says {self.size}")
+        self.world = dist.new_group(list(range(self.size)), backend="gloo", timeout=timeout)
+        self._timeout = timeout
+        self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
+                     ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
+
+    def _make_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
+        if launch.rendezvous_file:
+            return self._dist.FileStore(launch.rendezvous_file, self.size)
+        if launch.rendezvous_addr and launch.rendezvous_port:
+            return self._dist.TCPStore(launch.rendezvous_addr, launch.rendezvous_port, self.size,
+                                       is_master=self.rank == 0, timeout=timeout, wait_for_workers=False)
+        raise RuntimeError("the gloo engine needs a rendezvous: set HVDPLUS_RENDEZVOUS_ADDR and "
+                           "HVDPLUS_RENDEZVOUS_PORT (rank 0 listens there) or HVDPLUS_RENDEZVOUS_FILE")
+
+    def _tensor(self, buf: np.ndarray, dtype: str | None = None) -> Any:
+        tensor = self._torch.from_numpy(buf)
+        return tensor.view(self._torch.bfloat16) if dtype == "bfloat16" else tensor
+
+    def _bytes(self, buf: np.ndarray) -> Any:
+        return self._torch.from_numpy(buf.view(np.uint8))
+
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        group = self._dist.new_group(sorted(ranks), backend="gloo", timeout=self._timeout)
+        return group if self.rank in ranks else None
+
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any) -> None:
+        if dtype in _WIDENED:
+            wide = buf.astype(_WIDENED[dtype])
+            self._dist.all_reduce(self._tensor(wide), op=self._ops[op], group=group)
+            buf[...] = wide
+            return
+        self._dist.all_reduce(self._tensor(buf, dtype), op=self._ops[op], group=group)
+
+    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
+        itemsize = send.dtype.itemsize
+        byte_counts = [c * itemsize for c in counts]
+        width = max(byte_counts)
+        padded = np.zeros(width, dtype=np.uint8)
+        padded[:send.nbytes] = send.view(np.uint8)
+        gathered = self._torch.empty(len(counts) * width, dtype=self._torch.uint8)
+        self._dist.all_gather_into_tensor(gathered, self._torch.from_numpy(padded), group=group)
+        rows = gathered.numpy().reshape(len(counts), width)
+        out = recv.view(np.uint8)
+        offset = 0
+        for row, nbytes in zip(rows, byte_counts):
+            out[offset:offset + nbytes] = row[:nbytes]
+            offset += nbytes
+
+    def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
+        self._dist.broadcast(self._bytes(buf), group_src=root, group=group)
+
+    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
+                 recv_counts: Sequence[int], group: Any) -> None:
+        itemsize = send.dtype.itemsize
+        self._dist.all_to_all_single(self._bytes(recv), self._bytes(send),
+                                     output_split_sizes=[c * itemsize for c in recv_counts],
+                                     input_split_sizes=[c * itemsize for c in send_counts], group=group)
+
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str,
+                      op: ReduceOp, group: Any) -> None:
+        # Gloo has no uneven reduce-scatter: reduce everything, keep this rank's slice.
+        reduced = send.copy()
+        self.allreduce(reduced, dtype, op, group)
+        index = self._dist.get_group_rank(group, self.rank)
+        start = int(sum(counts[:index]))
+        recv[...] = reduced[start:start + counts[index]]
+
+    def barrier(self, group: Any) -> None:
+        self._dist.barrier(group=group)
+
+    def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
+        n = self._dist.get_world_size(group)
+        sizes = self._torch.zeros(n, dtype=self._torch.int64)
+        self._dist.all_gather_into_tensor(sizes, self._torch.tensor([len(data)], dtype=self._torch.int64), group=group)
+        counts = sizes.tolist()
+        recv = np.empty(sum(counts), dtype=np.uint8)
+        self.allgather(np.frombuffer(data, dtype=np.uint8).copy(), recv, counts, group)
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        return [recv[offsets[i]:offsets[i + 1]].tobytes() for i in range(n)]
+
+    def bitwise_and(self, words: np.ndarray, group: Any) -> np.ndarray:
+        out = words.copy()
+        self._dist.all_reduce(self._torch.from_numpy(out), op=self._dist.ReduceOp.BAND, group=group)
+        return out
+
+    def shutdown(self) -> None:
+        if self._owns_group and self._dist.is_initialized():
+            self._dist.destroy_process_group()

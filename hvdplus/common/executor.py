@@ -1,0 +1,149 @@
+"""The data plane: run agreed responses on the engine, fusing allreduces, and complete handles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from hvdplus.common import halfops
+from hvdplus.common.engines.base import Engine
+from hvdplus.common.exceptions import CollectiveMismatchError
+from hvdplus.common.handles import Handle
+from hvdplus.common.hierarchical import HierarchicalGroups, hierarchical_allreduce
+from hvdplus.common.messages import Request, Response
+from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
+
+__all__ = ["Work", "Executor", "reducescatter_rows", "even_splits"]
+
+
+@dataclass
+class Work:
+    """One collective this rank submitted: its announcement, buffers and handle."""
+
+    request: Request
+    handle: Handle
+    input: np.ndarray | None = None
+    output: np.ndarray | None = None
+
+
+def reducescatter_rows(dim0: int, size: int) -> list[int]:
+    """Horovod's uneven split: every rank gets dim0 // size rows, the first dim0 % size one more."""
+    return [dim0 // size + (1 if r < dim0 % size else 0) for r in range(size)]
+
+
+def even_splits(dim0: int, size: int) -> tuple[int, ...]:
+    """Alltoall without splits: dim0 must divide evenly among the ranks."""
+    if dim0 % size:
+        raise ValueError(f"alltoall without splits needs the first dimension ({dim0}) to be divisible by the "
+                         f"number of ranks ({size}); pass splits=... to send uneven parts")
+    return (dim0 // size,) * size
+
+
+def _row_elements(shape: tuple[int, ...]) -> int:
+    count = 1
+    for dim in shape[1:]:
+        count *= dim
+    return count
+
+
+class Executor:
+    """Executes batches of responses for one rank; `group_of(set_id)` gives the engine group."""
+
+    def __init__(self, engine: Engine, group_of: Callable[[int], Any],
+                 hierarchical: HierarchicalGroups | None) -> None:
+        self._engine = engine
+        self._group_of = group_of
+        self._hierarchical = hierarchical
+        self._fusion_buffers: dict[np.dtype, np.ndarray] = {}
+
+    def fail(self, response: Response, work: Work | None) -> None:
+        if work is not None:
+            work.handle.set_error(CollectiveMismatchError(response.error))
+
+    def run_allreduce(self, batch: list[tuple[Response, Work]]) -> None:
+        """Reduce a batch of agreed allreduces in one engine call (one buffer when fused)."""
+        first = batch[0][0].first
+        members = batch[0][0].members
+        if len(batch) == 1:
+            work = batch[0][1]
+            buffer = work.output.reshape(-1)
+            if work.input is not work.output:
+                np.copyto(buffer, work.input.reshape(-1))
+        else:
+            buffer = self._fusion_buffer(storage_dtype(first.dtype), sum(w.input.size for _, w in batch))
+            offset = 0
+            for _, work in batch:
+                buffer[offset:offset + work.input.size] = work.input.reshape(-1)
+                offset += work.input.size
+        self._reduce(buffer, first, len(members), self._group_of(batch[0][0].key[0]), batch[0][0].key[0] == 0)
+        if len(batch) > 1:
+            offset = 0
+            for _, work in batch:
+                work.output.reshape(-1)[...] = buffer[offset:offset + work.output.size]
+                offset += work.output.size
+        for _, work in batch:
+            work.handle.set_result(work.output)
+
+    def _reduce(self, buffer: np.ndarray, request: Request, set_size: int, group: Any, is_global: bool) -> None:
+        halfops.scale_inplace(buffer, request.dtype, request.prescale)
+        op = ReduceOp.SUM if request.op == ReduceOp.AVERAGE else request.op
+        if is_global and self._hierarchical is not None:
+            hierarchical_allreduce(self._engine, self._hierarchical, buffer, request.dtype, op)
+        else:
+            self._engine.allreduce(buffer, request.dtype, op, group)
+        postscale = request.postscale / set_size if request.op == ReduceOp.AVERAGE else request.postscale
+        halfops.scale_inplace(buffer, request.dtype, postscale)
+
+    def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
+        buffer = self._fusion_buffers.get(dtype)
+        if buffer is None or buffer.size < count:
+            buffer = np.empty(count, dtype=dtype)
+            self._fusion_buffers[dtype] = buffer
+        return buffer[:count]
+
+    def run(self, response: Response, work: Work, set_rank: int) -> Any:
+        """Run one non-allreduce response; return the handle's result."""
+        group = self._group_of(response.key[0])
+        request, requests = work.request, response.requests
+        if response.kind == OpKind.ALLGATHER:
+            counts = [r.nelements for r in requests]
+            out = np.empty((sum(r.shape[0] for r in requests),) + request.shape[1:], dtype=work.input.dtype)
+            self._engine.allgather(work.input.reshape(-1), out.reshape(-1), counts, group)
+            return out
+        if response.kind == OpKind.BROADCAST:
+            if set_rank == request.root and work.input is not work.output:
+                np.copyto(work.output, work.input)
+            self._engine.broadcast(work.output.reshape(-1), request.root, group)
+            return work.output
+        if response.kind == OpKind.ALLTOALL:
+            return self._alltoall(requests, work, set_rank, group)
+        if response.kind == OpKind.REDUCESCATTER:
+            return self._reducescatter(work, len(requests), set_rank, group)
+        if response.kind == OpKind.BARRIER:
+            self._engine.barrier(group)
+            return None
+        raise RuntimeError(f"executor cannot run {response.kind.name}")
+
+    def _alltoall(self, requests: tuple[Request | None, ...], work: Work, set_rank: int, group: Any) -> Any:
+        row = _row_elements(work.request.shape)
+        splits = [r.splits or even_splits(r.shape[0], len(requests)) for r in requests]
+        recv_rows = [splits[src][set_rank] for src in range(len(requests))]
+        out = np.empty((sum(recv_rows),) + work.request.shape[1:], dtype=work.input.dtype)
+        self._engine.alltoall(work.input.reshape(-1), [s * row for s in splits[set_rank]], out.reshape(-1),
+                              [r * row for r in recv_rows], group)
+        return out, np.asarray(recv_rows, dtype=np.int32)
+
+    def _reducescatter(self, work: Work, set_size: int, set_rank: int, group: Any) -> np.ndarray:
+        request = work.request
+        rows = reducescatter_rows(request.shape[0], set_size)
+        row = _row_elements(request.shape)
+        send = work.input.reshape(-1).copy()
+        halfops.scale_inplace(send, request.dtype, request.prescale)
+        out = np.empty((rows[set_rank],) + request.shape[1:], dtype=work.input.dtype)
+        op = ReduceOp.SUM if request.op == ReduceOp.AVERAGE else request.op
+        self._engine.reducescatter(send, out.reshape(-1), [r * row for r in rows], request.dtype, op, group)
+        postscale = request.postscale / set_size if request.op == ReduceOp.AVERAGE else request.postscale
+        halfops.scale_inplace(out.reshape(-1), request.dtype, postscale)
+        return out

@@ -1,0 +1,36 @@
+"""Tensor fusion: which agreed allreduces share one buffer (a pure, deterministic plan)."""
+
+from __future__ import annotations
+
+from hvdplus.common.messages import Response
+from hvdplus.common.ops import OpKind, storage_dtype
+
+__all__ = ["plan_batches", "response_nbytes"]
+
+
+def response_nbytes(response: Response) -> int:
+    first = response.first
+    return first.nelements * storage_dtype(first.dtype).itemsize
+
+
+def plan_batches(responses: list[Response], threshold: int) -> list[list[Response]]:
+    """Group successful allreduces with the same set, dtype, device, op and scales, up to `threshold`
+    bytes each; every other response runs alone. Batches keep the order of their first response."""
+    batches: list[list[Response]] = []
+    open_batch: dict[tuple, tuple[list[Response], int]] = {}
+    for response in responses:
+        if response.error is not None or response.kind != OpKind.ALLREDUCE or threshold <= 0:
+            batches.append([response])
+            continue
+        first = response.first
+        key = (response.key[0], first.dtype, first.device, first.op, first.prescale, first.postscale)
+        size = response_nbytes(response)
+        current = open_batch.get(key)
+        if current is not None and current[1] + size <= threshold:
+            current[0].append(response)
+            open_batch[key] = (current[0], current[1] + size)
+        else:
+            batch = [response]
+            batches.append(batch)
+            open_batch[key] = (batch, size)
+    return batches

@@ -1,0 +1,55 @@
+"""bfloat16 arithmetic on uint16 storage, for engines and scaling code that only know numpy."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from hvdplus.common.ops import ReduceOp
+
+__all__ = ["bfloat16_to_float32", "float32_to_bfloat16", "bfloat16_reducer", "scale_inplace"]
+
+_COMBINE: dict[ReduceOp, Callable[..., Any]] = {
+    ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply,
+}
+
+
+def bfloat16_to_float32(bits: np.ndarray) -> np.ndarray:
+    """Widen bfloat16 values held as uint16 to float32 (exact)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def float32_to_bfloat16(values: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest, ties to even; NaN stays NaN) as uint16 bits."""
+    bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype(np.uint16)
+    rounded[np.isnan(values)] = 0x7FC0
+    if out is None:
+        return rounded
+    out[...] = rounded
+    return out
+
+
+def bfloat16_reducer(op: ReduceOp) -> Callable[[Any, Any, Any], None]:
+    """An mpi4py user-op body that reduces bfloat16 buffers through float32."""
+    combine = _COMBINE[op]
+
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        incoming = np.frombuffer(inbuf, dtype=np.uint16)
+        inout = np.frombuffer(inoutbuf, dtype=np.uint16)
+        float32_to_bfloat16(combine(bfloat16_to_float32(incoming), bfloat16_to_float32(inout)), out=inout)
+
+    return reduce
+
+
+def scale_inplace(buf: np.ndarray, dtype: str, factor: float) -> None:
+    """Multiply a host buffer by `factor` in place (integers are scaled in float64 and truncated)."""
+    if factor == 1.0:
+        return
+    if dtype == "bfloat16":
+        float32_to_bfloat16(bfloat16_to_float32(buf) * np.float32(factor), out=buf)
+    elif buf.dtype.kind == "f":
+        np.multiply(buf, buf.dtype.type(factor), out=buf)
+    else:
+        buf[...] = (buf.astype(np.float64) * factor).astype(buf.dtype)

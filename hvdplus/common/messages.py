@@ -1,0 +1,64 @@
+"""What ranks tell each other during negotiation: requests, and the responses agreed from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hvdplus.common.ops import OpKind, ReduceOp
+
+__all__ = ["Request", "Response", "Key"]
+
+Key = tuple[int, str]  # (process set id, tensor name)
+
+
+@dataclass(frozen=True)
+class Request:
+    """One rank's announcement that a named collective is ready on its side."""
+
+    name: str
+    kind: OpKind
+    process_set: int = 0
+    dtype: str = "float32"
+    shape: tuple[int, ...] = ()
+    device: str = "cpu"
+    op: ReduceOp = ReduceOp.SUM
+    root: int = -1
+    splits: tuple[int, ...] | None = None
+    prescale: float = 1.0
+    postscale: float = 1.0
+    ranks: tuple[int, ...] | None = None  # for ADD_PROCESS_SET
+
+    @property
+    def key(self) -> Key:
+        return (self.process_set, self.name)
+
+    @property
+    def nelements(self) -> int:
+        count = 1
+        for dim in self.shape:
+            count *= dim
+        return count
+
+    def describe(self) -> str:
+        return f"{self.kind.name.lower()} {self.name!r}"
+
+
+@dataclass(frozen=True)
+class Response:
+    """A collective every participating rank agreed to run now, or the error they all raise.
+
+    `requests` holds one entry per member of the process set, in set-rank order;
+    None marks a rank that has joined and contributes zeros.
+    """
+
+    key: Key
+    kind: OpKind
+    requests: tuple[Request | None, ...]
+    error: str | None = None
+    join_last_rank: int = -1
+    members: tuple[int, ...] = field(default=())
+
+    @property
+    def first(self) -> Request:
+        """A request that stands for all of them (they agree on everything that matters)."""
+        return next(r for r in self.requests if r is not None)

@@ -1,0 +1,77 @@
+"""Response cache: collectives agreed once are later agreed with one bit each per cycle.
+
+All ranks apply the same puts, uses and erases in the same order, so bit positions agree
+everywhere without being sent (Horovod's design).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+
+from hvdplus.common.messages import Key, Request, Response
+from hvdplus.common.ops import OpKind
+
+__all__ = ["ResponseCache", "Lookup", "CACHEABLE"]
+
+CACHEABLE = frozenset({OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL,
+                       OpKind.REDUCESCATTER, OpKind.BARRIER})
+
+
+class Lookup(enum.Enum):
+    HIT = "hit"          # same collective as cached: announce it by its bit
+    INVALID = "invalid"  # same name, different parameters: every rank must drop the entry
+    MISS = "miss"        # not cached: announce it in full
+
+
+class ResponseCache:
+    """Least-recently-used map from (process set, name) to an agreed response and its bit."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._by_bit: OrderedDict[int, Response] = OrderedDict()
+        self._bit_of: dict[Key, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_bit)
+
+    def lookup(self, rank: int, request: Request) -> tuple[Lookup, int]:
+        """Compare `rank`'s request with what that rank announced when the entry was cached."""
+        bit = self._bit_of.get(request.key)
+        if bit is None:
+            return Lookup.MISS, -1
+        response = self._by_bit[bit]
+        cached = response.requests[response.members.index(rank)] if rank in response.members else None
+        return (Lookup.HIT if cached == request else Lookup.INVALID), bit
+
+    def get(self, bit: int) -> Response:
+        """The response of `bit`, marked as recently used."""
+        self._by_bit.move_to_end(bit)
+        return self._by_bit[bit]
+
+    def peek(self, bit: int) -> Response:
+        """The response of `bit`, without touching the recency order (which must stay equal on all ranks)."""
+        return self._by_bit[bit]
+
+    def bits(self) -> list[int]:
+        return list(self._by_bit)
+
+    def put(self, response: Response) -> int | None:
+        """Remember a successful response; return the bit evicted to make room, if any."""
+        if (self.capacity <= 0 or response.error is not None or response.kind not in CACHEABLE
+                or response.key in self._bit_of or any(r is None for r in response.requests)):
+            return None
+        evicted = None
+        if len(self._by_bit) >= self.capacity:
+            evicted = next(iter(self._by_bit))
+            self.erase(evicted)
+        used = set(self._by_bit)
+        bit = next(b for b in range(self.capacity) if b not in used)
+        self._by_bit[bit] = response
+        self._bit_of[response.key] = bit
+        return evicted
+
+    def erase(self, bit: int) -> None:
+        response = self._by_bit.pop(bit, None)
+        if response is not None:
+            del self._bit_of[response.key]

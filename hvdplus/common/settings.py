@@ -1,0 +1,191 @@
+"""The one place that reads the environment: every knob is declared once, with its Horovod alias.
+
+`Settings.from_env()` builds a frozen object at `init()`; nothing else in hvdplus calls `os.environ`
+for configuration (the launcher writes the environment of its children, it never reads ours).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+__all__ = ["Setting", "SETTINGS", "Settings", "LaunchEnv", "describe_settings"]
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
+
+
+def _parse_optional_int(text: str) -> int | None:
+    return int(text) if text.strip() else None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared knob: its field name, parser, default, meaning and environment names."""
+
+    field: str
+    parse: Callable[[str], Any]
+    default: Any
+    doc: str
+    env: str
+    alias: str | None = None
+
+    def read(self, environ: Mapping[str, str]) -> Any:
+        """Return the parsed value from `environ` (HVDPLUS_* wins over the HOROVOD_* alias)."""
+        for key in (self.env, self.alias):
+            if key and key in environ:
+                try:
+                    return self.parse(environ[key])
+                except ValueError as exc:
+                    raise ValueError(f"environment variable {key}={environ[key]!r} is invalid: {exc}") from None
+        return self.default
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("fusion_threshold", int, 128 * 1024 * 1024,
+            "Bytes packed into one fused allreduce buffer; 0 disables fusion.",
+            "HVDPLUS_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"),
+    Setting("cycle_time_ms", float, 1.0,
+            "Milliseconds the background thread waits between negotiation cycles.",
+            "HVDPLUS_CYCLE_TIME", "HOROVOD_CYCLE_TIME"),
+    Setting("cache_capacity", int, 1024,
+            "Responses remembered so that repeated collectives skip full negotiation; 0 disables.",
+            "HVDPLUS_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"),
+    Setting("hierarchical_allreduce", _parse_bool, False,
+            "Allreduce as local reduce-scatter, cross-node allreduce, local allgather.",
+            "HVDPLUS_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
+    Setting("timeline", str, "",
+            "Path of a Chrome-trace timeline written by rank 0; empty disables it.",
+            "HVDPLUS_TIMELINE", "HOROVOD_TIMELINE"),
+    Setting("timeline_mark_cycles", _parse_bool, False,
+            "Mark every negotiation cycle in the timeline.",
+            "HVDPLUS_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES"),
+    Setting("stall_check_disable", _parse_bool, False,
+            "Turn off the warning about collectives that only some ranks submitted.",
+            "HVDPLUS_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"),
+    Setting("stall_check_time_seconds", float, 60.0,
+            "Seconds a collective may wait for missing ranks before a warning names them.",
+            "HVDPLUS_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"),
+    Setting("stall_shutdown_time_seconds", float, 0.0,
+            "Seconds after which a stalled collective fails on every rank; 0 waits forever.",
+            "HVDPLUS_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
+    Setting("log_level", str, "warning",
+            "Logging level of the 'hvdplus' logger: trace, debug, info, warning, error, fatal.",
+            "HVDPLUS_LOG_LEVEL", "HOROVOD_LOG_LEVEL"),
+    Setting("cpu_operations", str, "",
+            "Engine for CPU tensors: 'mpi' or 'gloo'; empty chooses MPI when launched by mpirun.",
+            "HVDPLUS_CPU_OPERATIONS", "HOROVOD_CPU_OPERATIONS"),
+    Setting("gpu_operations", str, "nccl",
+            "Engine for CUDA tensors: 'nccl' (torch.distributed).",
+            "HVDPLUS_GPU_OPERATIONS", "HOROVOD_GPU_OPERATIONS"),
+    Setting("dynamic_process_sets", _parse_bool, False,
+            "Allow add_process_set/remove_process_set after init.",
+            "HVDPLUS_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PROCESS_SETS"),
+    Setting("timeout_seconds", float, 60.0,
+            "Seconds to wait for peers at rendezvous and inside one engine call before failing.",
+            "HVDPLUS_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
+)
+
+
+def _launch_value(environ: Mapping[str, str], *keys: str) -> str | None:
+    for key in keys:
+        if environ.get(key, "") != "":
+            return environ[key]
+    return None
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """How this process was started: rank variables set by hvdplusrun, mpirun or Slurm."""
+
+    rank: int | None = None
+    size: int | None = None
+    local_rank: int | None = None
+    hostname: str | None = None
+    rendezvous_addr: str | None = None
+    rendezvous_port: int | None = None
+    rendezvous_file: str | None = None
+    secret_key: str | None = None
+    under_mpi: bool = False
+    slurm_nodelist: str | None = None
+    slurm_tasks_per_node: str | None = None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> "LaunchEnv":
+        """Read the launcher's variables (HVDPLUS_*, HOROVOD_*, then SLURM_*)."""
+        rank = _launch_value(environ, "HVDPLUS_RANK", "HOROVOD_RANK", "SLURM_PROCID")
+        size = _launch_value(environ, "HVDPLUS_SIZE", "HOROVOD_SIZE", "SLURM_NTASKS")
+        local = _launch_value(environ, "HVDPLUS_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID")
+        port = _launch_value(environ, "HVDPLUS_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT")
+        return cls(
+            rank=_parse_optional_int(rank) if rank else None,
+            size=_parse_optional_int(size) if size else None,
+            local_rank=_parse_optional_int(local) if local else None,
+            hostname=_launch_value(environ, "HVDPLUS_HOSTNAME", "HOROVOD_HOSTNAME"),
+            rendezvous_addr=_launch_value(environ, "HVDPLUS_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+                                          "MASTER_ADDR"),
+            rendezvous_port=int(port) if port else None,
+            rendezvous_file=_launch_value(environ, "HVDPLUS_RENDEZVOUS_FILE"),
+            secret_key=_launch_value(environ, "HVDPLUS_SECRET_KEY"),
+            under_mpi=_launch_value(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
+                                    "MPI_LOCALNRANKS") is not None,
+            slurm_nodelist=_launch_value(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
+            slurm_tasks_per_node=_launch_value(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+        )
+
+
+@dataclass(frozen=True)
+class Settings:
+    """All hvdplus configuration, read once from the environment at init."""
+
+    fusion_threshold: int = 128 * 1024 * 1024
+    cycle_time_ms: float = 1.0
+    cache_capacity: int = 1024
+    hierarchical_allreduce: bool = False
+    timeline: str = ""
+    timeline_mark_cycles: bool = False
+    stall_check_disable: bool = False
+    stall_check_time_seconds: float = 60.0
+    stall_shutdown_time_seconds: float = 0.0
+    log_level: str = "warning"
+    cpu_operations: str = ""
+    gpu_operations: str = "nccl"
+    dynamic_process_sets: bool = False
+    timeout_seconds: float = 60.0
+    launch: LaunchEnv = field(default_factory=LaunchEnv)
+
+    def __post_init__(self) -> None:
+        if self.fusion_threshold < 0:
+            raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
+        if self.cycle_time_ms <= 0:
+            raise ValueError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")
+        if self.cpu_operations not in ("", "mpi", "gloo"):
+            raise ValueError(f"cpu_operations must be 'mpi' or 'gloo', got {self.cpu_operations!r}")
+        if self.gpu_operations not in ("nccl", "mpi"):
+            raise ValueError(f"gpu_operations must be 'nccl' or 'mpi', got {self.gpu_operations!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+        """Build settings from `environ` (default: os.environ); keyword overrides win."""
+        environ = os.environ if environ is None else environ
+        values = {setting.field: setting.read(environ) for setting in SETTINGS}
+        values["launch"] = LaunchEnv.from_env(environ)
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise TypeError(f"unknown setting(s): {sorted(unknown)}")
+        values.update(overrides)
+        return cls(**values)
+
+
+def describe_settings() -> str:
+    """Return a table of every setting, its environment names, default and meaning."""
+    rows = [f"{s.env:38} {s.alias or '':38} {s.default!r:>12}  {s.doc}" for s in SETTINGS]
+    return "\n".join(rows)
