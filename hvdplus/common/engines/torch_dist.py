@@ -81,7 +81,7 @@ class TorchDistEngine:
         padded = np.zeros(width, dtype=np.uint8)
         padded[:send.nbytes] = send.view(np.uint8)
         gathered = self._torch.empty(len(counts) * width, dtype=self._torch.uint8)
-        self._dist.all_gather_into_tensor(gathered, self._torch.from_numpy(padded), group=group)
+        self._dist.all_gather_single(gathered, self._torch.from_numpy(padded), group=group)
         rows = gathered.numpy().reshape(len(counts), width)
         out = recv.view(np.uint8)
         offset = 0
@@ -114,7 +114,7 @@ class TorchDistEngine:
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         n = self._dist.get_world_size(group)
         sizes = self._torch.zeros(n, dtype=self._torch.int64)
-        self._dist.all_gather_into_tensor(sizes, self._torch.tensor([len(data)], dtype=self._torch.int64), group=group)
+        self._dist.all_gather_single(sizes, self._torch.tensor([len(data)], dtype=self._torch.int64), group=group)
         counts = sizes.tolist()
         recv = np.empty(sum(counts), dtype=np.uint8)
         self.allgather(np.frombuffer(data, dtype=np.uint8).copy(), recv, counts, group)

@@ -1,0 +1,270 @@
+"""Process-wide state shared by every adapter: init, shutdown, ranks, process sets, build queries."""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import logging
+import socket
+import threading
+from typing import Any, Iterable, Sequence
+
+from hvdplus.common.coordinator import Coordinator
+from hvdplus.common.engines import create_engine
+from hvdplus.common.exceptions import NotInitializedError
+from hvdplus.common.hierarchical import hierarchical_groups
+from hvdplus.common.messages import Request
+from hvdplus.common.ops import OpKind
+from hvdplus.common.settings import Settings
+from hvdplus.common.topology import Topology
+
+__all__ = ["ProcessSet", "global_process_set", "init", "shutdown", "is_initialized", "runtime",
+           "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous",
+           "add_process_set", "remove_process_set", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
+           "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_threads_supported"]
+
+log = logging.getLogger("hvdplus")
+_LOG_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
+               "error": logging.ERROR, "fatal": logging.CRITICAL}
+
+
+class ProcessSet:
+    """A subset of ranks that runs collectives among itself (Horovod's process sets).
+
+    Pass `process_set=` to any collective; only members may call it."""
+
+    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
+        if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator
+            from mpi4py import MPI
+            world = MPI.COMM_WORLD.Get_group()
+            ranks_or_comm = MPI.Group.Translate_ranks(ranks_or_comm.Get_group(),
+                                                      list(range(ranks_or_comm.Get_size())), world)
+        ranks = sorted(int(r) for r in ranks_or_comm)
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"process set ranks must be unique, got {list(ranks_or_comm)}")
+        self.ranks: list[int] = ranks
+        self.process_set_id: int | None = None
+
+    def _runtime_ranks(self) -> list[int]:
+        return list(range(runtime().size)) if self.process_set_id == 0 else self.ranks
+
+    def size(self) -> int:
+        """Number of ranks in the set."""
+        return len(self._runtime_ranks())
+
+    def rank(self) -> int:
+        """This process's rank within the set (ValueError if it is not a member)."""
+        ranks = self._runtime_ranks()
+        if runtime().rank not in ranks:
+            raise ValueError(f"rank {runtime().rank} is not in process set {self.process_set_id} ({ranks})")
+        return ranks.index(runtime().rank)
+
+    def included(self) -> bool:
+        """True if this process is a member."""
+        return runtime().rank in self._runtime_ranks()
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+class Runtime:
+    """Everything `init()` builds: settings, engine, topology and the background coordinator."""
+
+    def __init__(self, settings: Settings, comm: Any) -> None:
+        self.settings = settings
+        self.engine = create_engine(settings, comm)
+        hostname = settings.launch.hostname or socket.gethostname()
+        hostnames = tuple(h.decode() for h in self.engine.allgather_bytes(hostname.encode(), self.engine.world))
+        self.topology = Topology(self.engine.rank, hostnames)
+        groups = hierarchical_groups(self.engine, self.topology) if settings.hierarchical_allreduce else None
+        if settings.hierarchical_allreduce and groups is None and self.engine.rank == 0:
+            log.warning("HOROVOD_HIERARCHICAL_ALLREDUCE needs several hosts with the same number of ranks each; "
+                        "using flat allreduce for hosts %s", self.topology.hosts)
+        self.coordinator = Coordinator(self.engine, settings, groups)
+        self._counters: dict[str, int] = {}
+        self._counter_lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        return self.topology.rank
+
+    @property
+    def size(self) -> int:
+        return self.topology.size
+
+    def auto_name(self, kind: str, process_set: int) -> str:
+        """Names for unnamed collectives: equal on every rank that calls them in the same order."""
+        key = f"{kind}.noname.ps{process_set}"
+        with self._counter_lock:
+            count = self._counters.get(key, 0)
+            self._counters[key] = count + 1
+        return f"{key}.{count}"
+
+
+_runtime: Runtime | None = None
+_init_lock = threading.Lock()
+
+
+def init(comm: Any = None, process_sets: Iterable[ProcessSet] | str | None = None) -> None:
+    """Start hvdplus: connect to the other ranks and start the background thread.
+
+    Collective: every rank must call this. `comm` is an mpi4py communicator (or a list of ranks)
+    to run on instead of MPI.COMM_WORLD; `process_sets` are registered right away."""
+    global _runtime
+    with _init_lock:
+        if _runtime is not None and _runtime.coordinator.running:
+            return
+        settings = Settings.from_env()
+        logging.basicConfig()
+        log.setLevel(_LOG_LEVELS.get(settings.log_level.lower(), logging.WARNING))
+        _runtime = Runtime(settings, comm)
+    global_process_set.ranks = list(range(_runtime.size))
+    if process_sets is not None and process_sets != "dynamic":
+        for process_set in process_sets:
+            _add(process_set)
+
+
+def runtime() -> Runtime:
+    """The live runtime, or NotInitializedError."""
+    if _runtime is None or not _runtime.coordinator.running:
+        raise NotInitializedError()
+    return _runtime
+
+
+def shutdown() -> None:
+    """Stop the background thread and release the engine. Safe to call twice."""
+    global _runtime
+    with _init_lock:
+        if _runtime is not None:
+            _runtime.coordinator.shutdown()
+            _runtime = None
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    return _runtime is not None and _runtime.coordinator.running
+
+
+def rank() -> int:
+    """This process's rank in the job (0 .. size-1)."""
+    return runtime().topology.rank
+
+
+def size() -> int:
+    """Number of processes in the job."""
+    return runtime().topology.size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host."""
+    return runtime().topology.local_rank
+
+
+def local_size() -> int:
+    return runtime().topology.local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts (ranks with the same local rank)."""
+    return runtime().topology.cross_rank
+
+
+def cross_size() -> int:
+    return runtime().topology.cross_size
+
+
+def is_homogeneous() -> bool:
+    """True if every host runs the same number of processes."""
+    return runtime().topology.is_homogeneous
+
+
+def _add(process_set: ProcessSet) -> ProcessSet:
+    rt = runtime()
+    if process_set.process_set_id is not None:
+        raise ValueError(f"{process_set} is already registered")
+    bad = [r for r in process_set.ranks if not 0 <= r < rt.size]
+    if bad or not process_set.ranks:
+        raise ValueError(f"process set ranks must be non-empty and within 0..{rt.size - 1}, got {process_set.ranks}")
+    request = Request(rt.auto_name("add_process_set", 0), OpKind.ADD_PROCESS_SET, ranks=tuple(process_set.ranks))
+    process_set.process_set_id = rt.coordinator.submit(request).wait()
+    return process_set
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a new process set. Collective: every rank of the job must call this, in the same order."""
+    if not runtime().settings.dynamic_process_sets:
+        raise RuntimeError("add_process_set after init needs HOROVOD_DYNAMIC_PROCESS_SETS=1 "
+                           "(or pass process_sets=[...] to hvd.init())")
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    return _add(process_set)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set. Collective: every rank of the job must call this, in the same order."""
+    rt = runtime()
+    if process_set.process_set_id in (None, 0):
+        return False
+    request = Request(rt.auto_name("remove_process_set", 0), OpKind.REMOVE_PROCESS_SET,
+                      root=process_set.process_set_id)
+    rt.coordinator.submit(request).wait()
+    process_set.process_set_id = None
+    return True
+
+
+def _available(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def mpi_built() -> bool:
+    """True if mpi4py can be imported (hvdplus needs no build step)."""
+    return _available("mpi4py")
+
+
+def mpi_enabled() -> bool:
+    """True if this job runs its CPU collectives over MPI."""
+    return runtime().engine.name == "mpi"
+
+
+def gloo_built() -> bool:
+    return _available("torch")
+
+
+def gloo_enabled() -> bool:
+    return runtime().engine.name == "gloo"
+
+
+def nccl_built() -> bool:
+    """hvdplus does not drive NCCL yet: CUDA tensors are staged through host memory."""
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """True if the MPI library was initialized with MPI_THREAD_MULTIPLE."""
+    if not mpi_built():
+        return False
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+

@@ -1,0 +1,165 @@
+"""Framework-agnostic collectives on host (numpy) buffers: argument checks, names, submission.
+
+Adapters turn their tensors into numpy views, call these, and wrap the results back; every
+check that two adapters would both need lives here.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any, Sequence
+
+import numpy as np
+
+from hvdplus.common.basics import ProcessSet, global_process_set, runtime
+from hvdplus.common.executor import even_splits
+from hvdplus.common.handles import Handle
+from hvdplus.common.messages import Request
+from hvdplus.common.ops import OpKind, ReduceOp, check_reducible, storage_dtype
+
+__all__ = ["resolve_op", "submit_allreduce", "submit_allgather", "submit_broadcast", "submit_alltoall",
+           "submit_reducescatter", "submit_barrier", "submit_join", "broadcast_object", "allgather_object"]
+
+
+def resolve_op(average: bool | None, op: ReduceOp | None, default: ReduceOp = ReduceOp.AVERAGE) -> ReduceOp:
+    """Horovod's deprecated `average=` flag and `op=` cannot both be given."""
+    if average is not None and op is not None:
+        raise ValueError("average and op cannot both be set; use op=Average or op=Sum")
+    if average is not None:
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    if op is None:
+        return default
+    if not isinstance(op, ReduceOp):
+        raise ValueError(f"op must be one of Average, Sum, Min, Max, Product, Adasum; got {op!r}")
+    return ReduceOp(op)
+
+
+def _set_id(process_set: ProcessSet) -> int:
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
+    if process_set.process_set_id is None:
+        raise ValueError(f"{process_set} is not registered; call hvd.add_process_set() on every rank first")
+    return process_set.process_set_id
+
+
+def _set_size(set_id: int) -> int:
+    ranks = runtime().coordinator.process_set_ranks(set_id)
+    if ranks is None:
+        raise ValueError(f"process set {set_id} does not exist")
+    return len(ranks)
+
+
+def _request(kind: OpKind, array: np.ndarray, dtype: str, name: str | None, process_set: ProcessSet,
+             device: str, **fields: Any) -> Request:
+    storage_dtype(dtype)
+    set_id = _set_id(process_set)
+    name = name if name is not None else runtime().auto_name(kind.name.lower(), set_id)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    return Request(name, kind, set_id, dtype, tuple(array.shape), device, **fields)
+
+
+def submit_allreduce(array: np.ndarray, output: np.ndarray, dtype: str, name: str | None, op: ReduceOp,
+                     prescale: float = 1.0, postscale: float = 1.0,
+                     process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
+    """Collective: every rank in the process set must call this, in the same order."""
+    if op == ReduceOp.ADASUM:
+        raise ValueError("op=Adasum is not supported by hvdplus yet; use op=Average")
+    check_reducible(dtype, op, "allreduce")
+    request = _request(OpKind.ALLREDUCE, array, dtype, name, process_set, device, op=op,
+                       prescale=float(prescale), postscale=float(postscale))
+    return runtime().coordinator.submit(request, array, output)
+
+
+def _need_dims(array: np.ndarray, what: str) -> None:
+    if array.ndim == 0:
+        raise ValueError(f"{what} needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
+
+
+def submit_allgather(array: np.ndarray, dtype: str, name: str | None,
+                     process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
+    """Collective: every rank in the process set must call this, in the same order."""
+    _need_dims(array, "allgather")
+    return runtime().coordinator.submit(_request(OpKind.ALLGATHER, array, dtype, name, process_set, device), array)
+
+
+def submit_broadcast(array: np.ndarray, output: np.ndarray, dtype: str, root_rank: int, name: str | None,
+                     process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
+    """Collective: every rank in the process set must call this, in the same order."""
+    set_id = _set_id(process_set)
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < _set_size(set_id):
+        raise ValueError(f"root_rank must be a rank of the process set (0..{_set_size(set_id) - 1}), "
+                         f"got {root_rank!r}")
+    request = _request(OpKind.BROADCAST, array, dtype, name, process_set, device, root=int(root_rank))
+    return runtime().coordinator.submit(request, array, output)
+
+
+def submit_alltoall(array: np.ndarray, dtype: str, splits: Sequence[int] | None, name: str | None,
+                    process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
+    """Collective: every rank in the process set must call this, in the same order."""
+    _need_dims(array, "alltoall")
+    set_size = _set_size(_set_id(process_set))
+    if splits is None:
+        even_splits(array.shape[0], set_size)
+        split_tuple = None
+    else:
+        split_tuple = tuple(int(s) for s in splits)
+        if len(split_tuple) != set_size or any(s < 0 for s in split_tuple) or sum(split_tuple) != array.shape[0]:
+            raise ValueError(f"splits must have one non-negative entry per rank ({set_size}) summing to the first "
+                             f"dimension ({array.shape[0]}), got {list(split_tuple)}")
+    request = _request(OpKind.ALLTOALL, array, dtype, name, process_set, device, splits=split_tuple)
+    return runtime().coordinator.submit(request, array)
+
+
+def submit_reducescatter(array: np.ndarray, dtype: str, name: str | None, op: ReduceOp,
+                         prescale: float = 1.0, postscale: float = 1.0,
+                         process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
+    """Collective: every rank in the process set must call this, in the same order."""
+    _need_dims(array, "reducescatter")
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
+        raise ValueError(f"reducescatter supports Average, Sum, Min, Max and Product, got {op!r}")
+    check_reducible(dtype, op, "reducescatter")
+    request = _request(OpKind.REDUCESCATTER, array, dtype, name, process_set, device, op=op,
+                       prescale=float(prescale), postscale=float(postscale))
+    return runtime().coordinator.submit(request, array)
+
+
+def submit_barrier(process_set: ProcessSet = global_process_set) -> Handle:
+    """Collective: every rank in the process set must call this."""
+    set_id = _set_id(process_set)
+    request = Request(runtime().auto_name("barrier", set_id), OpKind.BARRIER, set_id)
+    return runtime().coordinator.submit(request)
+
+
+def submit_join() -> Handle:
+    """This rank has no more data: contribute zeros to other ranks' allreduces until all have joined."""
+    from hvdplus.common.negotiation import JOIN_KEY
+    rt = runtime()
+    rt.coordinator.mark_joined()
+    return rt.coordinator.submit(Request(JOIN_KEY[1], OpKind.JOIN, JOIN_KEY[0]))
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Pickle `obj` on the root and return a copy of it on every rank.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    name = name or runtime().auto_name("broadcast_object", _set_id(process_set))
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if process_set.rank() == root_rank else None
+    length = np.array([0 if payload is None else payload.size], dtype=np.int64)
+    submit_broadcast(length, length, "int64", root_rank, f"{name}.size", process_set).wait()
+    buffer = payload.copy() if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
+    submit_broadcast(buffer, buffer, "uint8", root_rank, f"{name}.data", process_set).wait()
+    return obj if payload is not None else pickle.loads(buffer.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Pickle `obj` on every rank and return the list of all ranks' objects, in rank order.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    name = name or runtime().auto_name("allgather_object", _set_id(process_set))
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    sizes = submit_allgather(np.array([payload.size], dtype=np.int64), "int64", f"{name}.sizes", process_set).wait()
+    data = submit_allgather(payload, "uint8", f"{name}.data", process_set).wait()
+    offsets = np.concatenate([[0], np.cumsum(sizes)])
+    return [pickle.loads(data[offsets[i]:offsets[i + 1]].tobytes()) for i in range(len(sizes))]

@@ -1,0 +1,17 @@
+"""hvdplus.torch: horovod.torch's API on current PyTorch (`import hvdplus.torch as hvd`)."""
+
+from hvdplus.common.basics import (ProcessSet, add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
+                                   ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_homogeneous,
+                                   is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
+                                   mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built,
+                                   shutdown, size)
+from hvdplus.common.collectives import allgather_object, broadcast_object
+from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from hvdplus.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from hvdplus.torch.compression import Compression, Compressor
+from hvdplus.torch.mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
+                                   allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
+                                   broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+                                   grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                                   grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
+                                   join, poll, reducescatter, reducescatter_async, synchronize)

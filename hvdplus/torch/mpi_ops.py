@@ -1,0 +1,446 @@
+"""horovod.torch's collectives on PyTorch tensors: tensor <-> host buffer, handles and autograd.
+
+Every op keeps Horovod's signature; the work itself is done by `hvdplus.common.collectives`.
+CUDA tensors are staged through host memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from hvdplus.common import collectives as core
+from hvdplus.common.basics import ProcessSet, global_process_set
+from hvdplus.common.handles import Handle
+from hvdplus.common.ops import ReduceOp
+from hvdplus.torch.compression import Compression, Compressor
+
+__all__ = ["allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
+           "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_",
+           "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
+           "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
+           "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+           "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier"]
+
+_DTYPE_NAMES = {torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
+                torch.int64: "int64", torch.float16: "float16", torch.bfloat16: "bfloat16",
+                torch.float32: "float32", torch.float64: "float64", torch.bool: "bool"}
+
+_handles: dict[int, tuple[list[Handle], Callable[[list[Any]], Any]]] = {}
+_handle_ids = itertools.count(1)
+_handle_lock = threading.Lock()
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    try:
+        return _DTYPE_NAMES[tensor.dtype]
+    except KeyError:
+        raise TypeError(f"hvdplus collectives do not support {tensor.dtype}; supported: "
+                        f"{', '.join(str(d) for d in _DTYPE_NAMES)}") from None
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU tensor with the same values (the tensor itself when it already is one)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    return tensor.detach().cpu().contiguous()
+
+
+def _numpy(host: torch.Tensor) -> np.ndarray:
+    """Zero-copy numpy view of a contiguous CPU tensor (bfloat16 as its uint16 bits)."""
+    if host.dtype == torch.bfloat16:
+        return host.view(torch.int16).numpy().view(np.uint16)
+    return host.numpy()
+
+
+def _tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if dtype == torch.bfloat16:
+        tensor = tensor.view(torch.bfloat16)
+    return tensor if device.type == "cpu" else tensor.to(device)
+
+
+def _register(handles: list[Handle], finish: Callable[[list[Any]], Any]) -> int:
+    with _handle_lock:
+        handle = next(_handle_ids)
+        _handles[handle] = (handles, finish)
+    return handle
+
+
+def poll(handle: int) -> bool:
+    """True if the asynchronous operation behind `handle` has finished; never blocks."""
+    return all(h.done() for h in _lookup(handle)[0])
+
+
+def synchronize(handle: int) -> Any:
+    """Wait for the asynchronous operation behind `handle` and return its output."""
+    handles, finish = _lookup(handle)
+    with _handle_lock:
+        _handles.pop(handle, None)
+    return finish([h.wait() for h in handles])
+
+
+def _lookup(handle: int) -> tuple[list[Handle], Callable[[list[Any]], Any]]:
+    try:
+        return _handles[handle]
+    except KeyError:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized") from None
+
+
+def _names(name: str | None, count: int) -> list[str | None]:
+    return [None if name is None else f"{name}.{i}" for i in range(count)] if count > 1 else [name]
+
+
+# ----------------------------------------------------------------------------- allreduce
+def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | None,
+                             name: str | None, op: ReduceOp | None, prescale_factor: float,
+                             postscale_factor: float, process_set: ProcessSet) -> int:
+    op = core.resolve_op(average, op)
+    handles, outputs = [], []
+    for tensor, tensor_name in zip(tensors, _names(name, len(tensors))):
+        host = _host(tensor)
+        output = host if inplace and host.data_ptr() == tensor.data_ptr() else torch.empty_like(host)
+        out_array = _numpy(output)
+        in_array = out_array if output is host else _numpy(host)
+        handles.append(core.submit_allreduce(in_array, out_array, _dtype_name(tensor), tensor_name, op,
+                                             prescale_factor, postscale_factor, process_set, str(tensor.device)))
+        outputs.append(output)
+
+    def finish(_: list[Any]) -> list[torch.Tensor]:
+        results = []
+        for tensor, output in zip(tensors, outputs):
+            if inplace:
+                if output.data_ptr() != tensor.data_ptr():
+                    tensor.data.copy_(output)
+                results.append(tensor)
+            else:
+                results.append(output if tensor.device.type == "cpu" else output.to(tensor.device))
+        return results
+
+    return _register(handles, finish)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                            op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start allreduces of several tensors; `synchronize` returns the list of results.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return _grouped_allreduce_async(tensors, False, average, name, op, prescale_factor, postscale_factor,
+                                    process_set)
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> int:
+    """In-place `grouped_allreduce_async`: the inputs receive the results."""
+    return _grouped_allreduce_async(tensors, True, average, name, op, prescale_factor, postscale_factor,
+                                    process_set)
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start an allreduce of `tensor`; `synchronize(handle)` returns a new tensor with the result.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    handle = grouped_allreduce_async([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
+    return _single(handle)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """In-place `allreduce_async`: `tensor` itself receives the result."""
+    handle = grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
+    return _single(handle)
+
+
+def _single(handle: int) -> int:
+    """Turn a one-element grouped handle into one that returns the element."""
+    handles, finish = _handles[handle]
+    _handles[handle] = (handles, lambda results: finish(results)[0])
+    return handle
+
+
+class HorovodAllreduce(torch.autograd.Function):
+    """Allreduce whose gradient is the allreduce of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                process_set: ProcessSet) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
+        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = synchronize(allreduce_async(grad, None, None, ctx.op, ctx.prescale, ctx.postscale,
+                                              ctx.process_set))
+        return reduced, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: Compressor = Compression.none, op: ReduceOp | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce `tensor` over all ranks (Average by default) and return the result; differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    op = core.resolve_op(average, op)
+    compressed, ctx = compression.compress(tensor)
+    reduced = HorovodAllreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place allreduce: `tensor` receives the result and is returned."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                      compression: Compressor = Compression.none, op: ReduceOp | None = None,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allreduce a list of tensors together (fused where possible); differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return [allreduce(t, average, n, compression, op, prescale_factor, postscale_factor, process_set)
+            for t, n in zip(tensors, _names(name, len(tensors)))]
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
+                       op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """In-place grouped allreduce."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
+                                                process_set))
+
+
+# ----------------------------------------------------------------------------- allgather
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """Start allgathers of several tensors; `synchronize` returns the list of results."""
+    handles = [core.submit_allgather(_numpy(_host(t)), _dtype_name(t), n, process_set, str(t.device))
+               for t, n in zip(tensors, _names(name, len(tensors)))]
+    return _register(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start concatenating every rank's `tensor` along dimension 0 (first dimensions may differ).
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return _single(grouped_allgather_async([tensor], name, process_set))
+
+
+class HorovodAllgather(torch.autograd.Function):
+    """Allgather whose gradient is this rank's slice of the averaged gradient (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
+        ctx.rows, ctx.process_set = tensor.shape[0], process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = synchronize(allreduce_async(grad, op=ReduceOp.AVERAGE, process_set=ctx.process_set))
+        rows = synchronize(allgather_async(torch.tensor([ctx.rows]), process_set=ctx.process_set))
+        offset = int(rows[:ctx.process_set.rank()].sum())
+        return reduced.narrow(0, offset, ctx.rows), None, None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Concatenate every rank's `tensor` along dimension 0; differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return HorovodAllgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """Allgather a list of tensors; differentiable."""
+    return [allgather(t, n, process_set) for t, n in zip(tensors, _names(name, len(tensors)))]
+
+
+# ----------------------------------------------------------------------------- broadcast
+def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
+                     inplace: bool) -> int:
+    host = _host(tensor)
+    output = host if inplace and host.data_ptr() == tensor.data_ptr() else torch.empty_like(host)
+    out_array = _numpy(output)
+    in_array = out_array if output is host else _numpy(host)
+    handle = core.submit_broadcast(in_array, out_array, _dtype_name(tensor), root_rank, name,
+                                   process_set, str(tensor.device))
+
+    def finish(_: list[Any]) -> torch.Tensor:
+        if not inplace:
+            return output if tensor.device.type == "cpu" else output.to(tensor.device)
+        if output.data_ptr() != tensor.data_ptr():
+            tensor.data.copy_(output)
+        return tensor
+
+    return _register([handle], finish)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start copying root's `tensor` to every rank; `synchronize` returns a new tensor.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return _broadcast_async(tensor, root_rank, name, process_set, inplace=False)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """In-place `broadcast_async`: `tensor` itself receives root's values."""
+    return _broadcast_async(tensor, root_rank, name, process_set, inplace=True)
+
+
+class HorovodBroadcast(torch.autograd.Function):
+    """Broadcast whose gradient is the averaged gradient on the root and zero elsewhere (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
+                process_set: ProcessSet) -> torch.Tensor:
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = synchronize(allreduce_async(grad, op=ReduceOp.AVERAGE, process_set=ctx.process_set))
+        if ctx.process_set.rank() != ctx.root_rank:
+            reduced = torch.zeros_like(reduced)
+        return reduced, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Return root's `tensor` on every rank; differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """In-place broadcast: `tensor` receives root's values and is returned."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# ----------------------------------------------------------------------------- alltoall
+def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
+                   name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
+    """Start an alltoall: rows splits[r] go to rank r (even split without `splits`).
+    `synchronize` returns (output, received_splits).
+
+    Collective: every rank in the process set must call this, in the same order."""
+    if isinstance(splits, torch.Tensor):
+        splits = splits.tolist()
+    handle = core.submit_alltoall(_numpy(_host(tensor)), _dtype_name(tensor), splits, name, process_set,
+                                  str(tensor.device))
+    return _register([handle], lambda results: (_tensor(results[0][0], tensor.dtype, tensor.device),
+                                                torch.from_numpy(results[0][1])))
+
+
+class HorovodAlltoall(torch.autograd.Function):
+    """Alltoall whose gradient is the alltoall of the gradient with the received splits."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
+                process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        output, _received = synchronize(alltoall_async(grad.contiguous(), ctx.received, None, ctx.process_set))
+        return output, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Scatter slices of `tensor` to every rank and gather theirs; differentiable.
+
+    Returns the output, or (output, received_splits) when `splits` is given (as Horovod).
+    Collective: every rank in the process set must call this, in the same order."""
+    output, received = HorovodAlltoall.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
+
+
+# ----------------------------------------------------------------------------- reducescatter
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start reduce-scatters of several tensors; `synchronize` returns the list of this rank's shards."""
+    handles = [core.submit_reducescatter(_numpy(_host(t)), _dtype_name(t), n, core.resolve_op(None, op),
+                                         prescale_factor, postscale_factor, process_set, str(t.device))
+               for t, n in zip(tensors, _names(name, len(tensors)))]
+    return _register(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE,
+                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> int:
+    """Start a reduce-scatter: rank r receives its rows of the reduction (Horovod's uneven split).
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return _single(grouped_reducescatter_async([tensor], name, op, process_set, prescale_factor, postscale_factor))
+
+
+class HorovodReducescatter(torch.autograd.Function):
+    """Reduce-scatter whose gradient is the allgather of the shard gradients (scaled like the forward)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet,
+                prescale: float, postscale: float) -> torch.Tensor:
+        ctx.scale = prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
+        ctx.process_set = process_set
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        gathered = synchronize(allgather_async(grad.contiguous(), process_set=ctx.process_set))
+        return gathered * ctx.scale, None, None, None, None, None
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,
+                  op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+    """Reduce `tensor` over all ranks and return this rank's rows of the result; differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    compressed, ctx = compression.compress(tensor)
+    shard = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
+    return compression.decompress(shard, ctx)
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: Compressor = Compression.none, op: ReduceOp = ReduceOp.AVERAGE,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """Reduce-scatter a list of tensors; differentiable."""
+    return [reducescatter(t, n, compression, op, process_set, prescale_factor, postscale_factor)
+            for t, n in zip(tensors, _names(name, len(tensors)))]
+
+
+# ----------------------------------------------------------------------------- join and barrier
+def join(device: int = -1) -> int:
+    """Declare that this rank has no more batches; block until every rank has joined.
+
+    Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
+    Returns the rank that joined last. Collective: every rank must call it once per epoch."""
+    return core.submit_join().wait()
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of the process set reaches the barrier."""
+    core.submit_barrier(process_set).wait()

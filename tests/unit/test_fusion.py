@@ -1,0 +1,64 @@
+"""plan_batches: which allreduces share a fusion buffer."""
+
+from hvdplus.common.fusion import plan_batches, response_nbytes
+from hvdplus.common.messages import Request, Response
+from hvdplus.common.ops import OpKind, ReduceOp
+
+
+def resp(name, n=4, kind=OpKind.ALLREDUCE, set_id=0, error=None, **kw):
+    request = Request(name=name, kind=kind, process_set=set_id, shape=(n,), **kw)
+    return Response((set_id, name), kind, (request, request), error=error, members=(0, 1))
+
+
+def names(batches):
+    return [[r.key[1] for r in batch] for batch in batches]
+
+
+def test_nbytes():
+    assert response_nbytes(resp("a", 4)) == 16
+    assert response_nbytes(resp("a", 4, dtype="float16")) == 8
+
+
+def test_compatible_allreduces_are_fused():
+    assert names(plan_batches([resp("a"), resp("b"), resp("c")], 1024)) == [["a", "b", "c"]]
+
+
+def test_threshold_splits_batches():
+    # each is 16 bytes; 40 bytes fits two
+    assert names(plan_batches([resp(n) for n in "abcde"], 40)) == [["a", "b"], ["c", "d"], ["e"]]
+
+
+def test_exactly_at_threshold_fits():
+    assert names(plan_batches([resp("a"), resp("b")], 32)) == [["a", "b"]]
+
+
+def test_oversized_response_runs_alone():
+    assert names(plan_batches([resp("big", 100), resp("a")], 32)) == [["big"], ["a"]]
+
+
+def test_zero_threshold_disables_fusion():
+    assert names(plan_batches([resp("a"), resp("b")], 0)) == [["a"], ["b"]]
+
+
+def test_incompatible_allreduces_are_not_fused():
+    responses = [resp("a"), resp("dt", dtype="float64"), resp("dev", device="cuda:0"),
+                 resp("op", op=ReduceOp.MAX), resp("pre", prescale=2.0), resp("post", postscale=0.5),
+                 resp("set", set_id=1), resp("b")]
+    assert names(plan_batches(responses, 1 << 20)) == [["a", "b"], ["dt"], ["dev"], ["op"], ["pre"], ["post"],
+                                                       ["set"]]
+
+
+def test_other_kinds_and_errors_run_alone():
+    responses = [resp("a"), resp("g", kind=OpKind.ALLGATHER), resp("bad", error="mismatch"),
+                 resp("br", kind=OpKind.BROADCAST), resp("b")]
+    assert names(plan_batches(responses, 1 << 20)) == [["a", "b"], ["g"], ["bad"], ["br"]]
+
+
+def test_every_response_appears_once():
+    responses = [resp(f"r{i}", n=i + 1, dtype=("float32", "float16")[i % 2]) for i in range(20)]
+    batches = plan_batches(responses, 24)
+    flat = [r for batch in batches for r in batch]
+    assert sorted(r.key for r in flat) == sorted(r.key for r in responses)
+    for batch in batches:
+        if len(batch) > 1:
+            assert sum(response_nbytes(r) for r in batch) <= 24

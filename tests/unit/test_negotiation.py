@@ -1,0 +1,265 @@
+"""MessageTable readiness, validation errors, join and process-set deadlock detection."""
+
+from hvdplus.common.messages import Request
+from hvdplus.common.negotiation import JOIN_KEY, MessageTable, validate
+from hvdplus.common.ops import OpKind, ReduceOp
+
+
+def req(name="t", kind=OpKind.ALLREDUCE, **kw):
+    return Request(name=name, kind=kind, **{"shape": (2, 3), **kw})
+
+
+def join_req():
+    return Request(name=JOIN_KEY[1], kind=OpKind.JOIN, process_set=JOIN_KEY[0])
+
+
+def members_of(sets):
+    return lambda set_id: sets[set_id]
+
+
+TWO = members_of({0: (0, 1)})
+THREE = members_of({0: (0, 1, 2)})
+
+
+# ------------------------------------------------------------------ readiness
+
+
+def test_not_ready_until_all_members_announce():
+    table = MessageTable()
+    assert table.add(0, req()) is None
+    assert table.take_ready(TWO) == []
+    assert len(table) == 1
+    table.add(1, req())
+    [response] = table.take_ready(TWO)
+    assert response.error is None
+    assert response.key == (0, "t") and response.kind == OpKind.ALLREDUCE
+    assert response.members == (0, 1)
+    assert response.requests == (req(), req())
+    assert len(table) == 0
+
+
+def test_requests_are_in_member_order_not_arrival_order():
+    table = MessageTable()
+    table.add(1, req(prescale=1.0))
+    table.add(0, req())
+    [response] = table.take_ready(TWO)
+    assert response.members == (0, 1) and len(response.requests) == 2
+
+
+def test_ready_responses_come_in_arrival_order():
+    table = MessageTable()
+    for name in ("b", "a", "c"):
+        table.add(0, req(name))
+    for name in ("c", "a", "b"):
+        table.add(1, req(name))
+    assert [r.key[1] for r in table.take_ready(TWO)] == ["b", "a", "c"]
+
+
+def test_same_name_on_different_sets_are_separate_entries():
+    table = MessageTable()
+    sets = members_of({0: (0, 1), 1: (0,)})
+    table.add(0, req(process_set=1))
+    [response] = table.take_ready(sets)
+    assert response.key == (1, "t") and response.members == (0,)
+
+
+def test_duplicate_announcement_by_one_rank():
+    table = MessageTable()
+    assert table.add(0, req()) is None
+    problem = table.add(0, req())
+    assert problem is not None and "rank 0" in problem and "twice" in problem and "'t'" in problem
+
+
+def test_submission_by_non_member_is_an_error():
+    table = MessageTable()
+    sets = members_of({0: (0, 1, 2), 1: (0, 1)})
+    for rank in (0, 1, 2):
+        table.add(rank, req(process_set=1))
+    [response] = table.take_ready(sets)
+    assert response.error is not None and "rank 2" in response.error and "process set 1" in response.error
+
+
+# ------------------------------------------------------------------ validation
+
+
+def _error_for(requests_by_rank, members=TWO):
+    table = MessageTable()
+    for rank, request in requests_by_rank.items():
+        table.add(rank, request)
+    [response] = table.take_ready(members)
+    return response.error
+
+
+def test_mismatched_shapes_name_ranks_and_shapes():
+    error = _error_for({0: req(shape=(2, 3)), 1: req(shape=(3, 2))})
+    assert "Mismatched shapes" in error
+    assert "rank 1" in error and "rank 0" in error
+    assert "(2, 3)" in error and "(3, 2)" in error
+
+
+def test_mismatch_groups_agreeing_ranks():
+    error = _error_for({0: req(), 1: req(dtype="float16"), 2: req()}, THREE)
+    assert "ranks [0, 2] have float32" in error and "rank 1 has float16" in error
+
+
+def test_mismatched_dtype():
+    error = _error_for({0: req(dtype="float32"), 1: req(dtype="int32")})
+    assert "data types" in error and "float32" in error and "int32" in error and "rank 1" in error
+
+
+def test_mismatched_kind():
+    error = _error_for({0: req(), 1: req(kind=OpKind.BROADCAST, root=0)})
+    assert "collective operations" in error and "allreduce" in error and "broadcast" in error
+
+
+def test_mismatched_op():
+    error = _error_for({0: req(op=ReduceOp.SUM), 1: req(op=ReduceOp.MAX)})
+    assert "reduction ops" in error and "SUM" in error and "MAX" in error
+
+
+def test_mismatched_device():
+    error = _error_for({0: req(device="cpu"), 1: req(device="cuda:0")})
+    assert "devices" in error and "cuda:0" in error
+
+
+def test_mismatched_scales():
+    assert "prescale" in _error_for({0: req(prescale=1.0), 1: req(prescale=0.5)})
+    assert "postscale" in _error_for({0: req(postscale=1.0), 1: req(postscale=0.5)})
+
+
+def test_mismatched_broadcast_root():
+    error = _error_for({0: req(kind=OpKind.BROADCAST, root=0), 1: req(kind=OpKind.BROADCAST, root=1)})
+    assert "root ranks" in error and "rank 1" in error
+
+
+def test_invalid_broadcast_root():
+    error = _error_for({0: req(kind=OpKind.BROADCAST, root=2), 1: req(kind=OpKind.BROADCAST, root=2)})
+    assert "Invalid root rank 2" in error and "2 ranks" in error
+
+
+def test_valid_broadcast():
+    assert _error_for({0: req(kind=OpKind.BROADCAST, root=1), 1: req(kind=OpKind.BROADCAST, root=1)}) is None
+
+
+def test_allgather_allows_different_first_dimension():
+    assert _error_for({0: req(kind=OpKind.ALLGATHER, shape=(2, 3)),
+                       1: req(kind=OpKind.ALLGATHER, shape=(5, 3))}) is None
+
+
+def test_allgather_rejects_different_trailing_dimensions():
+    error = _error_for({0: req(kind=OpKind.ALLGATHER, shape=(2, 3)), 1: req(kind=OpKind.ALLGATHER, shape=(2, 4))})
+    assert "trailing dimensions" in error and "(3,)" in error and "(4,)" in error
+
+
+def test_allgather_rejects_different_number_of_dimensions():
+    error = _error_for({0: req(kind=OpKind.ALLGATHER, shape=(2, 3)), 1: req(kind=OpKind.ALLGATHER, shape=(2,))})
+    assert "number of dimensions" in error
+
+
+def test_reducescatter_requires_same_shape():
+    error = _error_for({0: req(kind=OpKind.REDUCESCATTER, shape=(4,)), 1: req(kind=OpKind.REDUCESCATTER, shape=(6,))})
+    assert "shapes" in error
+
+
+def test_validate_direct_ok_and_mismatch():
+    assert validate({0: req(), 1: req()}, 2) is None
+    assert "rank 1" in validate({0: req(), 1: req(shape=(1,))}, 2)
+
+
+# ------------------------------------------------------------------ join
+
+
+def test_joined_rank_lets_allreduce_proceed_with_none():
+    table = MessageTable()
+    table.add(1, join_req())
+    table.add(0, req())
+    [response] = table.take_ready(TWO)
+    assert response.error is None
+    assert response.requests == (req(), None)
+    assert response.first == req()
+    assert table.joined == (1,)
+
+
+def test_joined_rank_makes_allgather_fail_mentioning_join():
+    table = MessageTable()
+    table.add(1, join_req())
+    table.add(0, req(kind=OpKind.ALLGATHER))
+    [response] = table.take_ready(TWO)
+    assert response.error is not None and "join" in response.error and "rank 1" in response.error
+
+
+def test_join_completes_with_last_rank_that_announced():
+    table = MessageTable()
+    table.add(2, join_req())
+    table.add(0, join_req())
+    assert table.take_ready(THREE) == []
+    table.add(1, join_req())
+    [response] = table.take_ready(THREE)
+    assert response.key == JOIN_KEY and response.kind == OpKind.JOIN and response.error is None
+    assert response.join_last_rank == 1
+    assert table.joined == ()
+
+
+def test_join_not_complete_blocks_nothing_else():
+    table = MessageTable()
+    table.add(0, join_req())
+    assert table.take_ready(TWO) == []
+    assert table.joined == (0,)
+
+
+# ------------------------------------------------------------------ process-set deadlocks
+
+
+def test_same_name_on_two_sets_by_different_ranks_is_a_deadlock_error():
+    table = MessageTable()
+    sets = members_of({0: (0, 1), 1: (0, 1)})
+    table.add(0, req(process_set=0))
+    table.add(1, req(process_set=1))
+    responses = table.take_ready(sets)
+    assert sorted(r.key for r in responses) == [(0, "t"), (1, "t")]
+    for response in responses:
+        assert response.error is not None and "process set" in response.error
+        assert "rank 0" in response.error and "rank 1" in response.error
+    assert len(table) == 0
+
+
+def test_overlapping_sets_without_cycle_do_not_error():
+    table = MessageTable()
+    sets = members_of({0: (0, 1, 2), 1: (0, 1), 2: (1, 2)})
+    table.add(0, req(process_set=1))  # A = (0, 1): waits for rank 1
+    table.add(1, req(process_set=2))  # B = (1, 2): waits for rank 2, not for anyone on A
+    assert table.take_ready(sets) == []
+    assert len(table) == 2
+    table.add(2, req(process_set=2))
+    [response] = table.take_ready(sets)
+    assert response.key == (2, "t") and response.error is None
+    table.add(1, req(process_set=1))
+    [response] = table.take_ready(sets)
+    assert response.key == (1, "t") and response.error is None
+
+
+# ------------------------------------------------------------------ stalls and drop
+
+
+def test_stalls_report_missing_ranks():
+    table = MessageTable()
+    table.add(0, req("x"))
+    table.add(2, req("x"))
+    [stall] = table.stalls(0, THREE)
+    assert stall.key == (0, "x")
+    assert stall.submitted == (0, 2) and stall.missing == (1,)
+    assert "allreduce 'x'" == stall.description
+    assert stall.seconds >= 0
+
+
+def test_stalls_ignore_recent_entries():
+    table = MessageTable()
+    table.add(0, req())
+    assert table.stalls(3600, TWO) == []
+
+
+def test_drop_forgets_entries():
+    table = MessageTable()
+    table.add(0, req("x"))
+    table.drop([(0, "x"), (0, "missing")])
+    assert len(table) == 0 and table.stalls(0, TWO) == []
