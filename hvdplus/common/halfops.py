@@ -49,6 +49,8 @@ def scale_inplace(buf: np.ndarray, dtype: str, factor: float) -> None:
         return
     if dtype == "bfloat16":
         float32_to_bfloat16(bfloat16_to_float32(buf) * np.float32(factor), out=buf)
+    elif buf.dtype == np.float16:  # scale in float32 so the factor itself cannot overflow or lose bits
+        buf[...] = buf.astype(np.float32) * np.float32(factor)
     elif buf.dtype.kind == "f":
         np.multiply(buf, buf.dtype.type(factor), out=buf)
     else:

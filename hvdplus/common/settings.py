@@ -23,10 +23,6 @@ def _parse_bool(text: str) -> bool:
     raise ValueError(f"expected a boolean (1/0, true/false), got {text!r}")
 
 
-def _parse_optional_int(text: str) -> int | None:
-    return int(text) if text.strip() else None
-
-
 @dataclass(frozen=True)
 class Setting:
     """One declared knob: its field name, parser, default, meaning and environment names."""
@@ -102,6 +98,16 @@ def _launch_value(environ: Mapping[str, str], *keys: str) -> str | None:
     return None
 
 
+def _launch_int(environ: Mapping[str, str], *keys: str) -> int | None:
+    for key in keys:
+        if environ.get(key, "") != "":
+            try:
+                return int(environ[key])
+            except ValueError:
+                raise ValueError(f"environment variable {key}={environ[key]!r} is invalid: expected an integer") from None
+    return None
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     """How this process was started: rank variables set by hvdplusrun, mpirun or Slurm."""
@@ -121,18 +127,14 @@ class LaunchEnv:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "LaunchEnv":
         """Read the launcher's variables (HVDPLUS_*, HOROVOD_*, then SLURM_*)."""
-        rank = _launch_value(environ, "HVDPLUS_RANK", "HOROVOD_RANK", "SLURM_PROCID")
-        size = _launch_value(environ, "HVDPLUS_SIZE", "HOROVOD_SIZE", "SLURM_NTASKS")
-        local = _launch_value(environ, "HVDPLUS_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID")
-        port = _launch_value(environ, "HVDPLUS_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT")
         return cls(
-            rank=_parse_optional_int(rank) if rank else None,
-            size=_parse_optional_int(size) if size else None,
-            local_rank=_parse_optional_int(local) if local else None,
+            rank=_launch_int(environ, "HVDPLUS_RANK", "HOROVOD_RANK", "SLURM_PROCID"),
+            size=_launch_int(environ, "HVDPLUS_SIZE", "HOROVOD_SIZE", "SLURM_NTASKS"),
+            local_rank=_launch_int(environ, "HVDPLUS_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID"),
             hostname=_launch_value(environ, "HVDPLUS_HOSTNAME", "HOROVOD_HOSTNAME"),
             rendezvous_addr=_launch_value(environ, "HVDPLUS_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
                                           "MASTER_ADDR"),
-            rendezvous_port=int(port) if port else None,
+            rendezvous_port=_launch_int(environ, "HVDPLUS_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT"),
             rendezvous_file=_launch_value(environ, "HVDPLUS_RENDEZVOUS_FILE"),
             secret_key=_launch_value(environ, "HVDPLUS_SECRET_KEY"),
             under_mpi=_launch_value(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
@@ -182,7 +184,11 @@ class Settings:
         if unknown:
             raise TypeError(f"unknown setting(s): {sorted(unknown)}")
         values.update(overrides)
-        return cls(**values)
+        try:
+            return cls(**values)
+        except ValueError as exc:
+            names = [f"{s.env}/{s.alias}" for s in SETTINGS if s.field in str(exc)]
+            raise ValueError(f"{exc} (set by environment variable {', '.join(names)})") from None
 
 
 def describe_settings() -> str:

@@ -1,8 +1,11 @@
 """The core must import with neither torch nor tensorflow available."""
 
+import pathlib
 import subprocess
 import sys
 import textwrap
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 SCRIPT = textwrap.dedent("""
     import sys
@@ -35,6 +38,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_core_imports_without_torch_or_tensorflow():
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
+                            cwd=REPO)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "OK"

@@ -68,15 +68,11 @@ def test_out_of_range_values_are_rejected(kwargs):
         Settings(**kwargs)
 
 
-@pytest.mark.xfail(reason="BUG: Settings.__post_init__ range errors name the field, not the environment "
-                          "variable that set it", strict=True)
 def test_out_of_range_env_value_names_the_variable():
     with pytest.raises(ValueError, match="HOROVOD_CPU_OPERATIONS"):
         Settings.from_env({"HOROVOD_CPU_OPERATIONS": "tcp"})
 
 
-@pytest.mark.xfail(reason="BUG: LaunchEnv.from_env parses rank/size/port with bare int(), so the error "
-                          "does not name the variable", strict=True)
 def test_bad_launch_rank_names_the_variable():
     with pytest.raises(ValueError, match="HOROVOD_RANK"):
         Settings.from_env({"HOROVOD_RANK": "first"})

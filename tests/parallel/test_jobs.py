@@ -1,0 +1,28 @@
+"""Real multi-process jobs: the worker test suite on 2 and 3 ranks, over MPI and over Gloo."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.parallel.jobs import WORKERS, mpirun, pytest_argv, run_job
+
+ENGINES = ["mpi", "gloo"]
+
+
+def _skip_if_missing(engine: str) -> None:
+    if engine == "mpi":
+        pytest.importorskip("mpi4py")
+        if mpirun() is None:
+            pytest.skip("no mpirun found (pip install 'hvdplus[mpi]')")
+    pytest.importorskip("torch")
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("engine", ENGINES)
+def test_worker_suite(engine: str, np: int) -> None:
+    """Every worker test passes on every rank (a failure on any rank fails the job)."""
+    _skip_if_missing(engine)
+    code, output = run_job(engine, np, pytest_argv(str(WORKERS)))
+    assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"

@@ -1,0 +1,89 @@
+"""Bad input raises on every rank, names the ranks involved, and leaves the job usable."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvdplus.common.exceptions import CollectiveMismatchError
+
+
+def _after_error_job_still_works(hvd):
+    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(hvd.size())] * 2
+
+
+def test_mismatched_shapes_raise_on_every_rank(hvd):
+    with pytest.raises(CollectiveMismatchError, match=r"Mismatched shapes.*rank 0 has \(2,\)"):
+        hvd.allreduce(torch.ones(2 + min(hvd.rank(), 1)), name="shape.mismatch")
+    _after_error_job_still_works(hvd)
+
+
+def test_mismatched_dtypes(hvd):
+    dtype = torch.float32 if hvd.rank() == 0 else torch.float64
+    with pytest.raises(CollectiveMismatchError, match="Mismatched data types.*(float32.*float64|float64.*float32)"):
+        hvd.allreduce(torch.ones(2, dtype=dtype), name="dtype.mismatch")
+    _after_error_job_still_works(hvd)
+
+
+def test_mismatched_ops(hvd):
+    op = hvd.Sum if hvd.rank() == 0 else hvd.Max
+    with pytest.raises(CollectiveMismatchError, match="Mismatched reduction ops"):
+        hvd.allreduce(torch.ones(2), op=op, name="op.mismatch")
+
+
+def test_mismatched_roots(hvd):
+    with pytest.raises(CollectiveMismatchError, match="Mismatched root ranks"):
+        hvd.broadcast(torch.ones(2), root_rank=min(hvd.rank(), 1), name="root.mismatch")
+    _after_error_job_still_works(hvd)
+
+
+def test_mismatched_kinds(hvd):
+    tensor = torch.ones(2)
+    with pytest.raises(CollectiveMismatchError, match="Mismatched collective operations"):
+        if hvd.rank() == 0:
+            hvd.allreduce(tensor, name="kind.mismatch")
+        else:
+            hvd.allgather(tensor, name="kind.mismatch")
+
+
+def test_mismatched_trailing_dimensions_in_allgather(hvd):
+    with pytest.raises(CollectiveMismatchError, match="trailing dimensions"):
+        hvd.allgather(torch.ones(2, 2 + min(hvd.rank(), 1)), name="ag.mismatch")
+
+
+def test_mismatched_process_sets(hvd):
+    pair = hvd.add_process_set([0, 1])
+    try:
+        if hvd.rank() in (0, 1):
+            target = hvd.global_process_set if hvd.rank() == 0 else pair
+            with pytest.raises(CollectiveMismatchError, match="Mismatched process sets"):
+                hvd.allreduce(torch.ones(1), name="ps.mismatch", process_set=target)
+        hvd.barrier()
+    finally:
+        hvd.remove_process_set(pair)
+
+
+def test_invalid_root_rank(hvd):
+    with pytest.raises(ValueError, match="root_rank"):
+        hvd.broadcast(torch.ones(2), root_rank=hvd.size())
+    _after_error_job_still_works(hvd)
+
+
+def test_duplicate_name_in_flight(hvd):
+    handle = hvd.allreduce_async(torch.ones(1), name="dup")
+    with pytest.raises(ValueError, match="already in flight"):
+        hvd.allreduce_async(torch.ones(1), name="dup")
+    hvd.synchronize(handle)
+
+
+def test_unsupported_dtype(hvd):
+    with pytest.raises(TypeError, match="complex64"):
+        hvd.allreduce(torch.ones(2, dtype=torch.complex64))
+    with pytest.raises(TypeError, match="cannot reduce dtype 'bool'"):
+        hvd.allreduce(torch.ones(2, dtype=torch.bool))
+    _after_error_job_still_works(hvd)
+
+
+def test_bad_alltoall_splits(hvd):
+    with pytest.raises(ValueError, match="splits"):
+        hvd.alltoall(torch.ones(4), splits=[1] * (hvd.size() + 1))
