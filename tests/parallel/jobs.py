@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -30,8 +31,10 @@ def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_job(engine: str, np: int, argv: list[str], extra_env: dict[str, str] | None = None,
-            timeout: float = JOB_TIMEOUT) -> tuple[int, str]:
-    """Start `python argv` on `np` ranks; return (worst exit code, every rank's output)."""
+            timeout: float = JOB_TIMEOUT, rank_env: Callable[[int], dict[str, str]] | None = None) -> tuple[int, str]:
+    """Start `python argv` on `np` ranks; return (worst exit code, every rank's output).
+
+    `rank_env(rank)` adds per-rank variables (Gloo jobs only)."""
     if engine == "mpi":
         command = [mpirun(), "-np", str(np), "--oversubscribe", "--bind-to", "none", "--tag-output",
                    sys.executable, *argv]
@@ -45,7 +48,8 @@ def run_job(engine: str, np: int, argv: list[str], extra_env: dict[str, str] | N
         procs = []
         for rank in range(np):
             env = worker_env({"HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(np),
-                              "HVDPLUS_RENDEZVOUS_FILE": os.path.join(tmp, "rendezvous"), **(extra_env or {})})
+                              "HVDPLUS_RENDEZVOUS_FILE": os.path.join(tmp, "rendezvous"), **(extra_env or {}),
+                              **(rank_env(rank) if rank_env else {})})
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
             procs.append((subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
                                            stderr=subprocess.STDOUT), log))

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create .venv and install hvdplus with PyTorch (CPU), mpi4py and the Open MPI wheel: no compiler, no system MPI.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# torch first, pinned, so pip takes the CPU build instead of resolving a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==${HVDPLUS_TORCH_VERSION:-2.13.0}"
+.venv/bin/python -m pip install -q -e ".[torch,mpi,dev,examples]"
+echo "hvdplus installed in $(pwd)/.venv"

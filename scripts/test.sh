@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite: unit tests and real 2- and 3-rank jobs over MPI and Gloo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m pytest -q "$@"

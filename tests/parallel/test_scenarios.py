@@ -1,0 +1,61 @@
+"""Whole-job behaviours: hierarchical allreduce, stall warnings, a dead worker."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.parallel.jobs import run_job
+
+pytest.importorskip("torch")
+SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+def test_hierarchical_allreduce_on_two_hosts():
+    """4 ranks whose HOROVOD_HOSTNAME says 2 hosts x 2 ranks: local/cross groups and 3-step allreduce."""
+    code, output = run_job("gloo", 4, [str(SCENARIOS / "hierarchical.py")],
+                           {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"},
+                           rank_env=lambda rank: {"HOROVOD_HOSTNAME": f"host{rank // 2}"})
+    assert code == 0, output
+    assert output.count("hierarchical ok") == 4
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+def test_stall_warning_names_missing_rank(engine):
+    if engine == "mpi":
+        pytest.importorskip("mpi4py")
+    code, output = run_job(engine, 2, [str(SCENARIOS / "stall.py")], {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
+    assert code == 0, output
+    assert re.search(r"allreduce 'late.tensor'.*submitted by ranks \[0\], missing ranks \[1\]", output), output
+    assert output.count("completed after the stall") == 2
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+def test_dead_worker_raises_on_the_others_within_seconds():
+    code, output = run_job("gloo", 3, [str(SCENARIOS / "dead_worker.py")], timeout=60)
+    assert code == 3, output  # the dead rank's own exit status; the survivors exited 0
+    times = [float(t) for t in re.findall(r"raised HorovodInternalError after ([\d.]+) s", output)]
+    assert len(times) == 2, output
+    assert max(times) < 10, output
+
+
+@pytest.mark.timeout(120)
+def test_single_process_without_launcher():
+    """`python script.py` with no launcher is a job of one rank, as with Horovod."""
+    import subprocess
+    import sys
+
+    from tests.parallel.jobs import ROOT, worker_env
+
+    done = subprocess.run([sys.executable, "examples/pytorch_collectives.py"], cwd=ROOT, env=worker_env(),
+                          capture_output=True, text=True, timeout=100)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[rank 0/1, single process] allreduce(Sum) of ones*rank: [0.0, 0.0, 0.0]" in done.stdout
+    assert "allgather_object: [{'rank': 0}]" in done.stdout
