@@ -16,12 +16,14 @@ from hvdplus.common.hierarchical import hierarchical_groups
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
+from hvdplus.common.timeline import Timeline
 from hvdplus.common.topology import Topology
 
 __all__ = ["ProcessSet", "global_process_set", "init", "shutdown", "is_initialized", "runtime",
            "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous",
            "add_process_set", "remove_process_set", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
-           "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_threads_supported"]
+           "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_threads_supported",
+           "start_timeline", "stop_timeline"]
 
 log = logging.getLogger("hvdplus")
 _LOG_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
@@ -268,3 +270,19 @@ def mpi_threads_supported() -> bool:
     from mpi4py import MPI
     return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline of every collective to `file_path` (rank 0 writes)."""
+    coordinator = runtime().coordinator
+    stop_timeline()
+    if runtime().rank == 0:
+        coordinator.timeline = Timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Finish and close the timeline started by HOROVOD_TIMELINE or start_timeline()."""
+    coordinator = runtime().coordinator
+    timeline, coordinator.timeline = coordinator.timeline, None
+    if timeline is not None:
+        timeline.close()

@@ -28,6 +28,7 @@ from hvdplus.common.negotiation import JOIN_KEY, MessageTable
 from hvdplus.common.ops import OpKind, storage_dtype
 from hvdplus.common.response_cache import Lookup, ResponseCache
 from hvdplus.common.settings import Settings
+from hvdplus.common.timeline import Timeline
 
 __all__ = ["Coordinator"]
 
@@ -68,6 +69,9 @@ class Coordinator:
         self._shutdown_requested = False
         self._fatal: BaseException | None = None
         self._last_stall_warning = 0.0
+        self.timeline: Timeline | None = None
+        if settings.timeline and self.rank == 0:
+            self.timeline = Timeline(settings.timeline, settings.timeline_mark_cycles)
         self._thread = threading.Thread(target=self._loop, name="hvdplus-coordinator", daemon=True)
         self._thread.start()
 
@@ -118,6 +122,8 @@ class Coordinator:
             self._fatal = exc
             self._fail_everything(HorovodInternalError(f"collective failed on rank {self.rank}: {exc}"))
         finally:
+            if self.timeline:
+                self.timeline.close()
             try:
                 self._engine.shutdown()
             except Exception as exc:  # pragma: no cover - best effort at exit
@@ -134,6 +140,8 @@ class Coordinator:
             except queue.Empty:
                 return
             self._inflight[work.request.key] = work
+            if self.timeline:
+                self.timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
             status, bit = self._cache.lookup(self.rank, work.request)
             if status == Lookup.HIT:
                 self._hits[bit] = work
@@ -159,6 +167,8 @@ class Coordinator:
 
     def _cycle(self) -> bool:
         """One negotiation cycle; False once the job shuts down."""
+        if self.timeline:
+            self.timeline.cycle()
         self._drain_queue()
         words = self._engine.bitwise_and(self._control_words(), self._engine.world)
         flags = int(~words[0])
@@ -223,14 +233,25 @@ class Coordinator:
         runnable = [response for response in responses if self.rank in response.members]
         for batch in plan_batches(runnable, self._settings.fusion_threshold):
             pairs = [(response, self._take_work(response)) for response in batch]
-            head, work = pairs[0]
-            if head.error is not None:
-                for response, work in pairs:
-                    self._executor.fail(response, work)
-            elif head.kind == OpKind.ALLREDUCE:
-                self._executor.run_allreduce(pairs)
-            elif work is not None:
-                work.handle.set_result(self._run_control(head, work))
+            timeline, names = self.timeline, [work.request.name for _, work in pairs if work is not None]
+            if timeline:
+                for name in names:
+                    timeline.end(name)
+                    timeline.begin(name, batch[0].kind.name)
+            self._run_batch(pairs)
+            if timeline:
+                for name in names:
+                    timeline.end(name)
+
+    def _run_batch(self, pairs: list[tuple[Response, Work | None]]) -> None:
+        head, work = pairs[0]
+        if head.error is not None:
+            for response, work in pairs:
+                self._executor.fail(response, work)
+        elif head.kind == OpKind.ALLREDUCE:
+            self._executor.run_allreduce(pairs)
+        elif work is not None:
+            work.handle.set_result(self._run_control(head, work))
 
     def _take_work(self, response: Response) -> Work | None:
         """This rank's work for a response; a joined rank contributes zeros to an allreduce."""

@@ -4,7 +4,7 @@ from hvdplus.common.basics import (ProcessSet, add_process_set, ccl_built, cross
                                    ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_homogeneous,
                                    is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
                                    mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built,
-                                   shutdown, size)
+                                   shutdown, size, start_timeline, stop_timeline)
 from hvdplus.common.collectives import allgather_object, broadcast_object
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum

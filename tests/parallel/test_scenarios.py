@@ -59,3 +59,20 @@ def test_single_process_without_launcher():
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[rank 0/1, single process] allreduce(Sum) of ones*rank: [0.0, 0.0, 0.0]" in done.stdout
     assert "allgather_object: [{'rank': 0}]" in done.stdout
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(120)
+def test_timeline_is_a_valid_chrome_trace(tmp_path):
+    import json
+
+    path = tmp_path / "timeline.json"
+    code, output = run_job("gloo", 2, [str(SCENARIOS / "timeline.py")], {"HOROVOD_TIMELINE": str(path)})
+    assert code == 0, output
+    events = json.loads(path.read_text())
+    rows = {e["args"]["name"]: e["pid"] for e in events if e.get("ph") == "M"}
+    assert set(rows) == {"grad.w", "gathered"}
+    spans = [e["name"] for e in events if e.get("ph") == "B" and e["pid"] == rows["grad.w"]]
+    assert spans == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"] * 3
+    begins = sum(1 for e in events if e.get("ph") == "B")
+    assert begins == sum(1 for e in events if e.get("ph") == "E")
