@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -93,6 +93,8 @@ class Coordinator:
         work = Work(request, Handle(request.name), input, output)
         self._queue.put(work)
         self._wake.set()
+        if self._fatal is not None:  # the thread stopped while we queued: nobody will run this work
+            work.handle.set_error(HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}"))
         return work.handle
 
     def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
@@ -133,13 +135,18 @@ class Coordinator:
         entry = self._sets.get(set_id)
         return entry.ranks if entry else ()
 
-    def _drain_queue(self) -> None:
+    def _queued(self) -> Iterator[Work]:
+        """Take every work submitted since the last call, recording it as in flight."""
         while True:
             try:
                 work = self._queue.get_nowait()
             except queue.Empty:
                 return
             self._inflight[work.request.key] = work
+            yield work
+
+    def _drain_queue(self) -> None:
+        for work in self._queued():
             if self.timeline:
                 self.timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
             status, bit = self._cache.lookup(self.rank, work.request)
@@ -315,11 +322,11 @@ class Coordinator:
                       f"{self._settings.stall_shutdown_time_seconds:g}")
         else:
             reason = "hvdplus was shut down on one or more ranks"
-        self._fail_everything(HorovodInternalError(f"{reason}; the collective cannot complete"))
         self._fatal = HorovodInternalError(reason)
+        self._fail_everything(HorovodInternalError(f"{reason}; the collective cannot complete"))
 
     def _fail_everything(self, error: BaseException) -> None:
-        self._drain_queue_into_inflight()
+        list(self._queued())  # move queued work into _inflight so it fails too
         for work in list(self._inflight.values()):
             work.handle.set_error(error)
         self._inflight.clear()
@@ -327,11 +334,3 @@ class Coordinator:
         self._to_send.clear()
         with self._lock:
             self._names_in_flight.clear()
-
-    def _drain_queue_into_inflight(self) -> None:
-        while True:
-            try:
-                work = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            self._inflight[work.request.key] = work
