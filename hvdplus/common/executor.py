@@ -66,18 +66,19 @@ class Executor:
         """Reduce a batch of agreed allreduces in one engine call (one buffer when fused)."""
         first = batch[0][0].first
         members = batch[0][0].members
+        source = None
         if len(batch) == 1:
             work = batch[0][1]
             buffer = work.output.reshape(-1)
-            if work.input is not work.output:
-                np.copyto(buffer, work.input.reshape(-1))
+            source = None if work.input is work.output else work.input.reshape(-1)
         else:
             buffer = self._fusion_buffer(storage_dtype(first.dtype), sum(w.input.size for _, w in batch))
             offset = 0
             for _, work in batch:
                 buffer[offset:offset + work.input.size] = work.input.reshape(-1)
                 offset += work.input.size
-        self._reduce(buffer, first, len(members), self._group_of(batch[0][0].key[0]), batch[0][0].key[0] == 0)
+        self._reduce(buffer, first, len(members), self._group_of(batch[0][0].key[0]), batch[0][0].key[0] == 0,
+                     source)
         if len(batch) > 1:
             offset = 0
             for _, work in batch:
@@ -86,13 +87,19 @@ class Executor:
         for _, work in batch:
             work.handle.set_result(work.output)
 
-    def _reduce(self, buffer: np.ndarray, request: Request, set_size: int, group: Any, is_global: bool) -> None:
+    def _reduce(self, buffer: np.ndarray, request: Request, set_size: int, group: Any, is_global: bool,
+                source: np.ndarray | None) -> None:
+        """Reduce `source` (or `buffer` itself) into `buffer`; an unscaled flat allreduce skips the copy."""
+        hierarchical = is_global and self._hierarchical is not None
+        if source is not None and (request.prescale != 1.0 or hierarchical):
+            np.copyto(buffer, source)
+            source = None
         halfops.scale_inplace(buffer, request.dtype, request.prescale)
         op = ReduceOp.SUM if request.op == ReduceOp.AVERAGE else request.op
-        if is_global and self._hierarchical is not None:
+        if hierarchical:
             hierarchical_allreduce(self._engine, self._hierarchical, buffer, request.dtype, op)
         else:
-            self._engine.allreduce(buffer, request.dtype, op, group)
+            self._engine.allreduce(buffer, request.dtype, op, group, send=source)
         postscale = request.postscale / set_size if request.op == ReduceOp.AVERAGE else request.postscale
         halfops.scale_inplace(buffer, request.dtype, postscale)
 

@@ -29,8 +29,9 @@ class Engine(Protocol):
     def new_group(self, ranks: Sequence[int]) -> Group:
         """Collective over all ranks: a communicator of `ranks` (None on ranks outside it)."""
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Group) -> None:
-        """Reduce `buf` in place across `group` (op is SUM, MIN, MAX or PRODUCT)."""
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Group,
+                  send: np.ndarray | None = None) -> None:
+        """Reduce `send` (default: `buf` itself) across `group` into `buf` (op is SUM, MIN, MAX or PRODUCT)."""
 
     def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: Group) -> None:
         """Concatenate every rank's `send` (counts[r] elements from rank r) into `recv`."""

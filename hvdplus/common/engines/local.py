@@ -22,8 +22,10 @@ class LocalEngine:
     def new_group(self, ranks: Sequence[int]) -> str:
         return "world"
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: str) -> None:
-        return None
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: str,
+                  send: np.ndarray | None = None) -> None:
+        if send is not None:
+            np.copyto(buf, send)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: str) -> None:
         recv[...] = send

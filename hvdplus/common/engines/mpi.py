@@ -46,8 +46,9 @@ class MPIEngine:
             self._bf16_ops[op] = self._MPI.Op.Create(halfops.bfloat16_reducer(op), commute=True)
         return self._bf16_ops[op]
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any) -> None:
-        group.Allreduce(self._MPI.IN_PLACE, buf, op=self._op(dtype, op))
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any,
+                  send: np.ndarray | None = None) -> None:
+        group.Allreduce(self._MPI.IN_PLACE if send is None else send, buf, op=self._op(dtype, op))
 
     def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
         group.Allgatherv(send, [recv, list(counts), _displacements(counts), _mpi_type(self._MPI, recv)])

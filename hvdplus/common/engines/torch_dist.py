@@ -66,7 +66,10 @@ class TorchDistEngine:
         group = self._dist.new_group(sorted(ranks), backend="gloo", timeout=self._timeout)
         return group if self.rank in ranks else None
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any) -> None:
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any,
+                  send: np.ndarray | None = None) -> None:
+        if send is not None:  # Gloo reduces in place only
+            np.copyto(buf, send)
         if dtype in _WIDENED:
             wide = buf.astype(_WIDENED[dtype])
             self._dist.all_reduce(self._tensor(wide), op=self._ops[op], group=group)
