@@ -9,9 +9,11 @@ from hvdplus.common.collectives import allgather_object, broadcast_object
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from hvdplus.torch.compression import Compression, Compressor
+from hvdplus.torch.functions import broadcast_optimizer_state, broadcast_parameters
 from hvdplus.torch.mpi_ops import (allgather, allgather_async, allreduce, allreduce_, allreduce_async,
                                    allreduce_async_, alltoall, alltoall_async, barrier, broadcast, broadcast_,
                                    broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
                                    grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
                                    grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
                                    join, poll, reducescatter, reducescatter_async, synchronize)
+from hvdplus.torch.optimizer import DistributedOptimizer

@@ -1,0 +1,223 @@
+"""DistributedOptimizer and the broadcast helpers, checked against single-process training on the full batch.
+
+Written to pass at any world size; run by tests/parallel/test_jobs.py on 2 and 3 ranks.
+Every test names its allreduces with its own prefix so that no two tests share a tensor name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+STEPS = 5
+PER_RANK = 4  # samples per rank and step
+
+
+def make_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+
+
+def global_batches(size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same STEPS batches of size * PER_RANK samples on every rank."""
+    generator = torch.Generator().manual_seed(1234)
+    return [(torch.randn(size * PER_RANK, 4, generator=generator), torch.randn(size * PER_RANK, 2, generator=generator))
+            for _ in range(STEPS)]
+
+
+def named(model: torch.nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{prefix}.{name}", p) for name, p in model.named_parameters()]
+
+
+def reference_params(size: int) -> list[torch.Tensor]:
+    """Plain SGD with momentum on the full concatenated batch, in this process, no collectives."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in global_batches(size):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_distributed(hvd, prefix: str, passes: int = 1, **kwargs) -> list[torch.Tensor]:
+    """Rank r trains on its rows of each global batch, split into `passes` micro-batches."""
+    model = make_model(seed=hvd.rank())  # different start on each rank: broadcast_parameters must fix it
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named(model, prefix),
+                                         backward_passes_per_step=passes, **kwargs)
+    rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
+    for x, y in global_batches(hvd.size()):
+        optimizer.zero_grad()
+        for xm, ym in zip(x[rows].chunk(passes), y[rows].chunk(passes)):
+            # Equal micro-batches and a mean loss: dividing by `passes` makes the accumulated gradient the
+            # gradient of the mean over this rank's rows; Average over ranks then gives the full-batch one.
+            (torch.nn.functional.mse_loss(model(xm), ym) / passes).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# float32, 5 steps of a tiny MLP: the distributed and reference gradients differ only by summation order
+# (a few ulps, ~1e-7 relative), which momentum SGD with lr 0.1 cannot amplify beyond ~1e-6 in 5 steps;
+# 1e-5 relative (and 1e-6 absolute for entries near zero) leaves margin and still catches any scaling error.
+EXACT = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_matches_single_process_full_batch(hvd):
+    for got, want in zip(train_distributed(hvd, "opt.a"), reference_params(hvd.size())):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_backward_passes_per_step_accumulates(hvd):
+    for got, want in zip(train_distributed(hvd, "opt.b", passes=2), reference_params(hvd.size())):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+def test_fp16_compression(hvd):
+    # fp16 keeps 11 significant bits: each gradient element is off by up to 2^-11 ~ 4.9e-4 relative when cast,
+    # plus one fp16 rounding per addition across ranks. Gradients here are O(1), lr 0.1, momentum 0.9 over
+    # 5 steps sums to at most ~4 gradients' worth of movement: ~4 * 0.1 * 3 * 4.9e-4 ~ 6e-4 of error.
+    # 2e-3 covers it, while an unreduced or wrongly scaled gradient moves the parameters by ~1e-2 or more.
+    for got, want in zip(train_distributed(hvd, "opt.c", compression=hvd.Compression.fp16),
+                         reference_params(hvd.size())):
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
+
+
+def test_gradient_predivide_factor_gives_the_same_average(hvd):
+    for got, want in zip(train_distributed(hvd, "opt.predivide", gradient_predivide_factor=float(hvd.size())),
+                         reference_params(hvd.size())):
+        torch.testing.assert_close(got, want, **EXACT)
+
+
+def _adam_state(optimizer: torch.optim.Optimizer) -> dict:
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def _assert_same_state(got: dict, want: dict) -> None:
+    assert got["param_groups"] == want["param_groups"]
+    assert got["state"].keys() == want["state"].keys()
+    for index, state in want["state"].items():
+        assert state.keys() == got["state"][index].keys()
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][index][key], value, rtol=0, atol=0)
+
+
+def test_broadcast_parameters_and_adam_state(hvd):
+    model = make_model(seed=100 + hvd.rank())
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01 * (hvd.rank() + 1), betas=(0.8, 0.9 - hvd.rank() / 100))
+
+    # Before any step: the root's params and options everywhere, and an (equally) empty state.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    for got, want in zip(model.parameters(), make_model(seed=100).parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=0)
+    assert optimizer.param_groups[0]["lr"] == 0.01 and optimizer.param_groups[0]["betas"] == (0.8, 0.9)
+    assert len(optimizer.state) == 0
+
+    # After steps with rank-specific data (no allreduce), states differ until broadcast again.
+    torch.manual_seed(hvd.rank())
+    for _ in range(hvd.rank() + 2):  # a different number of steps per rank, so `step` differs too
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        optimizer.step()
+    root_params = hvd.broadcast_object([p.detach().clone() for p in model.parameters()], root_rank=0,
+                                       name="opt.d.params")
+    root_state = hvd.broadcast_object(_adam_state(optimizer), root_rank=0, name="opt.d.state")
+    hvd.broadcast_parameters(list(model.named_parameters()), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    for got, want in zip(model.parameters(), root_params):
+        torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
+    state = _adam_state(optimizer)
+    assert {"exp_avg", "exp_avg_sq", "step"} <= set(state["state"][0])
+    assert float(state["state"][0]["step"]) == 2.0
+    _assert_same_state(state, root_state)
+
+
+def test_broadcast_state_of_a_distributed_optimizer_then_train(hvd):
+    model = make_model(seed=hvd.rank())
+    optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                         named_parameters=named(model, "opt.d2"))
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    torch.manual_seed(hvd.rank())
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(torch.randn(3, 4)).pow(2).mean().backward()
+        optimizer.step()
+    # Same start, same averaged gradients: every rank holds the same params and state.
+    gathered = hvd.allgather_object((_adam_state(optimizer), [p.detach() for p in model.parameters()]),
+                                    name="opt.d2.check")
+    for state, params in gathered[1:]:
+        _assert_same_state(state, gathered[0][0])
+        for got, want in zip(params, gathered[0][1]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_wrapped_optimizer_is_an_instance_of_the_users_class(hvd):
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+    wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=named(model, "opt.e"))
+    assert isinstance(wrapped, torch.optim.SGD) and type(wrapped).__name__ == "SGD"
+    assert wrapped.defaults == optimizer.defaults and wrapped.param_groups[0]["lr"] == 0.5
+    calls = []
+    wrapped.register_step_post_hook(lambda *args: calls.append(1))
+    model(torch.ones(1, 4)).sum().backward()
+    wrapped.step()
+    assert calls == [1]  # step hooks run once, not once per class in the chain
+
+
+def test_duplicate_and_missing_names_raise(hvd):
+    model = make_model()
+    params = list(model.parameters())
+    with pytest.raises(ValueError, match="Found duplicates: opt.f.same"):
+        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
+                                 named_parameters=[("opt.f.same", p) for p in params])
+    with pytest.raises(ValueError, match="were not named"):
+        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
+                                 named_parameters=named(model, "opt.f")[:1])
+    with pytest.raises(ValueError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
+        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), op=hvd.Sum, gradient_predivide_factor=2.0)
+
+
+def test_zero_grad_during_allreduce_raises(hvd):
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=named(model, "opt.g"))
+    model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called after loss.backward\\(\\)"):
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    optimizer.zero_grad()  # fine once synchronized
+
+
+def test_unused_parameter_is_reduced_with_zeros(hvd):
+    # Only rank 0 uses `extra`; the others contribute zeros, so every rank gets rank 0's gradient / size.
+    model = make_model()
+    extra = torch.nn.Parameter(torch.ones(3))
+    params = named(model, "opt.h") + [("opt.h.extra", extra)]
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), named_parameters=params)
+    loss = model(torch.ones(2, 4)).sum()
+    if hvd.rank() == 0:
+        loss = loss + (extra * torch.tensor([1.0, 2.0, 3.0])).sum()
+    loss.backward()
+    with optimizer.skip_synchronize():
+        optimizer.synchronize()
+        torch.testing.assert_close(extra.grad, torch.tensor([1.0, 2.0, 3.0]) / hvd.size())
+        optimizer.step()
+    torch.testing.assert_close(extra.detach(), 1 - 0.1 * torch.tensor([1.0, 2.0, 3.0]) / hvd.size())
+
+
+def test_set_backward_passes_per_step_and_too_many_passes(hvd):
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=named(model, "opt.i"))
+    optimizer.set_backward_passes_per_step(2)
+    for _ in range(2):
+        model(torch.ones(2, 4)).sum().backward()
+    with pytest.raises(AssertionError, match="more than backward_passes_per_step"):
+        model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
