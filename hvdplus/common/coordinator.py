@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 
@@ -35,6 +35,22 @@ __all__ = ["Coordinator"]
 log = logging.getLogger("hvdplus")
 
 _HAS_UNCACHED, _SHUTDOWN, _STALL_ABORT = 1, 2, 4
+
+
+def _mask(bits: Iterable[int]) -> int:
+    """A bit set as an int (Python ints make the per-cycle bit work a few cheap integer operations)."""
+    mask = 0
+    for bit in bits:
+        mask |= 1 << bit
+    return mask
+
+
+def _bits(mask: int) -> Iterator[int]:
+    """The set bits of `mask`, lowest first."""
+    while mask:
+        low = mask & -mask
+        yield low.bit_length() - 1
+        mask ^= low
 
 
 @dataclass
@@ -61,6 +77,7 @@ class Coordinator:
         self._table = MessageTable()
         self._cache = ResponseCache(-(-settings.cache_capacity // 64) * 64)
         self._words = self._cache.capacity // 64
+        self._full = (1 << self._cache.capacity) - 1
         self._hits: dict[int, Work] = {}
         self._partial_cycles: dict[int, int] = {}
         self._to_send: list[Work] = []
@@ -92,7 +109,8 @@ class Coordinator:
             self._names_in_flight.add(request.name)
         work = Work(request, Handle(request.name), input, output)
         self._queue.put(work)
-        self._wake.set()
+        if not self._wake.is_set():  # Event.set costs more than the check, and bursts need only one
+            self._wake.set()
         if self._fatal is not None:  # the thread stopped while we queued: nobody will run this work
             work.handle.set_error(HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}"))
         return work.handle
@@ -158,19 +176,26 @@ class Coordinator:
                 self._to_send.append(work)
 
     def _control_words(self) -> np.ndarray:
-        hits = np.zeros(self._cache.capacity, dtype=bool)
-        invalid = np.zeros(self._cache.capacity, dtype=bool)
-        hits[list(self._hits)] = True
+        """[~flags, hit bits, ~hit bits, ~invalid bits]: one BAND gives all-hit, any-hit, any-invalid."""
+        hits, invalid = _mask(self._hits), _mask(self._invalid)
         if self._joined:
             for bit in self._cache.bits():
                 response = self._cache.peek(bit)
                 if self.rank in response.members:
-                    (hits if response.kind == OpKind.ALLREDUCE else invalid)[bit] = True
-        invalid[list(self._invalid)] = True
+                    if response.kind == OpKind.ALLREDUCE:
+                        hits |= 1 << bit
+                    else:
+                        invalid |= 1 << bit
         flags = (_HAS_UNCACHED if self._to_send else 0) | (_SHUTDOWN if self._shutdown_requested else 0)
         flags |= _STALL_ABORT if self._stall_abort_due() else 0
-        pack = lambda bits: np.packbits(bits, bitorder="little").view(np.int64)  # noqa: E731
-        return np.concatenate([[~flags], pack(hits), ~pack(hits), ~pack(invalid)]).astype(np.int64)
+        words = np.empty(1 + 3 * self._words, dtype=np.int64)
+        words[0] = ~flags
+        words[1:] = np.frombuffer(b"".join(self._bytes(m) for m in (hits, self._full ^ hits, self._full ^ invalid)),
+                                  dtype=np.int64)
+        return words
+
+    def _bytes(self, mask: int) -> bytes:
+        return mask.to_bytes(self._words * 8, "little")
 
     def _cycle(self) -> bool:
         """One negotiation cycle; False once the job shuts down."""
@@ -179,17 +204,17 @@ class Coordinator:
         self._drain_queue()
         words = self._engine.bitwise_and(self._control_words(), self._engine.world)
         flags = int(~words[0])
-        unpack = lambda w: np.unpackbits(w.view(np.uint8), bitorder="little").astype(bool)  # noqa: E731
         n = self._words
-        all_hit, any_hit, any_invalid = unpack(words[1:1 + n]), unpack(~words[1 + n:1 + 2 * n]), \
-            unpack(~words[1 + 2 * n:1 + 3 * n])
+        all_hit, not_any_hit, not_any_invalid = (int.from_bytes(words[1 + i * n:1 + (i + 1) * n].tobytes(), "little")
+                                                 for i in range(3))
+        any_hit, any_invalid = self._full ^ not_any_hit, self._full ^ not_any_invalid
         self._invalid.clear()
         if flags & (_SHUTDOWN | _STALL_ABORT):
             self._stop(flags)
             return False
-        for bit in np.flatnonzero(any_invalid | self._stale_partials(all_hit, any_hit)):
-            self._evict(int(bit))
-        ready_bits = [int(bit) for bit in np.flatnonzero(all_hit & ~any_invalid)]
+        for bit in _bits(any_invalid | self._stale_partials(all_hit, any_hit)):
+            self._evict(bit)
+        ready_bits = list(_bits(all_hit & ~any_invalid))
         responses = [self._cache.get(bit) for bit in ready_bits]
         for bit in ready_bits:
             self._hits.pop(bit, None)
@@ -210,18 +235,19 @@ class Coordinator:
         if work is not None:
             self._to_send.append(work)
 
-    def _stale_partials(self, all_hit: np.ndarray, any_hit: np.ndarray) -> np.ndarray:
+    def _stale_partials(self, all_hit: int, any_hit: int) -> int:
         """Cached collectives only some ranks announced for many cycles: evict them (on every rank
-        alike) so full negotiation can name the missing ranks."""
+        alike) so full negotiation can name the missing ranks. Bit masks in, bit mask out."""
         limit = max(10, int(self._settings.stall_check_time_seconds * 250 / self._settings.cycle_time_ms))
-        stale = np.zeros_like(all_hit)
-        for bit in np.flatnonzero(any_hit & ~all_hit):
-            count = self._partial_cycles.get(int(bit), 0) + 1
-            self._partial_cycles[int(bit)] = count
-            stale[bit] = count >= limit
+        partial, stale = any_hit & ~all_hit, 0
         for bit in list(self._partial_cycles):
-            if all_hit[bit] or not any_hit[bit]:
+            if not partial >> bit & 1:
                 del self._partial_cycles[bit]
+        for bit in _bits(partial):
+            count = self._partial_cycles.get(bit, 0) + 1
+            self._partial_cycles[bit] = count
+            if count >= limit:
+                stale |= 1 << bit
         return stale
 
     def _negotiate(self) -> list[Response]:
