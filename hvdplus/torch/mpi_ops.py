@@ -33,6 +33,7 @@ _DTYPE_NAMES = {torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", 
 _handles: dict[int, tuple[list[Handle], Callable[[list[Any]], Any]]] = {}
 _handle_ids = itertools.count(1)
 _handle_lock = threading.Lock()
+_CPU = torch.device("cpu")
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -47,7 +48,22 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with the same values (the tensor itself when it already is one)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type == "cpu" and tensor.is_contiguous():  # the common case, with no dispatcher calls
+        return tensor.detach() if tensor.requires_grad else tensor
     return tensor.detach().cpu().contiguous()
+
+
+def _buffers(tensor: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
+    """(output tensor, input array, output array) of a collective whose result has `tensor`'s shape.
+
+    In place on a contiguous CPU tensor, all three share `tensor`'s memory; otherwise the output is
+    allocated by numpy (no dispatcher call, which would hand the GIL to the background thread)."""
+    host = _host(tensor)
+    in_array = _numpy(host)
+    if inplace and host.data_ptr() == tensor.data_ptr():
+        return host, in_array, in_array
+    out_array = np.empty(in_array.shape, dtype=in_array.dtype)
+    return _tensor(out_array, tensor.dtype, _CPU), in_array, out_array
 
 
 def _numpy(host: torch.Tensor) -> np.ndarray:
@@ -102,10 +118,7 @@ def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, ave
     op = core.resolve_op(average, op)
     handles, outputs = [], []
     for tensor, tensor_name in zip(tensors, _names(name, len(tensors))):
-        host = _host(tensor)
-        output = host if inplace and host.data_ptr() == tensor.data_ptr() else torch.empty_like(host)
-        out_array = _numpy(output)
-        in_array = out_array if output is host else _numpy(host)
+        output, in_array, out_array = _buffers(tensor, inplace)
         handles.append(core.submit_allreduce(in_array, out_array, _dtype_name(tensor), tensor_name, op,
                                              prescale_factor, postscale_factor, process_set, str(tensor.device)))
         outputs.append(output)
@@ -272,10 +285,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 # ----------------------------------------------------------------------------- broadcast
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
                      inplace: bool) -> int:
-    host = _host(tensor)
-    output = host if inplace and host.data_ptr() == tensor.data_ptr() else torch.empty_like(host)
-    out_array = _numpy(output)
-    in_array = out_array if output is host else _numpy(host)
+    output, in_array, out_array = _buffers(tensor, inplace)
     handle = core.submit_broadcast(in_array, out_array, _dtype_name(tensor), root_rank, name,
                                    process_set, str(tensor.device))
 
