@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from hvdplus.common.adasum import check_adasum_size
 from hvdplus.common.basics import ProcessSet, global_process_set, runtime
 from hvdplus.common.executor import even_splits
 from hvdplus.common.handles import Handle
@@ -63,9 +64,9 @@ def submit_allreduce(array: np.ndarray, output: np.ndarray, dtype: str, name: st
                      prescale: float = 1.0, postscale: float = 1.0,
                      process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
     """Collective: every rank in the process set must call this, in the same order."""
-    if op == ReduceOp.ADASUM:
-        raise ValueError("op=Adasum is not supported by hvdplus yet; use op=Average")
     check_reducible(dtype, op, "allreduce")
+    if op == ReduceOp.ADASUM:
+        check_adasum_size(_set_size(_set_id(process_set)))
     request = _request(OpKind.ALLREDUCE, array, dtype, name, process_set, device, op=op,
                        prescale=float(prescale), postscale=float(postscale))
     return runtime().coordinator.submit(request, array, output)

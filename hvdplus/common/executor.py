@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hvdplus.common import halfops
+from hvdplus.common.adasum import adasum_tensors
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.handles import Handle
@@ -65,6 +66,8 @@ class Executor:
     def run_allreduce(self, batch: list[tuple[Response, Work]]) -> None:
         """Reduce a batch of agreed allreduces in one engine call (one buffer when fused)."""
         first = batch[0][0].first
+        if first.op == ReduceOp.ADASUM:
+            return self._run_adasum(batch)
         members = batch[0][0].members
         source = None
         if len(batch) == 1:
@@ -85,6 +88,15 @@ class Executor:
                 work.output.reshape(-1)[...] = buffer[offset:offset + work.output.size]
                 offset += work.output.size
         for _, work in batch:
+            work.handle.set_result(work.output)
+
+    def _run_adasum(self, batch: list[tuple[Response, Work]]) -> None:
+        """Adasum of the batch's tensors (hvdplus.common.adasum), each with its own dot product and norms."""
+        response, works = batch[0][0], [work for _, work in batch]
+        adasum_tensors(self._engine, self._group_of(response.key[0]), response.members.index(self._engine.rank),
+                       len(response.members), [w.input for w in works], [w.output for w in works],
+                       response.first.dtype, response.first.prescale, response.first.postscale)
+        for work in works:
             work.handle.set_result(work.output)
 
     def _reduce(self, buffer: np.ndarray, request: Request, set_size: int, group: Any, is_global: bool,

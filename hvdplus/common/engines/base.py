@@ -50,6 +50,9 @@ class Engine(Protocol):
     def barrier(self, group: Group) -> None:
         """Return once every rank of `group` has entered."""
 
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group) -> None:
+        """Point to point: send `send` to rank `peer` of `group` and receive its buffer into `recv` (same size)."""
+
     def allgather_bytes(self, data: bytes, group: Group) -> list[bytes]:
         """Control plane: every rank's `data`, in rank order."""
 

@@ -70,6 +70,9 @@ class MPIEngine:
     def barrier(self, group: Any) -> None:
         group.Barrier()
 
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any) -> None:
+        group.Sendrecv(send, dest=peer, recvbuf=recv, source=peer)
+
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         sizes = np.array(group.allgather(len(data)), dtype=np.int64)
         recv = np.empty(int(sizes.sum()), dtype=np.uint8)

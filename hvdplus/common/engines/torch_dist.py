@@ -114,6 +114,11 @@ class TorchDistEngine:
     def barrier(self, group: Any) -> None:
         self._dist.barrier(group=group)
 
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any) -> None:
+        request = self._dist.isend(self._bytes(send), group=group, group_dst=peer)
+        self._dist.recv(self._bytes(recv), group=group, group_src=peer)
+        request.wait()
+
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         n = self._dist.get_world_size(group)
         sizes = self._torch.zeros(n, dtype=self._torch.int64)
