@@ -17,3 +17,5 @@ from hvdplus.torch.mpi_ops import (allgather, allgather_async, allreduce, allred
                                    grouped_allreduce_async_, grouped_reducescatter, grouped_reducescatter_async,
                                    join, poll, reducescatter, reducescatter_async, synchronize)
 from hvdplus.torch.optimizer import DistributedOptimizer
+from hvdplus.torch.sparse import sparse_allreduce_async
+from hvdplus.torch.sync_batch_norm import SyncBatchNorm

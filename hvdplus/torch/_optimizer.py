@@ -1,0 +1,261 @@
+"""The hooks behind DistributedOptimizer: allreduce each gradient as backward produces it (see optimizer.py)."""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import Counter
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from hvdplus.common.basics import ProcessSet, global_process_set, size
+from hvdplus.common.ops import Average, ReduceOp
+from hvdplus.torch.compression import Compressor
+from hvdplus.torch.grouping import build_groups
+from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
+from hvdplus.torch.mpi_ops import synchronize as _synchronize_handle
+from hvdplus.torch.sparse import sparse_allreduce_async
+
+__all__ = ["AllreduceInFlightError"]
+
+_ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                        "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+                    "Increase backward_passes_per_step to accumulate gradients locally.")
+
+
+class AllreduceInFlightError(RuntimeError, AssertionError):
+    """Optimizer misuse while gradient allreduces are pending.
+
+    A RuntimeError (hvdplus's rule for misuse of state) that is also the AssertionError Horovod raises,
+    so code written against either keeps working."""
+
+
+class _GroupResult:
+    """One grouped allreduce shared by the parameters of a group; synchronized once, on first use."""
+
+    def __init__(self, handle: int) -> None:
+        self._handle, self._outputs = handle, None
+
+    def output(self, index: int) -> torch.Tensor:
+        if self._outputs is None:
+            self._outputs = _synchronize_handle(self._handle)
+        return self._outputs[index]
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """Methods copied into the dynamic subclass of the user's optimizer class; never instantiated itself.
+
+    `_hvd_base` (the user's class) and `_hvd_defaults` (its instance's defaults) are set per dynamic class.
+    Base methods are called through `self._hvd_base`, never `super(self.__class__, ...)`, so subclassing
+    the wrapped class cannot make them recurse. `_handles[p]` is (handle, compression context): an int
+    handle, a (_GroupResult, index) pair, or None while the parameter waits for more passes or its group."""
+
+    _hvd_base: type
+    _hvd_defaults: dict[str, Any]
+
+    def __init__(self, params: Any, named_parameters: Any, compression: Compressor,
+                 backward_passes_per_step: int = 1, op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
+                 groups: Any = None, sparse_as_dense: bool = False,
+                 process_set: ProcessSet = global_process_set) -> None:
+        base = self._hvd_base
+        base.__init__(self, params, **_constructor_kwargs(base, self._hvd_defaults))
+        self._compression = compression
+        self._parameter_names = _parameter_names(self.param_groups, named_parameters)
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
+        self._requires_update = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._p_to_group = build_groups(self._requires_update, groups)
+        self._group_counts = {group: 0 for group in set(self._p_to_group.values())}
+        self._hook_handles: list[Any] = []
+        self._synchronized = False
+        self._should_synchronize = True
+        if process_set.included() and size() > 1:
+            self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
+                                  for p in self._requires_update]
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Allreduce every `passes`-th backward pass from now on (gradients accumulate in between)."""
+        _check_passes(passes)
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _make_hook(self, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
+                raise AllreduceInFlightError(_TOO_MANY_PASSES)
+            self._allreduce_delay[p] -= 1
+            self._handles[p] = (None, None)
+            if self._allreduce_delay[p] == 0:
+                self._gradient_ready(p)
+        return hook
+
+    def _gradient_ready(self, p: torch.Tensor) -> None:
+        """Start p's allreduce, or its group's once every member of the group is ready."""
+        group = self._p_to_group.get(p)
+        if group is None:
+            self._handles[p] = self._allreduce_grad_async(p)
+            return
+        self._group_counts[group] += 1
+        if self._group_counts[group] == len(group):
+            self._start_group(group)
+
+    def _gradient(self, p: torch.Tensor) -> torch.Tensor:
+        """p's gradient as it is sent: zeros if this rank did not use p, densified with sparse_as_dense."""
+        if p.grad is None:
+            # This rank did not use p (dynamic forward), but other ranks may have: contribute zeros.
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse and self.sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _scales(self) -> tuple[float, float]:
+        """(prescale, postscale): Average splits gradient_predivide_factor across them (the core divides by size)."""
+        predivide = self.gradient_predivide_factor if self.op == Average else 1.0
+        return 1.0 / predivide, predivide
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
+        grad = self._gradient(p)
+        name = self._parameter_names[p]
+        if grad.is_sparse:
+            return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), None
+        compressed, ctx = self._compression.compress(grad)
+        prescale, postscale = self._scales()
+        return allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
+                                postscale_factor=postscale, process_set=self.process_set), ctx
+
+    def _start_group(self, group: tuple[torch.Tensor, ...]) -> None:
+        """One grouped allreduce for the dense gradients of `group`; sparse ones go the sparse path."""
+        self._group_counts[group] = 0
+        dense = []
+        for p in group:
+            if self._gradient(p).is_sparse:
+                self._handles[p] = self._allreduce_grad_async(p)
+            else:
+                dense.append(p)
+        if not dense:
+            return
+        compressed, contexts = zip(*(self._compression.compress(p.grad) for p in dense))
+        prescale, postscale = self._scales()
+        result = _GroupResult(grouped_allreduce_async_(list(compressed), name=self._parameter_names[dense[0]],
+                                                       op=self.op, prescale_factor=prescale,
+                                                       postscale_factor=postscale, process_set=self.process_set))
+        for index, (p, ctx) in enumerate(zip(dense, contexts)):
+            self._handles[p] = ((result, index), ctx)
+
+    def _start_missing(self) -> None:
+        """Start the allreduces whose hooks did not fire (unused parameters, fewer passes than expected)."""
+        for p in self._requires_update:
+            if self._handles.get(p, (None, None))[0] is None:
+                group = self._p_to_group.get(p)
+                if group is None:
+                    self._handles[p] = self._allreduce_grad_async(p)
+                else:
+                    self._start_group(group)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient allreduce and write the results into `p.grad`.
+
+        Parameters whose hook did not fire this step (unused in forward, or fewer backward passes than
+        `backward_passes_per_step`) are allreduced here, as zeros if they have no gradient.
+        Collective: every rank in the process set must call this (step() does)."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        try:
+            self._start_missing()
+            for p, (handle, ctx) in self._handles.items():
+                output = handle[0].output(handle[1]) if isinstance(handle, tuple) else _synchronize_handle(handle)
+                result = self._compression.decompress(output, ctx)
+                if result.is_sparse:
+                    p.grad = result
+                elif result is not p.grad:
+                    p.grad.copy_(result)
+        finally:
+            self._handles.clear()
+            for p in self._allreduce_delay:
+                self._allreduce_delay[p] = self.backward_passes_per_step
+            for group in self._group_counts:
+                self._group_counts[group] = 0
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Inside this context `step()` does not call `synchronize()` (call it yourself before, e.g. to clip)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def _base_step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """The wrapped optimizer's step, without running the step hooks again (ours already ran them)."""
+        base_step = self._hvd_base.step
+        inner = base_step.__wrapped__ if getattr(base_step, "hooked", False) else base_step
+        return inner(self) if closure is None else inner(self, closure)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Synchronize the gradient allreduces (unless skipped), then step the wrapped optimizer."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
+                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                              "your code.", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._base_step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's zero_grad; raises while gradient allreduces are pending."""
+        if self._handles:
+            raise AllreduceInFlightError(_ZERO_GRAD_IN_FLIGHT)
+        return self._hvd_base.zero_grad(self, set_to_none)
+
+
+def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The wrapped optimizer's hyperparameters that its constructor accepts by keyword.
+
+    Passing them lets optimizers with required hyperparameters be rebuilt, and keeps `defaults`
+    (used by add_param_group) equal to the user's instead of the class defaults."""
+    try:
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[2:]  # skip self, params
+    except (TypeError, ValueError):
+        return {}
+    named = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {k: v for k, v in defaults.items() if k in named}
+
+
+def _parameter_names(param_groups: list[dict[str, Any]], named_parameters: Any) -> dict[torch.Tensor, str]:
+    """Map every optimized parameter to its allreduce name, checking Horovod's rules."""
+    if named_parameters is None:
+        params = [p for group in param_groups for p in group["params"]]
+        return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
+    named = list(named_parameters)
+    if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                         "model.named_parameters()")
+    duplicates = sorted(name for name, count in Counter(name for name, _ in named).items() if count > 1)
+    if duplicates:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
+                         f"{', '.join(duplicates)}")
+    names = {p: name for name, p in named}
+    unnamed = [p for group in param_groups for p in group["params"] if p not in names]
+    if unnamed:
+        raise ValueError(f"named_parameters was specified, but {len(unnamed)} optimizer parameter(s) were not named "
+                         f"(shapes {[tuple(p.shape) for p in unnamed]}); pass model.named_parameters() of the model "
+                         f"whose parameters the optimizer holds")
+    return names
+
+
+def _check_passes(passes: Any) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")

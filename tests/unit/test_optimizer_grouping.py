@@ -1,0 +1,43 @@
+"""DistributedOptimizer's groups/num_groups plans (Horovod's split and its rules), on plain objects."""
+
+import pytest
+
+from hvdplus.torch.grouping import build_groups, split_list
+
+
+class Param:
+    """Stands for a tensor: groups match parameters by identity only."""
+
+
+def test_split_list_is_contiguous_and_balanced():
+    assert split_list(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_list([1, 2], 2) == [[1], [2]]
+
+
+def test_int_groups_cover_every_parameter_once():
+    params = [Param() for _ in range(5)]
+    plan = build_groups(params, 2)
+    assert [plan[p] for p in params] == [tuple(params[:3])] * 3 + [tuple(params[3:])] * 2
+    assert set(build_groups(params, 50).values()) == {(p,) for p in params}  # more groups than parameters
+    assert build_groups(params, None) == {}
+
+
+def test_listed_groups_follow_optimizer_order_and_leave_the_rest_alone():
+    a, b, c, d = (Param() for _ in range(4))
+    frozen = Param()  # not among the optimizer's hooked parameters: ignored, as Horovod does
+    plan = build_groups([a, b, c, d], [[c, a, frozen]])
+    assert plan == {a: (a, c), c: (a, c), b: (b,), d: (d,)}
+
+
+@pytest.mark.parametrize("groups", [0, -1, True, "2", 1.5])
+def test_bad_group_counts(groups):
+    with pytest.raises(ValueError, match="positive integer or a list of lists"):
+        build_groups([Param()], groups)
+
+
+def test_duplicates_and_flat_lists_are_rejected():
+    p = Param()
+    with pytest.raises(ValueError, match="only appear once"):
+        build_groups([p], [[p], [p]])
+    with pytest.raises(ValueError, match="list of lists"):
+        build_groups([p], [p])
