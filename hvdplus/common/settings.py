@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["Setting", "SETTINGS", "Settings", "LaunchEnv", "describe_settings"]
+__all__ = ["Setting", "SETTINGS", "Settings", "LaunchEnv", "describe_settings", "expand_nodelist", "slurm_port"]
 
 
 def _parse_bool(text: str) -> bool:
@@ -108,6 +108,53 @@ def _launch_int(environ: Mapping[str, str], *keys: str) -> int | None:
     return None
 
 
+def _split_top_level(text: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        depth += {"[": 1, "]": -1}.get(char, 0)
+        if depth not in (0, 1):
+            raise ValueError(f"bad Slurm host list {text!r}: nested or unbalanced brackets")
+        if char == "," and depth == 0:
+            parts.append(text[start:index])
+            start = index + 1
+    if depth:
+        raise ValueError(f"bad Slurm host list {text!r}: unbalanced brackets")
+    return parts + [text[start:]]
+
+
+def _expand_range(token: str, text: str) -> list[str]:
+    low, _, high = token.partition("-")
+    if not low.isdigit() or not (high.isdigit() or not high):
+        raise ValueError(f"bad Slurm host list {text!r}: {token!r} is not a number or a range like 01-04")
+    if not high:
+        return [low]
+    if int(high) < int(low):
+        raise ValueError(f"bad Slurm host list {text!r}: range {token!r} runs backwards")
+    return [str(n).zfill(len(low)) for n in range(int(low), int(high) + 1)]
+
+
+def _expand_host(pattern: str, text: str) -> list[str]:
+    if "[" not in pattern:
+        return [pattern]
+    head, _, rest = pattern.partition("[")
+    inside, _, tail = rest.partition("]")
+    values = [v for token in inside.split(",") for v in _expand_range(token, text)]
+    return [head + value + host for value in values for host in _expand_host(tail, text)]
+
+
+def expand_nodelist(text: str) -> list[str]:
+    """Expand a Slurm host list such as 'node[01-04,07],gpu1' into host names, in order."""
+    hosts = [host for part in _split_top_level(text.strip()) for host in _expand_host(part.strip(), text)]
+    if not hosts or "" in hosts:
+        raise ValueError(f"bad Slurm host list {text!r}: empty host name")
+    return hosts
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    """The rendezvous port every task of one srun step computes alike (10000-31999, below ephemeral ports)."""
+    return 10000 + (job_id * 64 + step_id) % 22000
+
+
 @dataclass(frozen=True)
 class LaunchEnv:
     """How this process was started: rank variables set by hvdplusrun, mpirun or Slurm."""
@@ -126,15 +173,19 @@ class LaunchEnv:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "LaunchEnv":
-        """Read the launcher's variables (HVDPLUS_*, HOROVOD_*, then SLURM_*)."""
-        return cls(
-            rank=_launch_int(environ, "HVDPLUS_RANK", "HOROVOD_RANK", "SLURM_PROCID"),
-            size=_launch_int(environ, "HVDPLUS_SIZE", "HOROVOD_SIZE", "SLURM_NTASKS"),
-            local_rank=_launch_int(environ, "HVDPLUS_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID"),
+        """Read the launcher's variables (HVDPLUS_*, HOROVOD_*, then SLURM_*, then mpirun's)."""
+        env = cls(
+            rank=_launch_int(environ, "HVDPLUS_RANK", "HOROVOD_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
+                             "PMI_RANK"),
+            size=_launch_int(environ, "HVDPLUS_SIZE", "HOROVOD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                             "PMI_SIZE"),
+            local_rank=_launch_int(environ, "HVDPLUS_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID",
+                                   "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
             hostname=_launch_value(environ, "HVDPLUS_HOSTNAME", "HOROVOD_HOSTNAME"),
             rendezvous_addr=_launch_value(environ, "HVDPLUS_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
                                           "MASTER_ADDR"),
-            rendezvous_port=_launch_int(environ, "HVDPLUS_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT"),
+            rendezvous_port=_launch_int(environ, "HVDPLUS_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT",
+                                        "MASTER_PORT"),
             rendezvous_file=_launch_value(environ, "HVDPLUS_RENDEZVOUS_FILE"),
             secret_key=_launch_value(environ, "HVDPLUS_SECRET_KEY"),
             under_mpi=_launch_value(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
@@ -142,6 +193,15 @@ class LaunchEnv:
             slurm_nodelist=_launch_value(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
             slurm_tasks_per_node=_launch_value(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
         )
+        return env._with_srun_rendezvous(environ)
+
+    def _with_srun_rendezvous(self, environ: Mapping[str, str]) -> "LaunchEnv":
+        """Under plain srun (a job step, no launcher): rank 0's TCP store on the step's first node."""
+        job, step = _launch_int(environ, "SLURM_JOB_ID"), _launch_int(environ, "SLURM_STEP_ID")
+        if self.rendezvous_file or self.rendezvous_addr or job is None or step is None or not self.slurm_nodelist:
+            return self
+        return dataclasses.replace(self, rendezvous_addr=expand_nodelist(self.slurm_nodelist)[0],
+                                   rendezvous_port=self.rendezvous_port or slurm_port(job, step))
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,11 @@ class TorchDistEngine:
     def _make_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
         if launch.rendezvous_file:
             return self._dist.FileStore(launch.rendezvous_file, self.size)
+        if launch.secret_key and launch.rendezvous_addr and launch.rendezvous_port:
+            # hvdplusrun's authenticated rendezvous. torch only keeps the C++ half of a Python store:
+            # hold the Python object for the engine's lifetime or its methods vanish.
+            self._store = _authenticated_store(self._dist, launch, timeout.total_seconds())
+            return self._store
         if launch.rendezvous_addr and launch.rendezvous_port:
             return self._dist.TCPStore(launch.rendezvous_addr, launch.rendezvous_port, self.size,
                                        is_master=self.rank == 0, timeout=timeout, wait_for_workers=False)
@@ -137,3 +142,47 @@ class TorchDistEngine:
     def shutdown(self) -> None:
         if self._owns_group and self._dist.is_initialized():
             self._dist.destroy_process_group()
+
+
+def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -> Any:
+    """A torch.distributed Store backed by hvdplusrun's rendezvous server (HMAC-authenticated)."""
+    from hvdplus.runner.rendezvous import RendezvousClient  # the launcher's wire protocol (stdlib only)
+
+    class AuthenticatedStore(dist.Store):
+        def __init__(self, client: RendezvousClient) -> None:
+            super().__init__()
+            self._client = client
+            self._clones: list[AuthenticatedStore] = []  # torch keeps only their C++ half
+
+        def set(self, key: str, value: Any) -> None:
+            self._client.set(key, value.encode() if isinstance(value, str) else bytes(value))
+
+        def get(self, key: str) -> bytes:
+            return self._client.get(key)
+
+        def add(self, key: str, amount: int) -> int:
+            return self._client.add(key, amount)
+
+        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+            as_bytes = lambda v: v.encode() if isinstance(v, str) else bytes(v)  # noqa: E731
+            return self._client.compare_set(key, as_bytes(expected), as_bytes(desired))
+
+        def wait(self, keys: list[str], timeout: Any = None) -> None:
+            self._client.wait(keys, None if timeout is None else timeout.total_seconds())
+
+        def check(self, keys: list[str]) -> bool:
+            return self._client.check(keys)
+
+        def delete_key(self, key: str) -> bool:
+            return self._client.delete(key)
+
+        def num_keys(self) -> int:
+            return self._client.num_keys()
+
+        def clone(self) -> "AuthenticatedStore":
+            clone = AuthenticatedStore(self._client.clone())
+            self._clones.append(clone)
+            return clone
+
+    return AuthenticatedStore(RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port,
+                                               launch.secret_key, timeout_seconds))

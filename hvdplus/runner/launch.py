@@ -1,0 +1,42 @@
+"""`hvdplusrun`: parse horovodrun's flags, decide the job, run it in Gloo or MPI mode, exit with its status."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Sequence
+
+from hvdplus.runner.args import parse_args
+from hvdplus.runner.check_build import check_build
+from hvdplus.runner.gloo_run import LaunchError, run_gloo
+from hvdplus.runner.job import JobSpec, job_from_args
+from hvdplus.runner.mpi_run import run_mpi
+from hvdplus.runner.rendezvous import RendezvousServer
+
+__all__ = ["main", "run_job"]
+
+
+def run_job(spec: JobSpec, prepare: Callable[[RendezvousServer], None] | None = None) -> tuple[int, RendezvousServer | None]:
+    """Run a decided job in its mode; return its exit status (and Gloo mode's rendezvous server)."""
+    if spec.mode == "mpi":
+        return run_mpi(spec), None
+    return run_gloo(spec, prepare)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the hvdplusrun command."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.check_build:
+        print(check_build())
+        return 0
+    try:
+        spec = job_from_args(args, os.environ)
+        code, _ = run_job(spec)
+    except (ValueError, LaunchError) as exc:
+        print(f"hvdplusrun: error: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, ValueError) else 1
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

