@@ -1,8 +1,12 @@
-"""MPI mode: the mpirun command for Open MPI or MPICH (hosts, slots, env export, ssh, root), run supervised."""
+"""MPI mode: the mpirun command for Open MPI or MPICH (hosts, slots, env export, ssh, root), run supervised.
+
+Per-rank output files come from the supervisor splitting mpirun's rank-tagged output, the same layout
+as Gloo mode on every MPI (Open MPI 5's own --output-filename stops the console output)."""
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -16,7 +20,7 @@ from hvdplus.runner.supervise import Supervisor
 if TYPE_CHECKING:
     from hvdplus.runner.job import JobSpec
 
-__all__ = ["find_mpirun", "mpi_flavor", "mpirun_command", "run_mpi"]
+__all__ = ["find_mpirun", "mpi_flavor", "mpirun_command", "abort_on_exception", "run_mpi"]
 
 FLAVORS = ("openmpi", "mpich")
 
@@ -41,6 +45,15 @@ def mpi_flavor(mpirun: str) -> str:
     raise ValueError(f"{mpirun} is neither Open MPI nor MPICH/Hydra ({text.strip()[:200]!r}); use --gloo")
 
 
+def abort_on_exception(command: list[str]) -> list[str]:
+    """Run Python programs through mpi4py's runner (`python -m mpi4py script.py`): an unhandled exception
+    then aborts the whole job instead of leaving the rank stuck in MPI_Finalize while the others wait."""
+    if (len(command) > 1 and re.fullmatch(r"python[\d.]*", os.path.basename(command[0]))
+            and (not command[1].startswith("-") or command[1] in ("-m", "-c"))):
+        return [command[0], "-m", "mpi4py", *command[1:]]
+    return list(command)
+
+
 def _ssh_args(spec: "JobSpec") -> str:
     return " ".join(shlex.quote(o) for o in spec.ssh.options())
 
@@ -56,11 +69,9 @@ def _openmpi(mpirun: str, spec: "JobSpec", exported: list[str], as_root: bool) -
     if spec.nics:
         nics = ",".join(spec.nics)
         command += ["--mca", "btl_tcp_if_include", nics, "--mca", "oob_tcp_if_include", nics]
-    if spec.output_dir:
-        command += ["--output-filename", spec.output_dir]
     for name in exported:
         command += ["-x", name]
-    return command + spec.mpi_args + spec.command
+    return command + spec.mpi_args + abort_on_exception(spec.command)
 
 
 def _mpich(mpirun: str, spec: "JobSpec", exported: list[str]) -> list[str]:
@@ -69,12 +80,9 @@ def _mpich(mpirun: str, spec: "JobSpec", exported: list[str]) -> list[str]:
                "-launcher", "ssh", "-launcher-exec", f"ssh {_ssh_args(spec)}"]
     if spec.nics:
         command += ["-iface", spec.nics[0]]
-    if spec.output_dir:
-        command += ["-outfile-pattern", os.path.join(spec.output_dir, "rank.%r", "stdout"),
-                    "-errfile-pattern", os.path.join(spec.output_dir, "rank.%r", "stderr")]
     if exported:
         command += ["-genvlist", ",".join(exported)]
-    return command + spec.mpi_args + spec.command
+    return command + spec.mpi_args + abort_on_exception(spec.command)
 
 
 def mpirun_command(mpirun: str, flavor: str, spec: "JobSpec", exported: list[str], as_root: bool) -> list[str]:
@@ -91,11 +99,8 @@ def run_mpi(spec: "JobSpec") -> int:
         raise ValueError("no mpirun found: pip install 'hvdplus[mpi]' or use --gloo")
     exported = sorted(k for k in spec.env if exportable(k))
     command = mpirun_command(mpirun, mpi_flavor(mpirun), spec, exported, as_root=os.geteuid() == 0)
-    if spec.output_dir:
-        for slot in spec.slots:
-            (Path(spec.output_dir) / f"rank.{slot.rank}").mkdir(parents=True, exist_ok=True)
     if spec.verbose:
         print(f"hvdplusrun: {shlex.join(command)}", file=sys.stderr, flush=True)
-    supervisor = Supervisor()
+    supervisor = Supervisor(spec.output_dir)
     supervisor.start("mpirun", command, env=spec.env)
     return supervisor.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,9 +12,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
-__all__ = ["Supervisor", "Process", "describe_exit"]
+__all__ = ["Supervisor", "Process", "RankFiles", "describe_exit"]
 
 POLL_SECONDS = 0.05
 STOP_SECONDS = 2.5  # agents escalate to SIGKILL after 1 s; this bounds a stuck ssh
@@ -59,26 +60,55 @@ class Process:
             pass
 
 
-def _pump(stream: IO[bytes], console: IO[bytes], prefix: bytes, file: IO[bytes] | None,
+_MPI_TAG = re.compile(rb"^\[(?:\d+,)?(\d+)\](?:<(stdout|stderr)>)?:? ?")
+
+
+class RankFiles:
+    """--output-filename: each rank's output, without prefixes, in DIR/rank.N/stdout and DIR/rank.N/stderr."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+        self._files: dict[tuple[int, str], IO[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def write(self, rank: int, stream: str, line: bytes) -> None:
+        with self._lock:
+            if (rank, stream) not in self._files:
+                folder = self.directory / f"rank.{rank}"
+                folder.mkdir(parents=True, exist_ok=True)
+                self._files[rank, stream] = open(folder / stream, "wb")
+            self._files[rank, stream].write(line)
+            self._files[rank, stream].flush()
+
+    def write_tagged(self, stream: str, line: bytes) -> None:
+        """A line of mpirun's tagged output ('[1,3]<stdout>: ...' or MPICH's '[3] ...')."""
+        match = _MPI_TAG.match(line)
+        if match:
+            self.write(int(match.group(1)), (match.group(2) or stream.encode()).decode(), line[match.end():])
+
+    def close(self) -> None:
+        with self._lock:
+            for file in self._files.values():
+                file.close()
+
+
+def _pump(stream: IO[bytes], console: IO[bytes], prefix: bytes, sink: Callable[[bytes], None] | None,
           tail: collections.deque) -> None:
     for line in iter(stream.readline, b""):
         tail.append(line.decode(errors="replace").rstrip())
-        if file:
-            file.write(line)
-            file.flush()
+        if sink:
+            sink(line)
         with _console_lock:
             console.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
             console.flush()
     stream.close()
-    if file:
-        file.close()
 
 
 class Supervisor:
     """Starts children, relays their output, and ends the job at the first failure or signal."""
 
     def __init__(self, output_dir: str | None = None) -> None:
-        self.output_dir = output_dir
+        self.files = RankFiles(output_dir) if output_dir else None
         self.processes: list[Process] = []
         self._signal: int | None = None
 
@@ -94,20 +124,21 @@ class Supervisor:
         for name, stream, console in (("stdout", proc.stdout, sys.stdout.buffer),
                                       ("stderr", proc.stderr, sys.stderr.buffer)):
             prefix = f"[{rank}]<{name}>:".encode() if rank is not None else b""
-            file = self._file(rank, name)
-            pump = threading.Thread(target=_pump, args=(stream, console, prefix, file, process.tail),
+            pump = threading.Thread(target=_pump, args=(stream, console, prefix, self._sink(rank, name), process.tail),
                                     name=f"hvdplusrun-{label}-{name}", daemon=True)
             pump.start()
             process.pumps.append(pump)
         self.processes.append(process)
         return process
 
-    def _file(self, rank: int | None, name: str) -> IO[bytes] | None:
-        if not self.output_dir or rank is None:
+    def _sink(self, rank: int | None, stream: str) -> Callable[[bytes], None] | None:
+        """Where a child's lines go besides the console: its rank's file, or split by mpirun's rank tags."""
+        files = self.files
+        if files is None:
             return None
-        directory = Path(self.output_dir) / f"rank.{rank}"
-        directory.mkdir(parents=True, exist_ok=True)
-        return open(directory / name, "wb")
+        if rank is None:
+            return lambda line: files.write_tagged(stream, line)
+        return lambda line: files.write(rank, stream, line)
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signal = signum
@@ -120,6 +151,8 @@ class Supervisor:
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            if self.files:
+                self.files.close()
 
     def _watch(self) -> int:
         running = list(self.processes)

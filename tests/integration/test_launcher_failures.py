@@ -1,0 +1,89 @@
+"""Failures end the job promptly with a clear message and a non-zero status, and leave no process behind."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.conftest import HVDPLUSRUN, ROOT, SCRIPTS, alive, job_env, run
+
+PY = sys.executable
+MISBEHAVE = str(SCRIPTS / "misbehave.py")
+PROMPT = 10.0  # generous bound; measured end-to-end stop times are printed with -s
+
+
+def _pids(output: str) -> list[int]:
+    return [int(p) for p in re.findall(r"pid \d+ (\d+)", output)]
+
+
+def _seconds_after_failure(output: str, ended: float) -> float:
+    failed_at = float(re.search(r"failing at ([\d.]+)", output).group(1))
+    return ended - failed_at
+
+
+@pytest.mark.parametrize("how,code,words", [("raise", 1, "exit code 1"),
+                                             ("kill", 137, "exit code 137 (killed by SIGKILL)")])
+def test_failed_worker_ends_the_job(how, code, words):
+    done = run([HVDPLUSRUN, "-np", "3", "--gloo", PY, MISBEHAVE, how])
+    ended = time.time()
+    assert done.returncode == code, done.output
+    assert f"rank 1 on localhost failed with {words}; stopping the other 2 worker(s)" in done.output
+    stop = _seconds_after_failure(done.output, ended)
+    print(f"\n{how}: job ended {stop:.2f} s after rank 1 failed")
+    assert stop < PROMPT, done.output
+    assert not [p for p in _pids(done.output) if alive(p)], "workers left running"
+
+
+def test_failed_worker_under_mpi_ends_the_job():
+    done = run([HVDPLUSRUN, "-np", "2", "--mpi", PY, MISBEHAVE, "raise"])
+    assert done.returncode != 0
+    assert "rank 1 fails on purpose" in done.output
+    assert _seconds_after_failure(done.output, time.time()) < PROMPT, done.output
+
+
+def test_ctrl_c_stops_every_worker():
+    proc = subprocess.Popen([HVDPLUSRUN, "-np", "3", "--gloo", PY, MISBEHAVE, "sleep"], cwd=ROOT, env=job_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    while len(_pids("".join(lines))) < 3:
+        line = proc.stdout.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    proc.send_signal(signal.SIGINT)
+    start = time.monotonic()
+    output = "".join(lines) + proc.communicate(timeout=30)[0]
+    print(f"\nCtrl-C: job ended {time.monotonic() - start:.2f} s after SIGINT")
+    assert proc.returncode == 130, output
+    assert "got SIGINT; stopping all 3 running worker(s)" in output
+    time.sleep(0.2)
+    assert not [p for p in _pids(output) if alive(p)], "workers left running after Ctrl-C"
+
+
+def test_unreachable_host_is_named():
+    # 127.0.0.2 is this machine but not "local" to the launcher: ssh to a closed port is refused at once.
+    with __import__("socket").socket() as sock:
+        sock.bind(("127.0.0.2", 0))
+        closed_port = sock.getsockname()[1]
+    done = run([HVDPLUSRUN, "-np", "1", "--gloo", "-H", "127.0.0.2:1", "-p", str(closed_port), PY, "-c", "pass"])
+    assert done.returncode == 1
+    assert "cannot reach 127.0.0.2 over ssh" in done.output
+    assert done.seconds < PROMPT
+
+
+def test_bad_hostfile_line_is_named(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("node1 slots=2\nnode2 slots=two\n")
+    done = run([HVDPLUSRUN, "-np", "2", "--hostfile", str(hostfile), PY, "-c", "pass"])
+    assert done.returncode == 2
+    assert f"hostfile {hostfile}, line 2 ('node2 slots=two'): slots must be a whole number" in done.output
+
+
+def test_more_ranks_than_slots_is_refused():
+    done = run([HVDPLUSRUN, "-np", "5", "-H", "localhost:2", PY, "-c", "pass"])
+    assert done.returncode == 2
+    assert "-np 5 is more than the 2 slot(s) available (localhost:2)" in done.output
