@@ -52,6 +52,7 @@ class NetnsHosts:
     def _network(self) -> None:
         launcher_ns = LAUNCHER[0]
         for ns in self._namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)  # left by a killed run
             _sh("ip", "netns", "add", ns)
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             etc = Path("/etc/netns") / ns

@@ -1,0 +1,52 @@
+"""A real one-node Slurm: srun without a launcher, srun --mpi=pmix, sbatch of the example, hvdplusrun in salloc."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.integration.conftest import HVDPLUSRUN, ROOT, SCRIPTS, job_env, reports, run
+
+PY = sys.executable
+REPORT = str(SCRIPTS / "report.py")
+
+
+def _env(slurm) -> dict[str, str]:
+    return job_env(SLURM_CONF=slurm.env["SLURM_CONF"])
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_srun_without_launcher(slurm, n):
+    done = run(["srun", "-n", str(n), PY, REPORT], env=_env(slurm))
+    assert done.returncode == 0, done.output
+    ranks = reports(done.output)
+    assert [r["rank"] for r in ranks] == list(range(n)) and {r["sum"] for r in ranks} == {float(sum(range(n)))}
+    assert [r["local_rank"] for r in ranks] == list(range(n)) and {r["engine"] for r in ranks} == {"gloo"}
+
+
+def test_srun_with_pmix_uses_mpi(slurm):
+    if "pmix" not in subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, env=_env(slurm)).stdout \
+            + subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, env=_env(slurm)).stderr:
+        pytest.skip("this Slurm has no PMIx plugin")
+    done = run(["srun", "--mpi=pmix", "-n", "2", PY, REPORT], env=_env(slurm))
+    assert done.returncode == 0, done.output
+    assert [(r["rank"], r["engine"], r["sum"]) for r in reports(done.output)] == [(0, "mpi", 1.0), (1, "mpi", 1.0)]
+
+
+def test_sbatch_of_the_example_job_script(slurm, tmp_path):
+    out = tmp_path / "job.out"
+    done = run(["sbatch", "--wait", f"--output={out}", "examples/slurm/train.sbatch"], env=_env(slurm))
+    assert done.returncode == 0, done.output + (out.read_text() if out.exists() else "")
+    text = out.read_text()
+    assert "[rank 0/2, Gloo] allreduce(Sum) of ones*rank: [1.0, 1.0, 1.0]" in text, text
+    assert "[rank 1/2, Gloo] allgather_object: [{'rank': 0}, {'rank': 1}]" in text, text
+
+
+def test_hvdplusrun_inside_an_allocation_takes_its_hosts(slurm):
+    done = run(["salloc", "-n", "3", HVDPLUSRUN, "--gloo", PY, REPORT], env=_env(slurm))
+    assert done.returncode == 0, done.output
+    ranks = reports(done.output)
+    assert [r["rank"] for r in ranks] == [0, 1, 2] and {r["size"] for r in ranks} == {3}, done.output
+    assert "[2]<stdout>:" in done.output
