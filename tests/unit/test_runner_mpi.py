@@ -1,0 +1,64 @@
+"""mpirun command lines for Open MPI and MPICH: hosts and slots, env export, ssh options, root, interfaces."""
+
+import sys
+
+import pytest
+
+from hvdplus.runner.args import parse_args
+from hvdplus.runner.job import job_from_args
+from hvdplus.runner.mpi_run import abort_on_exception, mpirun_command
+
+
+def _spec(*flags):
+    return job_from_args(parse_args(["--gloo", *flags, "python", "train.py", "--epochs", "1"]), {"PATH": "/bin"})
+
+
+def test_open_mpi_command():
+    spec = _spec("-np", "3", "-H", "n1:2,n2:2", "-p", "2222", "--network-interfaces", "eth0",
+                 "--mpi-args", "--mca btl tcp,self")
+    command = mpirun_command("/opt/mpi/bin/mpirun", "openmpi", spec, ["A", "PATH"], as_root=True)
+    assert command[:5] == ["/opt/mpi/bin/mpirun", "-np", "3", "-H", "n1:2,n2:1"]
+    assert "--allow-run-as-root" in command and "--tag-output" in command
+    rsh = command[command.index("plm_rsh_args") + 1]
+    assert "-p 2222" in rsh and "BatchMode=yes" in rsh
+    assert command[command.index("btl_tcp_if_include") + 1] == "eth0"
+    assert command[command.index("oob_tcp_if_include") + 1] == "eth0"
+    assert ["-x", "A", "-x", "PATH"] == command[command.index("-x"):command.index("-x") + 4]
+    assert command[-9:] == ["--mca", "btl", "tcp,self", "python", "-m", "mpi4py", "train.py", "--epochs", "1"]
+
+
+def test_open_mpi_as_a_user_needs_no_root_flag():
+    command = mpirun_command("/opt/mpi/bin/mpirun", "openmpi", _spec("-np", "2"), [], as_root=False)
+    assert "--allow-run-as-root" not in command and command[3:5] == ["-H", "localhost:2"]
+
+
+def test_venv_open_mpi_passes_its_prefix():
+    mpirun = f"{sys.prefix}/bin/mpirun"
+    command = mpirun_command(mpirun, "openmpi", _spec("-np", "2"), [], as_root=False)
+    assert command[command.index("--prefix") + 1] == sys.prefix
+
+
+def test_mpich_command():
+    spec = _spec("-np", "4", "-H", "n1:2,n2:2", "-i", __file__, "--network-interfaces", "ib0")
+    command = mpirun_command("mpiexec", "mpich", spec, ["A", "B"], as_root=True)
+    assert command[:5] == ["mpiexec", "-np", "4", "-hosts", "n1:2,n2:2"]
+    assert "-prepend-rank" in command and "--allow-run-as-root" not in command
+    assert command[command.index("-launcher-exec") + 1].startswith("ssh -o BatchMode=yes")
+    assert f"-i {__file__}" in command[command.index("-launcher-exec") + 1]
+    assert command[command.index("-iface") + 1] == "ib0"
+    assert command[command.index("-genvlist") + 1] == "A,B"
+
+
+def test_unknown_flavor_is_refused():
+    with pytest.raises(ValueError, match="MPI flavor must be one of"):
+        mpirun_command("mpirun", "lam", _spec("-np", "1"), [], as_root=False)
+
+
+@pytest.mark.parametrize("command,wrapped", [
+    (["python", "t.py", "-x"], ["python", "-m", "mpi4py", "t.py", "-x"]),
+    (["/usr/bin/python3.11", "-m", "pkg"], ["/usr/bin/python3.11", "-m", "mpi4py", "-m", "pkg"]),
+    (["python", "-u", "t.py"], ["python", "-u", "t.py"]),
+    (["./train.sh"], ["./train.sh"]),
+])
+def test_python_programs_abort_the_job_on_an_exception(command, wrapped):
+    assert abort_on_exception(command) == wrapped
