@@ -16,7 +16,8 @@ from hvdplus.runner.rendezvous import RendezvousServer
 __all__ = ["main", "run_job"]
 
 
-def run_job(spec: JobSpec, prepare: Callable[[RendezvousServer], None] | None = None) -> tuple[int, RendezvousServer | None]:
+def run_job(spec: JobSpec,
+            prepare: Callable[[RendezvousServer], None] | None = None) -> tuple[int, RendezvousServer | None]:
     """Run a decided job in its mode; return its exit status (and Gloo mode's rendezvous server)."""
     if spec.mode == "mpi":
         return run_mpi(spec), None

@@ -46,7 +46,7 @@ class NetnsHosts:
         self._namespaces = [LAUNCHER[0], *(ns for ns, _ in HOSTS.values())]
 
     def _hosts_file(self) -> str:
-        lines = [f"127.0.0.1 localhost", f"{LAUNCHER[2]} {LAUNCHER[1]}"]
+        lines = ["127.0.0.1 localhost", f"{LAUNCHER[2]} {LAUNCHER[1]}"]
         return "\n".join(lines + [f"{addr} {name}" for name, (_, addr) in HOSTS.items()]) + "\n"
 
     def _network(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -66,7 +67,7 @@ def test_ctrl_c_stops_every_worker():
 
 def test_unreachable_host_is_named():
     # 127.0.0.2 is this machine but not "local" to the launcher: ssh to a closed port is refused at once.
-    with __import__("socket").socket() as sock:
+    with socket.socket() as sock:
         sock.bind(("127.0.0.2", 0))
         closed_port = sock.getsockname()[1]
     done = run([HVDPLUSRUN, "-np", "1", "--gloo", "-H", "127.0.0.2:1", "-p", str(closed_port), PY, "-c", "pass"])

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 
-from tests.integration.conftest import HVDPLUSRUN, ROOT, SCRIPTS, job_env, reports, run
+from tests.integration.conftest import HVDPLUSRUN, ROOT, SCRIPTS, reports, run
 
 PY = sys.executable
 

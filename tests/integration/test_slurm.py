@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.integration.conftest import HVDPLUSRUN, ROOT, SCRIPTS, job_env, reports, run
+from tests.integration.conftest import HVDPLUSRUN, SCRIPTS, job_env, reports, run
 
 PY = sys.executable
 REPORT = str(SCRIPTS / "report.py")
@@ -27,9 +27,9 @@ def test_srun_without_launcher(slurm, n):
 
 
 def test_srun_with_pmix_uses_mpi(slurm):
-    if "pmix" not in subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, env=_env(slurm)).stdout \
-            + subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, env=_env(slurm)).stderr:
-        pytest.skip("this Slurm has no PMIx plugin")
+    plugins = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, env=_env(slurm))
+    if "pmix" not in plugins.stdout + plugins.stderr:
+        pytest.skip("this Slurm has no PMIx plugin (Debian: slurm-wlm with libpmix-dev)")
     done = run(["srun", "--mpi=pmix", "-n", "2", PY, REPORT], env=_env(slurm))
     assert done.returncode == 0, done.output
     assert [(r["rank"], r["engine"], r["sum"]) for r in reports(done.output)] == [(0, "mpi", 1.0), (1, "mpi", 1.0)]

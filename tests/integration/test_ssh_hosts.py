@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import HVDPLUSRUN, SCRIPTS, alive, job_env, reports, run
+from tests.integration.conftest import HVDPLUSRUN, SCRIPTS, alive, reports, run
 
 PY = sys.executable
 
