@@ -36,6 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, LaunchError) as exc:
         print(f"hvdplusrun: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1
+    except KeyboardInterrupt:  # Ctrl-C before the ranks started; anything started is already stopped
+        return 130
     return code
 
 
