@@ -188,7 +188,7 @@ class _Handler(socketserver.BaseRequestHandler):
         sock.settimeout(HANDSHAKE_SECONDS)
         try:
             channel = _server_handshake(sock, self.server.secret)
-        except (OSError, PermissionError) as exc:
+        except OSError as exc:  # PermissionError (wrong secret) included
             log.warning("hvdplusrun: rendezvous rejected a connection from %s: %s", self.client_address[0], exc)
             return
         sock.settimeout(None)
