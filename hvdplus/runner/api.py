@@ -15,7 +15,7 @@ from hvdplus.runner.args import parse_args
 from hvdplus.runner.gloo_run import rendezvous_addresses
 from hvdplus.runner.job import job_from_args
 from hvdplus.runner.launch import run_job
-from hvdplus.runner.rendezvous import RendezvousServer, new_secret
+from hvdplus.common.rendezvous import RendezvousServer, new_secret
 
 __all__ = ["run", "FUNCTION_KEY", "result_key"]
 

@@ -11,7 +11,7 @@ from hvdplus.runner import agent
 from hvdplus.runner.hosts import is_local
 from hvdplus.runner.env import exportable
 from hvdplus.runner.job import JobSpec
-from hvdplus.runner.rendezvous import RendezvousServer, new_secret
+from hvdplus.common.rendezvous import RendezvousServer, new_secret
 from hvdplus.runner.ssh import check_reachable
 from hvdplus.runner.supervise import Supervisor
 

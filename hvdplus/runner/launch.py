@@ -11,7 +11,7 @@ from hvdplus.runner.check_build import check_build
 from hvdplus.runner.gloo_run import LaunchError, run_gloo
 from hvdplus.runner.job import JobSpec, job_from_args
 from hvdplus.runner.mpi_run import run_mpi
-from hvdplus.runner.rendezvous import RendezvousServer
+from hvdplus.common.rendezvous import RendezvousServer
 
 __all__ = ["main", "run_job"]
 

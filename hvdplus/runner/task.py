@@ -9,7 +9,7 @@ import traceback
 
 from hvdplus.common.settings import Settings
 from hvdplus.runner.api import FUNCTION_KEY, result_key
-from hvdplus.runner.rendezvous import RendezvousClient
+from hvdplus.common.rendezvous import RendezvousClient
 
 
 def main() -> int:

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from hvdplus.runner import rendezvous
-from hvdplus.runner.rendezvous import RendezvousClient, RendezvousServer, RendezvousTimeout, new_secret
+from hvdplus.common import rendezvous
+from hvdplus.common.rendezvous import RendezvousClient, RendezvousServer, RendezvousTimeout, new_secret
 
 
 @pytest.fixture

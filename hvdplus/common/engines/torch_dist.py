@@ -146,7 +146,7 @@ class TorchDistEngine:
 
 def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -> Any:
     """A torch.distributed Store backed by hvdplusrun's rendezvous server (HMAC-authenticated)."""
-    from hvdplus.runner.rendezvous import RendezvousClient  # the launcher's wire protocol (stdlib only)
+    from hvdplus.common.rendezvous import RendezvousClient  # hvdplusrun's authenticated store protocol
 
     class AuthenticatedStore(dist.Store):
         def __init__(self, client: RendezvousClient) -> None:
