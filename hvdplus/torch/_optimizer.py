@@ -6,7 +6,7 @@ import inspect
 import warnings
 from collections import Counter
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
