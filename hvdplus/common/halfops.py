@@ -8,7 +8,13 @@ import numpy as np
 
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["bfloat16_to_float32", "float32_to_bfloat16", "bfloat16_reducer", "scale_inplace"]
+__all__ = ["bfloat16_to_float32", "float32_to_bfloat16", "bfloat16_reducer", "half_reducer", "scale_inplace",
+           "register_half_kernels", "has_fast_kernels"]
+
+HALF_DTYPES = ("float16", "bfloat16")
+# Fast float16/bfloat16 arithmetic supplied by an adapter (numpy's float16 add is ~70x slower than torch's).
+_fast_combine: dict[tuple[str, ReduceOp], Callable[[np.ndarray, np.ndarray], None]] = {}
+_fast_scale: dict[str, Callable[[np.ndarray, float], None]] = {}
 
 _COMBINE: dict[ReduceOp, Callable[..., Any]] = {
     ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply,
@@ -31,6 +37,37 @@ def float32_to_bfloat16(values: np.ndarray, out: np.ndarray | None = None) -> np
     return out
 
 
+def register_half_kernels(dtype: str, combine: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], None]],
+                          scale: Callable[[np.ndarray, float], None]) -> None:
+    """Let an adapter supply fast in-place kernels on storage arrays: `combine[op](incoming, inout)` and
+    `scale(buf, factor)`. Both must round once to `dtype`, as the numpy fallbacks do."""
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"half kernels are for {HALF_DTYPES}, not {dtype!r}")
+    for op, kernel in combine.items():
+        _fast_combine[(dtype, op)] = kernel
+    _fast_scale[dtype] = scale
+
+
+def has_fast_kernels(dtype: str, op: ReduceOp) -> bool:
+    return (dtype, op) in _fast_combine
+
+
+def half_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
+    """An mpi4py user-op body reducing float16/bfloat16 buffers: the registered kernel, else (bfloat16
+    only) numpy through float32."""
+    fast = _fast_combine.get((dtype, op))
+    if fast is None:
+        if dtype != "bfloat16":
+            raise ValueError(f"no {dtype} kernel for {op.name} is registered; MPI reduces {dtype} itself")
+        return bfloat16_reducer(op)
+    storage = np.uint16 if dtype == "bfloat16" else np.float16
+
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        fast(np.frombuffer(inbuf, dtype=storage), np.frombuffer(inoutbuf, dtype=storage))
+
+    return reduce
+
+
 def bfloat16_reducer(op: ReduceOp) -> Callable[[Any, Any, Any], None]:
     """An mpi4py user-op body that reduces bfloat16 buffers through float32."""
     combine = _COMBINE[op]
@@ -47,7 +84,10 @@ def scale_inplace(buf: np.ndarray, dtype: str, factor: float) -> None:
     """Multiply a host buffer by `factor` in place (integers are scaled in float64 and truncated)."""
     if factor == 1.0:
         return
-    if dtype == "bfloat16":
+    fast = _fast_scale.get(dtype)
+    if fast is not None:
+        fast(buf, factor)
+    elif dtype == "bfloat16":
         float32_to_bfloat16(bfloat16_to_float32(buf) * np.float32(factor), out=buf)
     elif buf.dtype == np.float16:  # scale in float32 so the factor itself cannot overflow or lose bits
         buf[...] = buf.astype(np.float32) * np.float32(factor)

@@ -32,7 +32,7 @@ class MPIEngine:
         self.size = self.world.Get_size()
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
                      ReduceOp.PRODUCT: MPI.PROD}
-        self._bf16_ops: dict[ReduceOp, Any] = {}
+        self._half_ops: dict[tuple[str, ReduceOp], Any] = {}
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         member = self.rank in ranks
@@ -40,11 +40,13 @@ class MPIEngine:
         return comm if member else None
 
     def _op(self, dtype: str, op: ReduceOp) -> Any:
-        if dtype != "bfloat16":
+        """MPI's own op, or a user op for bfloat16 (MPI has none) and for float16 when an adapter
+        registered a fast kernel (Open MPI's float16 sum is ~10x slower than its float32 sum)."""
+        if not (dtype == "bfloat16" or (dtype == "float16" and halfops.has_fast_kernels(dtype, op))):
             return self._ops[op]
-        if op not in self._bf16_ops:
-            self._bf16_ops[op] = self._MPI.Op.Create(halfops.bfloat16_reducer(op), commute=True)
-        return self._bf16_ops[op]
+        if (dtype, op) not in self._half_ops:
+            self._half_ops[(dtype, op)] = self._MPI.Op.Create(halfops.half_reducer(dtype, op), commute=True)
+        return self._half_ops[(dtype, op)]
 
     def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any,
                   send: np.ndarray | None = None) -> None:
@@ -86,9 +88,9 @@ class MPIEngine:
         return out
 
     def shutdown(self) -> None:
-        for op in self._bf16_ops.values():
+        for op in self._half_ops.values():
             op.Free()
-        self._bf16_ops.clear()
+        self._half_ops.clear()
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:
