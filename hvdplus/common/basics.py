@@ -131,8 +131,10 @@ def init(comm: Any = None, process_sets: Iterable[ProcessSet] | str | None = Non
 
 
 def runtime() -> Runtime:
-    """The live runtime, or NotInitializedError."""
-    if _runtime is None or not _runtime.coordinator.running:
+    """The runtime from init(), or NotInitializedError. It outlives a background thread stopped by
+    another rank's shutdown (as in Horovod): rank() and size() still answer, collectives raise
+    HorovodInternalError."""
+    if _runtime is None:
         raise NotInitializedError()
     return _runtime
 

@@ -46,6 +46,21 @@ def test_dead_worker_raises_on_the_others_within_seconds():
     assert max(times) < 10, output
 
 
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+def test_peer_shutdown_leaves_rank_and_size_readable(engine):
+    """As in Horovod: after another rank's shutdown, rank() and size() still answer; collectives raise."""
+    if engine == "mpi":
+        pytest.importorskip("mpi4py")
+    code, output = run_job(engine, 3, [str(SCENARIOS / "peer_shutdown.py")], timeout=60)
+    assert code == 0, output
+    for rank in (1, 2):
+        expected = (f"rank {rank}/3: raised HorovodInternalError: hvdplus can no longer run collectives: "
+                    "hvdplus was shut down on one or more ranks")
+        assert expected in output, output
+
+
 @pytest.mark.timeout(120)
 def test_single_process_without_launcher():
     """`python script.py` with no launcher is a job of one rank, as with Horovod."""
