@@ -148,6 +148,9 @@ class Coordinator:
                 self._engine.shutdown()
             except Exception as exc:  # pragma: no cover - best effort at exit
                 log.debug("engine shutdown failed: %s", exc)
+            for entry in self._sets.values():  # the engine destroyed the groups: keep no handle alive
+                entry.group = None
+            self._executor.drop_groups()
 
     def _members(self, set_id: int) -> tuple[int, ...]:
         entry = self._sets.get(set_id)

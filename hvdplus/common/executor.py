@@ -59,6 +59,10 @@ class Executor:
         self._hierarchical = hierarchical
         self._fusion_buffers: dict[np.dtype, np.ndarray] = {}
 
+    def drop_groups(self) -> None:
+        """Forget the hierarchical groups once the engine has destroyed them."""
+        self._hierarchical = None
+
     def fail(self, response: Response, work: Work | None) -> None:
         if work is not None:
             work.handle.set_error(CollectiveMismatchError(response.error))

@@ -140,8 +140,12 @@ class TorchDistEngine:
         return out
 
     def shutdown(self) -> None:
-        if self._owns_group and self._dist.is_initialized():
-            self._dist.destroy_process_group()
+        """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
+        every reference: a Gloo group that outlives this call is torn down at interpreter exit, which
+        aborts the process now and then ("terminate called without an active exception")."""
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group(None if self._owns_group else self.world)
+        self.world = None
 
 
 def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -> Any:
