@@ -12,8 +12,9 @@ import torch
 
 from hvdplus.common.basics import ProcessSet, global_process_set, size
 from hvdplus.common.ops import Average, ReduceOp
+from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.torch.compression import Compressor
-from hvdplus.torch.grouping import build_groups
+from hvdplus.common.grouping import build_groups
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
 from hvdplus.torch.mpi_ops import synchronize as _synchronize_handle
 from hvdplus.torch.sparse import sparse_allreduce_async
@@ -83,7 +84,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Allreduce every `passes`-th backward pass from now on (gradients accumulate in between)."""
-        _check_passes(passes)
+        check_passes(passes)
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = passes
@@ -119,8 +120,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _scales(self) -> tuple[float, float]:
         """(prescale, postscale): Average splits gradient_predivide_factor across them (the core divides by size)."""
-        predivide = self.gradient_predivide_factor if self.op == Average else 1.0
-        return 1.0 / predivide, predivide
+        return predivide_scales(self.gradient_predivide_factor, self.op)
 
     def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
         grad = self._gradient(p)
@@ -254,8 +254,3 @@ def _parameter_names(param_groups: list[dict[str, Any]], named_parameters: Any) 
                          f"(shapes {[tuple(p.shape) for p in unnamed]}); pass model.named_parameters() of the model "
                          f"whose parameters the optimizer holds")
     return names
-
-
-def _check_passes(passes: Any) -> None:
-    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
-        raise ValueError(f"backward_passes_per_step must be an integer >= 1, got {passes!r}")

@@ -16,6 +16,7 @@ import torch
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.handles import Handle
+from hvdplus.common.naming import member_names
 from hvdplus.common.ops import ReduceOp
 from hvdplus.torch.compression import Compression, Compressor
 
@@ -107,17 +108,13 @@ def _lookup(handle: int) -> tuple[list[Handle], Callable[[list[Any]], Any]]:
         raise ValueError(f"handle {handle!r} is unknown or was already synchronized") from None
 
 
-def _names(name: str | None, count: int) -> list[str | None]:
-    return [None if name is None else f"{name}.{i}" for i in range(count)] if count > 1 else [name]
-
-
 # ----------------------------------------------------------------------------- allreduce
 def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | None,
                              name: str | None, op: ReduceOp | None, prescale_factor: float,
                              postscale_factor: float, process_set: ProcessSet) -> int:
     op = core.resolve_op(average, op)
     handles, outputs = [], []
-    for tensor, tensor_name in zip(tensors, _names(name, len(tensors))):
+    for tensor, tensor_name in zip(tensors, member_names(name, len(tensors))):
         output, in_array, out_array = _buffers(tensor, inplace)
         handles.append(core.submit_allreduce(in_array, out_array, _dtype_name(tensor), tensor_name, op,
                                              prescale_factor, postscale_factor, process_set, str(tensor.device)))
@@ -224,7 +221,7 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
     Collective: every rank in the process set must call this, in the same order."""
     return [allreduce(t, average, n, compression, op, prescale_factor, postscale_factor, process_set)
-            for t, n in zip(tensors, _names(name, len(tensors)))]
+            for t, n in zip(tensors, member_names(name, len(tensors)))]
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -240,7 +237,7 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
                             process_set: ProcessSet = global_process_set) -> int:
     """Start allgathers of several tensors; `synchronize` returns the list of results."""
     handles = [core.submit_allgather(_numpy(_host(t)), _dtype_name(t), n, process_set, str(t.device))
-               for t, n in zip(tensors, _names(name, len(tensors)))]
+               for t, n in zip(tensors, member_names(name, len(tensors)))]
     return _register(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
 
 
@@ -279,7 +276,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather a list of tensors; differentiable."""
-    return [allgather(t, n, process_set) for t, n in zip(tensors, _names(name, len(tensors)))]
+    return [allgather(t, n, process_set) for t, n in zip(tensors, member_names(name, len(tensors)))]
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -393,7 +390,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
     """Start reduce-scatters of several tensors; `synchronize` returns the list of this rank's shards."""
     handles = [core.submit_reducescatter(_numpy(_host(t)), _dtype_name(t), n, core.resolve_op(None, op),
                                          prescale_factor, postscale_factor, process_set, str(t.device))
-               for t, n in zip(tensors, _names(name, len(tensors)))]
+               for t, n in zip(tensors, member_names(name, len(tensors)))]
     return _register(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
 
 
@@ -439,7 +436,7 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reduce-scatter a list of tensors; differentiable."""
     return [reducescatter(t, n, compression, op, process_set, prescale_factor, postscale_factor)
-            for t, n in zip(tensors, _names(name, len(tensors)))]
+            for t, n in zip(tensors, member_names(name, len(tensors)))]
 
 
 # ----------------------------------------------------------------------------- join and barrier

@@ -17,7 +17,6 @@ one step on the combined batch of all ranks and passes, the user divides each pa
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Iterable
 
 import torch
@@ -25,8 +24,9 @@ import torch
 from hvdplus.common.adasum import check_adasum_size
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.ops import Adasum, Average, ReduceOp
+from hvdplus.common.optimizer_options import check_compression, check_passes, check_predivide, merge_num_groups
 from hvdplus.torch._adasum_optimizer import _DistributedAdasumOptimizer
-from hvdplus.torch._optimizer import AllreduceInFlightError, _check_passes, _DistributedOptimizer
+from hvdplus.torch._optimizer import AllreduceInFlightError, _DistributedOptimizer
 from hvdplus.torch.compression import Compression, Compressor
 
 __all__ = ["DistributedOptimizer", "AllreduceInFlightError"]
@@ -53,15 +53,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, "_hvd_base"):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the original optimizer only once")
-    _check_passes(backward_passes_per_step)
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if not (hasattr(compression, "compress") and hasattr(compression, "decompress")):
-        raise TypeError(f"compression must be a Compressor such as hvd.Compression.fp16, got {compression!r}")
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-                      DeprecationWarning, stacklevel=2)
-        groups = num_groups if groups is None else groups
+    check_passes(backward_passes_per_step)
+    check_predivide(gradient_predivide_factor, op)
+    check_compression(compression)
+    groups = merge_num_groups(num_groups, groups)
     methods = dict(_DistributedOptimizer.__dict__)
     if op == Adasum and process_set.included() and process_set.size() > 1:
         check_adasum_size(process_set.size())

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hvdplus.torch.grouping import build_groups, split_list
+from hvdplus.common.grouping import build_groups, split_list
 
 
 class Param:

@@ -1,0 +1,63 @@
+"""DistributedOptimizer's `groups`/`num_groups`: which gradients are allreduced together (Horovod's rules).
+
+Pure functions over an optimizer's parameter list; parameters are matched by identity, so they need not
+be hashable (TensorFlow and Keras variables are not)."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+__all__ = ["split_list", "check_groups", "group_indices", "build_groups"]
+
+
+def split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:
+    """Split `items` into `parts` contiguous lists whose lengths differ by at most one (Horovod's split)."""
+    quotient, remainder = divmod(len(items), parts)
+    return [list(items[i * quotient + min(i, remainder):(i + 1) * quotient + min(i + 1, remainder)])
+            for i in range(parts)]
+
+
+def check_groups(groups: Any) -> None:
+    """`groups` must be None, a positive int or a list (of lists of parameters)."""
+    if groups is None:
+        return
+    if isinstance(groups, bool) or not isinstance(groups, (int, list)) or (isinstance(groups, int) and groups <= 0):
+        raise ValueError(f"groups should be a positive integer or a list of lists of parameters, got {groups!r}")
+
+
+def group_indices(params: Sequence[Any], groups: Any) -> list[tuple[int, ...]]:
+    """The groups as tuples of positions in `params`, in optimizer order ([] when `groups` is None).
+
+    `groups` is None (no grouping), a positive int (that many contiguous groups of about equal size) or a
+    list of lists of parameters (each parameter at most once; the parameters not listed form groups of
+    their own). Every rank must build its optimizer over the same parameters in the same order."""
+    check_groups(groups)
+    if groups is None:
+        return []
+    if isinstance(groups, int):
+        return [tuple(part) for part in split_list(range(len(params)), min(groups, len(params))) if part]
+    return [tuple(part) for part in _listed_groups(params, groups)]
+
+
+def build_groups(params: Sequence[Any], groups: Any) -> dict[Any, tuple[Any, ...]]:
+    """Map each of `params` (hashable ones, e.g. torch tensors) to the tuple of its group (see group_indices)."""
+    plan = [tuple(params[i] for i in indices) for indices in group_indices(params, groups)]
+    return {p: group for group in plan for p in group}
+
+
+def _listed_groups(params: Sequence[Any], groups: list[Any]) -> list[list[int]]:
+    """The listed groups in optimizer order (objects that are not parameters are left out, as Horovod does
+    for frozen ones), then every unlisted parameter on its own."""
+    position = {id(p): i for i, p in enumerate(params)}
+    seen: set[int] = set()
+    lists = []
+    for group in groups:
+        if not isinstance(group, (list, tuple)):
+            raise ValueError(f"groups must be a list of lists of parameters; got an element of type "
+                             f"{type(group).__name__}")
+        ids = {id(p) for p in group}
+        if len(ids) != len(group) or ids & seen:
+            raise ValueError("A parameter can only appear once in groups; remove the duplicate")
+        seen |= ids
+        lists.append(sorted(position[i] for i in ids if i in position))
+    return [part for part in lists if part] + [[i] for i, p in enumerate(params) if id(p) not in seen]

@@ -1,0 +1,19 @@
+"""Collective names that every rank derives the same way: members of grouped ops, framework op names."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["member_names", "normalize_name"]
+
+_INVALID = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def member_names(name: str | None, count: int) -> list[str | None]:
+    """Names of the `count` members of a grouped collective named `name` (None leaves each to the core)."""
+    return [None if name is None else f"{name}.{i}" for i in range(count)] if count > 1 else [name]
+
+
+def normalize_name(name: str) -> str:
+    """Horovod's normalization of framework names: every character outside [a-zA-Z0-9_] becomes '_'."""
+    return _INVALID.sub("_", name)
