@@ -2,4 +2,4 @@
 
 import os
 
-collect_ignore_glob = [] if os.environ.get("HVDPLUS_TEST_WORKER") else ["parallel/workers/*"]
+collect_ignore_glob = [] if os.environ.get("HVDPLUS_TEST_WORKER") else ["parallel/workers/*", "parallel/workers_tf/*"]

@@ -1,0 +1,76 @@
+"""Running a core collective from TensorFlow: numpy buffers in eager mode, one `tf.numpy_function` op in graphs.
+
+Inside tf.function every collective is one stateful op; automatic control dependencies run stateful ops in
+program order, so the collectives of a graph start in the same order on every rank (the core negotiates the
+order anyway). Default names come from the graph (scope and input tensor name, made unique in the graph), so
+they agree across ranks without depending on execution order; eager collectives without a name are numbered
+by the core in call order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from hvdplus.common.naming import member_names, normalize_name
+
+__all__ = ["dtype_name", "storage", "values", "execute", "collective_names"]
+
+_DTYPE_NAMES = {tf.uint8: "uint8", tf.int8: "int8", tf.uint16: "uint16", tf.int16: "int16", tf.int32: "int32",
+                tf.int64: "int64", tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
+                tf.float64: "float64", tf.bool: "bool"}
+_BFLOAT16 = tf.bfloat16.as_numpy_dtype
+
+Run = Callable[..., Sequence[np.ndarray]]
+
+
+def dtype_name(dtype: tf.DType) -> str:
+    """The core's name for a TensorFlow dtype, or TypeError naming the supported ones."""
+    try:
+        return _DTYPE_NAMES[tf.as_dtype(dtype)]
+    except (KeyError, TypeError):
+        raise TypeError(f"hvdplus collectives do not support dtype {dtype}; supported: "
+                        f"{', '.join(d.name for d in _DTYPE_NAMES)}") from None
+
+
+def storage(array: np.ndarray) -> np.ndarray:
+    """A contiguous host array the core can move (bfloat16 as its uint16 bits)."""
+    array = np.asarray(array, order="C")
+    return array.view(np.uint16) if array.dtype == _BFLOAT16 else array
+
+
+def values(array: np.ndarray, dtype: str) -> np.ndarray:
+    """Inverse of `storage`: the array as TensorFlow expects `dtype`."""
+    return array.view(_BFLOAT16) if dtype == "bfloat16" else array
+
+
+def execute(run: Run, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType],
+            shapes: Sequence[tf.TensorShape]) -> list[tf.Tensor]:
+    """`run(*numpy inputs) -> numpy outputs` now (eager) or as one graph op whose outputs get static `shapes`."""
+    if tf.executing_eagerly():
+        return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(run(*(t.numpy() for t in inputs)), dtypes)]
+    outputs = tf.numpy_function(run, list(inputs), list(dtypes), stateful=True)
+    for output, shape in zip(outputs, shapes):
+        output.set_shape(shape)
+    return outputs
+
+
+def collective_names(kind: str, tensors: Sequence[tf.Tensor], name: str | None,
+                     ignore_name_scope: bool = False) -> list[str | None]:
+    """One name per tensor: in graphs the op-style name Horovod uses (made unique in the graph), in eager mode
+    `name` (members numbered) or None for the core to number."""
+    if tf.executing_eagerly():
+        return member_names(name, len(tensors))
+    graph = tf.compat.v1.get_default_graph()
+
+    def unique(base: str) -> str:
+        if not ignore_name_scope:
+            return graph.unique_name(base)
+        with graph.name_scope(None):
+            return graph.unique_name(base)
+
+    if name is not None:
+        return member_names(unique(name), len(tensors))
+    return [unique(f"Horovod{kind}_{normalize_name(t.name)}") for t in tensors]

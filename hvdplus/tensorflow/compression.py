@@ -1,0 +1,27 @@
+"""`hvd.Compression` for TensorFlow tensors (none, fp16, and bf16 beyond Horovod)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from hvdplus.common.compression import Compressor, make_compression
+
+__all__ = ["Compression", "Compressor"]
+
+
+@tf.autograph.experimental.do_not_convert
+def _is_floating(tensor: tf.Tensor) -> bool:
+    return tensor.dtype.is_floating
+
+
+@tf.autograph.experimental.do_not_convert
+def _dtype_of(tensor: tf.Tensor) -> tf.DType:
+    return tensor.dtype
+
+
+@tf.autograph.experimental.do_not_convert
+def _cast(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
+    return tf.cast(tensor, dtype)
+
+
+Compression = make_compression(tf.float16, tf.bfloat16, _is_floating, _dtype_of, _cast)

@@ -1,0 +1,95 @@
+"""horovod.tensorflow's helpers: broadcast variables and Python objects, ops for ranks and sizes."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import tensorflow as tf
+
+from hvdplus.common import collectives as core
+from hvdplus.common.basics import ProcessSet, global_process_set, local_rank, local_size, rank, runtime
+from hvdplus.tensorflow._graph import collective_names
+from hvdplus.tensorflow.mpi_ops import broadcast_op
+
+if TYPE_CHECKING:
+    from tensorflow.compat.v1 import Session
+
+__all__ = ["broadcast_variables", "broadcast_", "broadcast_global_variables", "broadcast_object",
+           "allgather_object", "size_op", "local_size_op", "rank_op", "local_rank_op"]
+
+
+def _broadcast_assign(variables: Sequence[Any], root_rank: int, process_set: ProcessSet, prefix: str | None) -> Any:
+    """Assign root's values to `variables` with one broadcast op; the group of assignments in graphs."""
+    variables = list(variables)
+    if not variables:
+        return None if tf.executing_eagerly() else tf.no_op()
+    tensors = [tf.convert_to_tensor(v) for v in variables]
+    received = broadcast_op(tensors, collective_names("Broadcast", tensors, prefix), root_rank, process_set)
+    return tf.group(*[v.assign(value) for v, value in zip(variables, received)])
+
+
+def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set,
+                        inplace: bool = False) -> Any:
+    """Overwrite each variable with the root's value (tf.Variable or Keras variable); returns the op in graphs.
+
+    Collective: every rank in the process set must call this with the same variables, in the same order."""
+    return _broadcast_assign(variables, root_rank, process_set, None)
+
+
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> list[Any]:
+    """In-place broadcast of variables: each receives root's value; returns the variables.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    _broadcast_assign(variables, root_rank, process_set, name)
+    return list(variables)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Broadcast every global variable of a TF1-style graph (tf.compat.v1); returns the op to run.
+
+    Like Horovod, this needs graph mode: in eager mode (TF2's default) there is no global variable
+    collection, so it raises with the replacement to use."""
+    if tf.executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
+                           "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Session | None = None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return a copy of root's picklable `obj` on every rank (`session` is accepted for Horovod and unused).
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return core.broadcast_object(obj, root_rank, name, process_set)
+
+
+def allgather_object(obj: Any, session: Session | None = None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Return the list of every rank's picklable `obj`, in rank order (`session` is unused).
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return core.allgather_object(obj, name, process_set)
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """The number of ranks of a process set (the global one by default) as an int32 tensor."""
+    ranks = runtime().coordinator.process_set_ranks(process_set_id)
+    if ranks is None:
+        raise ValueError(f"process set {process_set_id} does not exist")
+    return tf.constant(len(ranks), tf.int32, name=name)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    """The number of ranks on this host as an int32 tensor."""
+    return tf.constant(local_size(), tf.int32, name=name)
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank as an int32 tensor."""
+    return tf.constant(rank(), tf.int32, name=name)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    """This process's rank on its host as an int32 tensor."""
+    return tf.constant(local_rank(), tf.int32, name=name)

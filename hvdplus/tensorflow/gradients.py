@@ -1,0 +1,90 @@
+"""Averaging a list of gradients over the ranks: shared by DistributedGradientTape and Keras' DistributedOptimizer.
+
+Dense gradients go in one grouped allreduce op per group (with `groups=None`, one op for all of them: the core
+fuses them into as few reductions as the fusion threshold allows). tf.IndexedSlices are allgathered unless
+`sparse_as_dense`. Gradients of local variables (PartialDistributed*) are not reduced; with
+`scale_local_gradients` they are divided by the process set's size, as Horovod does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import tensorflow as tf
+
+from hvdplus.common.basics import ProcessSet
+from hvdplus.common.grouping import check_groups, group_indices
+from hvdplus.common.naming import normalize_name
+from hvdplus.common.ops import ReduceOp
+from hvdplus.common.optimizer_options import check_compression, check_predivide, predivide_scales
+from hvdplus.tensorflow.compression import Compressor
+from hvdplus.tensorflow.mpi_ops import _allreduce_op, _sparse_allreduce, _tensors
+
+__all__ = ["GradientReducer", "variable_name"]
+
+
+def variable_name(variable: Any, index: int) -> str:
+    """A readable name for a variable's gradient (Keras variables have a unique `path`)."""
+    label = getattr(variable, "path", None) or getattr(variable, "name", None) or "grad"
+    return f"{index}.{normalize_name(str(label))}"
+
+
+class GradientReducer:
+    """Horovod's gradient allreduce for a tape or an optimizer; `reduce` is called once per step on every rank."""
+
+    def __init__(self, compression: Compressor, sparse_as_dense: bool, op: ReduceOp, gradient_predivide_factor: float,
+                 groups: Any, process_set: ProcessSet, scale_local_gradients: bool, prefix: str) -> None:
+        check_compression(compression)
+        check_predivide(gradient_predivide_factor, op)
+        check_groups(groups)
+        self.compression, self.sparse_as_dense, self.op = compression, sparse_as_dense, op
+        self.prescale, self.postscale = predivide_scales(gradient_predivide_factor, op)
+        self.groups, self.process_set, self.scale_local_gradients = groups, process_set, scale_local_gradients
+        self.prefix = prefix
+        self._local: set[int] = set()
+
+    def register_local(self, variables: Iterable[Any]) -> None:
+        """Leave the gradients of `variables` out of the allreduce (they stay local to each rank)."""
+        self._local.update(id(v) for v in variables)
+
+    def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
+        """The gradients averaged (op) over the process set; None stays None.
+
+        Collective: every rank in the process set must call this with the same variables, in the same order."""
+        grads = list(grads)
+        if not self.process_set.included() or self.process_set.size() == 1:
+            return grads
+        names = self._names(variables)
+        shared = [i for i, g in enumerate(grads) if g is not None and id(variables[i]) not in self._local]
+        for i, g in enumerate(grads):
+            if g is not None and id(variables[i]) in self._local and self.scale_local_gradients:
+                grads[i] = g / tf.cast(self.process_set.size(), g.dtype)
+        dense = []
+        for i in shared:
+            if isinstance(grads[i], tf.IndexedSlices) and not self.sparse_as_dense:
+                grads[i] = _sparse_allreduce(grads[i], names[i], self.op, self.prescale, self.postscale,
+                                             self.process_set, True)
+            else:
+                dense.append(i)
+        for members in self._plan(variables, dense):
+            self._allreduce(grads, members, names)
+        return grads
+
+    def _names(self, variables: Sequence[Any]) -> list[str]:
+        prefix = self.prefix if tf.executing_eagerly() else tf.compat.v1.get_default_graph().unique_name(self.prefix)
+        return [f"{prefix}.{variable_name(v, i)}" for i, v in enumerate(variables)]
+
+    def _plan(self, variables: Sequence[Any], dense: list[int]) -> list[list[int]]:
+        """The dense gradients' positions, one list per allreduce op."""
+        wanted = set(dense)
+        plan = [[i for i in group if i in wanted] for group in group_indices(list(variables), self.groups)]
+        plan = [group for group in plan if group] or [dense]
+        return [group for group in plan if group]
+
+    def _allreduce(self, grads: list[Any], members: list[int], names: list[str]) -> None:
+        pairs = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in members]
+        inputs = _tensors([p[0] for p in pairs])
+        reduced = _allreduce_op(inputs, [names[i] for i in members], self.op, self.prescale, self.postscale,
+                                self.process_set)
+        for i, output, (_, ctx) in zip(members, reduced, pairs):
+            grads[i] = self.compression.decompress(output, ctx)

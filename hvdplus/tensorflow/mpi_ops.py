@@ -1,0 +1,320 @@
+"""horovod.tensorflow's collectives on TensorFlow tensors, eager and inside tf.function, with gradients.
+
+Every op keeps Horovod's signature (`device_*` arguments are accepted and ignored: tensors are staged
+through host memory); the work itself is done by `hvdplus.common.collectives` (see _graph.py for how
+a call becomes a graph op and how names are chosen).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from hvdplus.common import collectives as core
+from hvdplus.common.basics import ProcessSet, global_process_set
+from hvdplus.common.ops import ReduceOp
+from hvdplus.tensorflow._graph import collective_names, dtype_name, execute, storage, values
+from hvdplus.tensorflow.compression import Compression, Compressor
+
+__all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
+           "reducescatter", "grouped_reducescatter", "join", "barrier"]
+
+Names = Sequence["str | None"]
+
+
+def _tensors(tensors: Sequence[Any]) -> list[tf.Tensor]:
+    result = [tf.convert_to_tensor(t) for t in tensors]
+    for t in result:
+        dtype_name(t.dtype)
+    return result
+
+
+def _wait(handles: list[Any]) -> list[Any]:
+    return [h.wait() for h in handles]
+
+
+# ----------------------------------------------------------------------------- allreduce
+def _allreduce_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float,
+                  process_set: ProcessSet) -> list[tf.Tensor]:
+    """One op reducing every tensor (fused by the core); its gradient allreduces the gradients (Sum/Average)."""
+    dtypes = [dtype_name(t.dtype) for t in tensors]
+
+    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+        sources = [storage(a) for a in arrays]
+        outputs = [np.empty_like(s) for s in sources]
+        _wait([core.submit_allreduce(s, o, d, n, op, prescale, postscale, process_set)
+               for s, o, d, n in zip(sources, outputs, dtypes, names)])
+        return [values(o, d) for o, d in zip(outputs, dtypes)]
+
+    @tf.custom_gradient
+    def forward(*xs: tf.Tensor) -> Any:
+        ys = execute(run, xs, [x.dtype for x in xs], [x.shape for x in xs])
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+                raise NotImplementedError(f"the gradient of allreduce is defined for Average and Sum, not {op!r}")
+            dys = _tensors(dys)
+            return _allreduce_op(dys, collective_names("Allreduce", dys, None), op, prescale, postscale, process_set)
+
+        return ys, grad
+
+    return list(forward(*tensors)) if tensors else []
+
+
+def _sparse_allreduce(tensor: tf.IndexedSlices, name: str | None, op: ReduceOp, prescale: float,
+                      postscale: float, process_set: ProcessSet, ignore_name_scope: bool) -> tf.IndexedSlices:
+    """Horovod's IndexedSlices allreduce: allgather values and indices (Average divides the values by size)."""
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise NotImplementedError(f"allreduce of tf.IndexedSlices supports Average and Sum, got {op!r}")
+    parts = _tensors([tensor.values, tensor.indices])
+    names = collective_names("Allgather", parts, name, ignore_name_scope)
+    gathered_values, indices = _allgather_op(parts, names, process_set)
+    scale = prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
+    if scale != 1.0:
+        gathered_values = gathered_values * tf.cast(scale, gathered_values.dtype)
+    return tf.IndexedSlices(gathered_values, indices, dense_shape=tensor.dense_shape)
+
+
+def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
+              compression: Compressor = Compression.none, op: ReduceOp | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
+              process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False) -> Any:
+    """Reduce `tensor` over the ranks (Average by default); tf.IndexedSlices are allgathered. Differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    op = core.resolve_op(average, op)
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set,
+                                 ignore_name_scope)
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    [tensor] = _tensors([compressed])
+    names = collective_names("Allreduce", [tensor], name, ignore_name_scope)
+    [reduced] = _allreduce_op([tensor], names, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "",
+                      device_sparse: str = "", compression: Compressor = Compression.none,
+                      op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Allreduce a list of tensors in one op (fused by the core); tf.IndexedSlices are allgathered.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    op = core.resolve_op(average, op)
+    results: list[Any] = list(tensors)
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            results[i] = _sparse_allreduce(t, None, op, prescale_factor, postscale_factor, process_set, False)
+    compressed, contexts = zip(*(compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense)) \
+        if dense else ((), ())
+    inputs = _tensors(compressed)
+    reduced = _allreduce_op(inputs, collective_names("Allreduce", inputs, None), op, prescale_factor,
+                            postscale_factor, process_set)
+    for i, output, ctx in zip(dense, reduced, contexts):
+        results[i] = compression.decompress(output, ctx)
+    return results
+
+
+# ----------------------------------------------------------------------------- allgather
+def _allgather_op(tensors: list[tf.Tensor], names: Names, process_set: ProcessSet) -> list[tf.Tensor]:
+    """One op gathering every tensor along dimension 0; the gradient is this rank's rows of the summed gradient."""
+    dtypes = [dtype_name(t.dtype) for t in tensors]
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise ValueError("allgather needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
+
+    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+        results = _wait([core.submit_allgather(storage(a), d, n, process_set)
+                         for a, d, n in zip(arrays, dtypes, names)])
+        return [values(r, d) for r, d in zip(results, dtypes)]
+
+    @tf.custom_gradient
+    def forward(*xs: tf.Tensor) -> Any:
+        ys = execute(run, xs, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            dys = _tensors(dys)
+            summed = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.SUM, 1.0, 1.0,
+                                   process_set)
+            rows = [tf.shape(x, out_type=tf.int64)[:1] for x in xs]
+            all_rows = _allgather_op(rows, collective_names("Allgather", rows, None), process_set)
+            me = process_set.rank()
+            return [g[tf.reduce_sum(r[:me]):tf.reduce_sum(r[:me + 1])] for g, r in zip(summed, all_rows)]
+
+        return ys, grad
+
+    return list(forward(*tensors)) if tensors else []
+
+
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Concatenate every rank's `tensor` along dimension 0 (first dimensions may differ). Differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    tensors = _tensors([tensor])
+    return _allgather_op(tensors, collective_names("Allgather", tensors, name, ignore_name_scope), process_set)[0]
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+    """Allgather a list of tensors in one op. Differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    inputs = _tensors(tensors)
+    return _allgather_op(inputs, collective_names("Allgather", inputs, name, ignore_name_scope), process_set)
+
+
+# ----------------------------------------------------------------------------- broadcast
+def broadcast_op(tensors: list[tf.Tensor], names: Names, root_rank: int,
+                 process_set: ProcessSet) -> list[tf.Tensor]:
+    """One op copying root's tensors to every rank; the gradient is the summed gradient on the root, 0 elsewhere."""
+    dtypes = [dtype_name(t.dtype) for t in tensors]
+
+    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+        sources = [storage(a) for a in arrays]
+        outputs = [np.empty_like(s) for s in sources]
+        _wait([core.submit_broadcast(s, o, d, root_rank, n, process_set)
+               for s, o, d, n in zip(sources, outputs, dtypes, names)])
+        return [values(o, d) for o, d in zip(outputs, dtypes)]
+
+    @tf.custom_gradient
+    def forward(*xs: tf.Tensor) -> Any:
+        ys = execute(run, xs, [x.dtype for x in xs], [x.shape for x in xs])
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            dys = _tensors(dys)
+            summed = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.SUM, 1.0, 1.0,
+                                   process_set)
+            return summed if process_set.rank() == root_rank else [tf.zeros_like(g) for g in summed]
+
+        return ys, grad
+
+    return list(forward(*tensors)) if tensors else []
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Return root's `tensor` on every rank. Differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    tensors = _tensors([tensor])
+    names = collective_names("Broadcast", tensors, name, ignore_name_scope)
+    return broadcast_op(tensors, names, root_rank, process_set)[0]
+
+
+# ----------------------------------------------------------------------------- alltoall
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """Scatter slices of `tensor` to every rank and gather theirs (rows splits[r] go to rank r). Differentiable.
+
+    Returns the output, or (output, received_splits) when `splits` is given (as hvdplus.torch).
+    Splits must be known when the op runs: a list, a numpy array or an eager tensor, or in tf.function a tensor.
+    Collective: every rank in the process set must call this, in the same order."""
+    [x] = _tensors([tensor])
+    if x.shape.rank == 0:
+        raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
+    split_tensor = tf.zeros([0], tf.int32) if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int32)
+    [op_name] = collective_names("Alltoall", [x], name, ignore_name_scope)
+    output, received = _alltoall_op(x, split_tensor, splits is None, op_name, process_set)
+    return output if splits is None else (output, received)
+
+
+def _alltoall_op(x: tf.Tensor, splits: tf.Tensor, even: bool, name: str | None,
+                 process_set: ProcessSet) -> tuple[tf.Tensor, tf.Tensor]:
+    dtype = dtype_name(x.dtype)
+
+    def run(array: np.ndarray, split_array: np.ndarray) -> list[np.ndarray]:
+        output, received = core.submit_alltoall(storage(array), dtype, None if even else split_array.tolist(),
+                                                name, process_set).wait()
+        return [values(output, dtype), received.astype(np.int32)]
+
+    @tf.custom_gradient
+    def forward(value: tf.Tensor) -> Any:
+        output, received = execute(run, [value, splits], [value.dtype, tf.int32],
+                                   [tf.TensorShape([None]).concatenate(value.shape[1:]),
+                                    tf.TensorShape([process_set.size()])])
+
+        def grad(dy: tf.Tensor, *_: Any) -> tf.Tensor:
+            [dy] = _tensors([dy])
+            [grad_name] = collective_names("Alltoall", [dy], None)
+            return _alltoall_op(dy, received, False, grad_name, process_set)[0]
+
+        return (output, tf.stop_gradient(received)), grad
+
+    return forward(x)
+
+
+# ----------------------------------------------------------------------------- reducescatter
+def _reducescatter_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float,
+                      process_set: ProcessSet) -> list[tf.Tensor]:
+    """One op reduce-scattering every tensor; the gradient is the allgather of the shard gradients, scaled."""
+    dtypes = [dtype_name(t.dtype) for t in tensors]
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
+
+    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+        results = _wait([core.submit_reducescatter(storage(a), d, n, op, prescale, postscale, process_set)
+                         for a, d, n in zip(arrays, dtypes, names)])
+        return [values(r, d) for r, d in zip(results, dtypes)]
+
+    @tf.custom_gradient
+    def forward(*xs: tf.Tensor) -> Any:
+        ys = execute(run, xs, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
+
+        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
+            dys = _tensors(dys)
+            gathered = _allgather_op(dys, collective_names("Allgather", dys, None), process_set)
+            scale = prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
+            return [g * tf.cast(scale, g.dtype) for g in gathered]
+
+        return ys, grad
+
+    return list(forward(*tensors)) if tensors else []
+
+
+def reducescatter(tensor: Any, device_dense: str = "", compression: Compressor = Compression.none,
+                  op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
+                  process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce `tensor` over the ranks and return this rank's rows of the result (Horovod's uneven split).
+
+    Differentiable. Collective: every rank in the process set must call this, in the same order."""
+    op = core.resolve_op(None, op)
+    compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
+    inputs = _tensors([compressed])
+    names = collective_names("Reducescatter", inputs, name, ignore_name_scope)
+    [shard] = _reducescatter_op(inputs, names, op, prescale_factor, postscale_factor, process_set)
+    return compression.decompress(shard, ctx)
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: Compressor = Compression.none,
+                          op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[tf.Tensor]:
+    """Reduce-scatter a list of tensors in one op. Differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    op = core.resolve_op(None, op)
+    pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
+    inputs = _tensors([p[0] for p in pairs])
+    shards = _reducescatter_op(inputs, collective_names("Reducescatter", inputs, None), op, prescale_factor,
+                               postscale_factor, process_set)
+    return [compression.decompress(s, ctx) for s, (_, ctx) in zip(shards, pairs)]
+
+
+# ----------------------------------------------------------------------------- join and barrier
+def join() -> tf.Tensor:
+    """Declare that this rank has no more batches; block until every rank has joined.
+
+    Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
+    Returns the rank that joined last. Collective: every rank must call it once per epoch."""
+    return execute(lambda: [np.int32(core.submit_join().wait())], [], [tf.int32], [tf.TensorShape([])])[0]
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Block until every rank of the process set reaches the barrier."""
+    execute(lambda: [np.int32(core.submit_barrier(process_set).wait() or 0)], [], [tf.int32],
+            [tf.TensorShape([])])

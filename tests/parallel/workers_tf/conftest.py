@@ -1,0 +1,29 @@
+"""Inside each rank of a TensorFlow test job: one hvdplus runtime for the whole session."""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+@pytest.fixture(scope="session")
+def hvd():
+    import tensorflow as tf
+
+    import hvdplus.tensorflow as hvd
+
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    hvd.init()
+    yield hvd
+    hvd.shutdown()
+
+
+@pytest.fixture(params=["eager", "tf.function"])
+def mode(request):
+    """Run a test body eagerly and as a tf.function (`mode(fn)(*args)`)."""
+    import tensorflow as tf
+
+    return (lambda fn: fn) if request.param == "eager" else (lambda fn: tf.function(fn))
