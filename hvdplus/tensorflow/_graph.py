@@ -3,8 +3,10 @@
 Inside tf.function every collective is one stateful op; automatic control dependencies run stateful ops in
 program order, so the collectives of a graph start in the same order on every rank (the core negotiates the
 order anyway). Default names come from the graph (scope and input tensor name, made unique in the graph), so
-they agree across ranks without depending on execution order; eager collectives without a name are numbered
-by the core in call order.
+they agree across ranks without depending on execution order; a tensor captured from outside the function is
+called "captured" (its placeholder is named after a per-process counter). Eager collectives without a name
+are numbered by the core in call order. Two tf.functions running concurrently must not both use default names
+(each graph numbers its own); give one of them `name=`.
 """
 
 from __future__ import annotations
@@ -14,9 +16,9 @@ from typing import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from hvdplus.common.naming import member_names, normalize_name
+from hvdplus.common.naming import member_names
 
-__all__ = ["dtype_name", "storage", "values", "execute", "collective_names"]
+__all__ = ["dtype_name", "storage", "values", "execute", "graph_name", "collective_names"]
 
 _DTYPE_NAMES = {tf.uint8: "uint8", tf.int8: "int8", tf.uint16: "uint16", tf.int16: "int16", tf.int32: "int32",
                 tf.int64: "int64", tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
@@ -57,20 +59,24 @@ def execute(run: Run, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType],
     return outputs
 
 
+def graph_name(base: str, ignore_name_scope: bool = True) -> str:
+    """`base` made unique in the graph being built (prefixed by the current name scope unless ignored)."""
+    graph = tf.compat.v1.get_default_graph()
+    if not ignore_name_scope:
+        return graph.unique_name(base)
+    with graph.name_scope(None):
+        return graph.unique_name(base)
+
+
 def collective_names(kind: str, tensors: Sequence[tf.Tensor], name: str | None,
                      ignore_name_scope: bool = False) -> list[str | None]:
-    """One name per tensor: in graphs the op-style name Horovod uses (made unique in the graph), in eager mode
-    `name` (members numbered) or None for the core to number."""
+    """One name per tensor: in eager mode `name` (members numbered) or None for the core to number; in graphs
+    `name` in the current name scope, or `Horovod<kind>` in the root scope, made unique in the graph.
+
+    Default graph names use neither tensor names (a captured eager tensor is named after its id, which differs
+    between ranks) nor name scopes (Keras scopes carry per-process layer counters)."""
     if tf.executing_eagerly():
         return member_names(name, len(tensors))
-    graph = tf.compat.v1.get_default_graph()
-
-    def unique(base: str) -> str:
-        if not ignore_name_scope:
-            return graph.unique_name(base)
-        with graph.name_scope(None):
-            return graph.unique_name(base)
-
-    if name is not None:
-        return member_names(unique(name), len(tensors))
-    return [unique(f"Horovod{kind}_{normalize_name(t.name)}") for t in tensors]
+    if name is None:
+        return [graph_name(f"Horovod{kind}") for _ in tensors]
+    return member_names(graph_name(name, ignore_name_scope), len(tensors))

@@ -14,7 +14,6 @@ import tensorflow as tf
 
 from hvdplus.common.basics import ProcessSet
 from hvdplus.common.grouping import check_groups, group_indices
-from hvdplus.common.naming import normalize_name
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_predivide, predivide_scales
 from hvdplus.tensorflow.compression import Compressor
@@ -24,9 +23,10 @@ __all__ = ["GradientReducer", "variable_name"]
 
 
 def variable_name(variable: Any, index: int) -> str:
-    """A readable name for a variable's gradient (Keras variables have a unique `path`)."""
-    label = getattr(variable, "path", None) or getattr(variable, "name", None) or "grad"
-    return f"{index}.{normalize_name(str(label))}"
+    """The collective name of the `index`-th gradient: its position and shape, which every rank shares.
+
+    Variable names are left out: Keras numbers layers per process, so they can differ between ranks."""
+    return f"{index}.{'x'.join(str(d) for d in variable.shape) or 'scalar'}"
 
 
 class GradientReducer:

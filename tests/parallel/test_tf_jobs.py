@@ -26,5 +26,5 @@ def test_tf_worker_suite(engine: str, np: int) -> None:
     else:
         pytest.importorskip("torch")  # the Gloo engine is torch.distributed's
     code, output = run_job(engine, np, pytest_argv("--color=no", str(WORKERS_TF)),
-                           extra_env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+                           extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"})
     assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"

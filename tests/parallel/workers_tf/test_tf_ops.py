@@ -144,7 +144,10 @@ def test_gradients_of_alltoall_and_reducescatter(hvd, mode):
 
 def test_variables_objects_and_rank_ops(hvd, mode):
     variables = [tf.Variable(tf.ones([3]) * hvd.rank()), tf.Variable(hvd.rank(), dtype=tf.int64)]
-    mode(lambda: hvd.broadcast_variables(variables, root_rank=hvd.size() - 1))()
+    def assign_from_last_rank():
+        hvd.broadcast_variables(variables, root_rank=hvd.size() - 1)
+
+    mode(assign_from_last_rank)()
     assert variables[0].numpy().tolist() == [hvd.size() - 1] * 3 and int(variables[1].numpy()) == hvd.size() - 1
     variables[1].assign(hvd.rank() + 5)
     assert hvd.broadcast_(variables, root_rank=0) == variables
