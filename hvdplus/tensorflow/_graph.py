@@ -2,11 +2,10 @@
 
 Inside tf.function every collective is one stateful op; automatic control dependencies run stateful ops in
 program order, so the collectives of a graph start in the same order on every rank (the core negotiates the
-order anyway). Default names come from the graph (scope and input tensor name, made unique in the graph), so
-they agree across ranks without depending on execution order; a tensor captured from outside the function is
-called "captured" (its placeholder is named after a per-process counter). Eager collectives without a name
-are numbered by the core in call order. Two tf.functions running concurrently must not both use default names
-(each graph numbers its own); give one of them `name=`.
+order anyway). Default names in graphs are `Horovod<Kind>` made unique in the graph being built, so they agree
+across ranks without depending on execution order, tensor names or Keras' per-process layer counters. Eager
+collectives without a name are numbered by the core in call order. Two tf.functions running concurrently must
+not both use default names (each graph numbers its own); give one of them `name=`.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from hvdplus.common.basics import ProcessSet
 from hvdplus.common.grouping import check_groups, group_indices
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_predivide, predivide_scales
+from hvdplus.tensorflow._graph import graph_name
 from hvdplus.tensorflow.compression import Compressor
 from hvdplus.tensorflow.mpi_ops import _allreduce_op, _sparse_allreduce, _tensors
 
@@ -71,7 +72,7 @@ class GradientReducer:
         return grads
 
     def _names(self, variables: Sequence[Any]) -> list[str]:
-        prefix = self.prefix if tf.executing_eagerly() else tf.compat.v1.get_default_graph().unique_name(self.prefix)
+        prefix = self.prefix if tf.executing_eagerly() else graph_name(self.prefix)
         return [f"{prefix}.{variable_name(v, i)}" for i, v in enumerate(variables)]
 
     def _plan(self, variables: Sequence[Any], dense: list[int]) -> list[list[int]]:

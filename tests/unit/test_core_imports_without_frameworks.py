@@ -37,7 +37,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-CORE = ["hvdplus.common", "hvdplus.common.coordinator", "hvdplus.common.engines", "hvdplus.common.engines.local"]
+CORE = ["hvdplus.common", "hvdplus.common.coordinator", "hvdplus.common.engines", "hvdplus.common.engines.local",
+        "hvdplus.common.grouping", "hvdplus.common.naming", "hvdplus.common.optimizer_options",
+        "hvdplus.common.schedules"]
 RUNNER = ["hvdplus.runner", "hvdplus.runner.launch", "hvdplus.runner.api", "hvdplus.runner.task",
           "hvdplus.runner.agent", "hvdplus.runner.horovod_alias.horovod"]
 
