@@ -7,7 +7,7 @@ a call becomes a graph op and how names are chosen).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -119,34 +119,39 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
 
 
 # ----------------------------------------------------------------------------- allgather
-def _allgather_op(tensors: list[tf.Tensor], names: Names, process_set: ProcessSet) -> list[tf.Tensor]:
-    """One op gathering every tensor along dimension 0; the gradient is this rank's rows of the summed gradient."""
+def _resizing_op(kind: str, tensors: list[tf.Tensor], names: Names, submit: Callable[..., Any],
+                 gradient: Callable[[Sequence[tf.Tensor], list[tf.Tensor]], list[tf.Tensor]]) -> list[tf.Tensor]:
+    """One op whose outputs keep each input's trailing dimensions but not its row count (allgather,
+    reducescatter); `submit(array, dtype, name)` starts one member, `gradient(inputs, output_grads)`."""
     dtypes = [dtype_name(t.dtype) for t in tensors]
     for t in tensors:
         if t.shape.rank == 0:
-            raise ValueError("allgather needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
+            raise ValueError(f"{kind} needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
 
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
-        results = _wait([core.submit_allgather(storage(a), d, n, process_set)
-                         for a, d, n in zip(arrays, dtypes, names)])
+        results = _wait([submit(storage(a), d, n) for a, d, n in zip(arrays, dtypes, names)])
         return [values(r, d) for r, d in zip(results, dtypes)]
 
     @tf.custom_gradient
     def forward(*xs: tf.Tensor) -> Any:
         ys = execute(run, xs, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
-
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            dys = _tensors(dys)
-            summed = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.SUM, 1.0, 1.0,
-                                   process_set)
-            rows = [tf.shape(x, out_type=tf.int64)[:1] for x in xs]
-            all_rows = _allgather_op(rows, collective_names("Allgather", rows, None), process_set)
-            me = process_set.rank()
-            return [g[tf.reduce_sum(r[:me]):tf.reduce_sum(r[:me + 1])] for g, r in zip(summed, all_rows)]
-
-        return ys, grad
+        return ys, lambda *dys: gradient(xs, _tensors(dys))
 
     return list(forward(*tensors)) if tensors else []
+
+
+def _allgather_op(tensors: list[tf.Tensor], names: Names, process_set: ProcessSet) -> list[tf.Tensor]:
+    """One op gathering every tensor along dimension 0; the gradient is this rank's rows of the summed gradient."""
+
+    def gradient(xs: Sequence[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        summed = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.SUM, 1.0, 1.0, process_set)
+        rows = [tf.shape(x, out_type=tf.int64)[:1] for x in xs]
+        all_rows = _allgather_op(rows, collective_names("Allgather", rows, None), process_set)
+        me = process_set.rank()
+        return [g[tf.reduce_sum(r[:me]):tf.reduce_sum(r[:me + 1])] for g, r in zip(summed, all_rows)]
+
+    return _resizing_op("allgather", tensors, names,
+                        lambda a, d, n: core.submit_allgather(a, d, n, process_set), gradient)
 
 
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
@@ -251,29 +256,15 @@ def _alltoall_op(x: tf.Tensor, splits: tf.Tensor, even: bool, name: str | None,
 def _reducescatter_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float,
                       process_set: ProcessSet) -> list[tf.Tensor]:
     """One op reduce-scattering every tensor; the gradient is the allgather of the shard gradients, scaled."""
-    dtypes = [dtype_name(t.dtype) for t in tensors]
-    for t in tensors:
-        if t.shape.rank == 0:
-            raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar")
 
-    def run(*arrays: np.ndarray) -> list[np.ndarray]:
-        results = _wait([core.submit_reducescatter(storage(a), d, n, op, prescale, postscale, process_set)
-                         for a, d, n in zip(arrays, dtypes, names)])
-        return [values(r, d) for r, d in zip(results, dtypes)]
+    def gradient(_: Sequence[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        gathered = _allgather_op(dys, collective_names("Allgather", dys, None), process_set)
+        scale = prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
+        return [g * tf.cast(scale, g.dtype) for g in gathered]
 
-    @tf.custom_gradient
-    def forward(*xs: tf.Tensor) -> Any:
-        ys = execute(run, xs, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
-
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            dys = _tensors(dys)
-            gathered = _allgather_op(dys, collective_names("Allgather", dys, None), process_set)
-            scale = prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
-            return [g * tf.cast(scale, g.dtype) for g in gathered]
-
-        return ys, grad
-
-    return list(forward(*tensors)) if tensors else []
+    return _resizing_op("reducescatter", tensors, names,
+                        lambda a, d, n: core.submit_reducescatter(a, d, n, op, prescale, postscale, process_set),
+                        gradient)
 
 
 def reducescatter(tensor: Any, device_dense: str = "", compression: Compressor = Compression.none,
