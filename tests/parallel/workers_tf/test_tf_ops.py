@@ -171,9 +171,12 @@ def test_process_set_collectives(hvd, mode):
         hvd.remove_process_set(odd)
 
 
-def test_join_and_barrier(hvd):
-    hvd.barrier()
-    assert int(hvd.join()) in range(hvd.size())
+def test_join_and_barrier(hvd, mode):
+    def join_after_barrier():
+        hvd.barrier()
+        return hvd.join()
+
+    assert int(mode(join_after_barrier)()) in range(hvd.size())
 
 
 def test_mismatched_shapes_raise_on_every_rank(hvd):
