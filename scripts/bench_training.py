@@ -232,6 +232,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    framework = argparse.ArgumentParser(add_help=False)
+    framework.add_argument("--framework")
+    known, rest = framework.parse_known_args(argv)
+    if known.framework == "keras":  # Keras vs MultiWorkerMirroredStrategy: its own launcher and modes
+        from bench_training_keras import main as keras_main
+
+        return keras_main(rest)
     args = parse_args(argv)
     if not args.worker:
         return run_driver(args)
