@@ -36,31 +36,37 @@ def _wait(handles: list[Any]) -> list[Any]:
 
 
 # ----------------------------------------------------------------------------- allreduce
-def _allreduce_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float,
-                  process_set: ProcessSet) -> list[tf.Tensor]:
-    """One op reducing every tensor (fused by the core); its gradient allreduces the gradients (Sum/Average)."""
+def _same_shape_op(tensors: list[tf.Tensor], names: Names, submit: Callable[..., Any],
+                   gradient: Callable[[list[tf.Tensor]], list[tf.Tensor]]) -> list[tf.Tensor]:
+    """One op whose outputs have the inputs' shapes (allreduce, broadcast); `submit(source, output, dtype, name)`
+    starts one member, `gradient(output_grads)` differentiates the op."""
     dtypes = [dtype_name(t.dtype) for t in tensors]
 
     def run(*arrays: np.ndarray) -> list[np.ndarray]:
         sources = [storage(a) for a in arrays]
         outputs = [np.empty_like(s) for s in sources]
-        _wait([core.submit_allreduce(s, o, d, n, op, prescale, postscale, process_set)
-               for s, o, d, n in zip(sources, outputs, dtypes, names)])
+        _wait([submit(s, o, d, n) for s, o, d, n in zip(sources, outputs, dtypes, names)])
         return [values(o, d) for o, d in zip(outputs, dtypes)]
 
     @tf.custom_gradient
     def forward(*xs: tf.Tensor) -> Any:
         ys = execute(run, xs, [x.dtype for x in xs], [x.shape for x in xs])
-
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-                raise NotImplementedError(f"the gradient of allreduce is defined for Average and Sum, not {op!r}")
-            dys = _tensors(dys)
-            return _allreduce_op(dys, collective_names("Allreduce", dys, None), op, prescale, postscale, process_set)
-
-        return ys, grad
+        return ys, lambda *dys: gradient(_tensors(dys))
 
     return list(forward(*tensors)) if tensors else []
+
+
+def _allreduce_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float,
+                  process_set: ProcessSet) -> list[tf.Tensor]:
+    """One op reducing every tensor (fused by the core); its gradient allreduces the gradients (Sum/Average)."""
+
+    def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+            raise NotImplementedError(f"the gradient of allreduce is defined for Average and Sum, not {op!r}")
+        return _allreduce_op(dys, collective_names("Allreduce", dys, None), op, prescale, postscale, process_set)
+
+    return _same_shape_op(tensors, names, lambda s, o, d, n: core.submit_allreduce(s, o, d, n, op, prescale,
+                                                                                  postscale, process_set), gradient)
 
 
 def _sparse_allreduce(tensor: tf.IndexedSlices, name: str | None, op: ReduceOp, prescale: float,
@@ -176,28 +182,13 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
 def broadcast_op(tensors: list[tf.Tensor], names: Names, root_rank: int,
                  process_set: ProcessSet) -> list[tf.Tensor]:
     """One op copying root's tensors to every rank; the gradient is the summed gradient on the root, 0 elsewhere."""
-    dtypes = [dtype_name(t.dtype) for t in tensors]
 
-    def run(*arrays: np.ndarray) -> list[np.ndarray]:
-        sources = [storage(a) for a in arrays]
-        outputs = [np.empty_like(s) for s in sources]
-        _wait([core.submit_broadcast(s, o, d, root_rank, n, process_set)
-               for s, o, d, n in zip(sources, outputs, dtypes, names)])
-        return [values(o, d) for o, d in zip(outputs, dtypes)]
+    def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        summed = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.SUM, 1.0, 1.0, process_set)
+        return summed if process_set.rank() == root_rank else [tf.zeros_like(g) for g in summed]
 
-    @tf.custom_gradient
-    def forward(*xs: tf.Tensor) -> Any:
-        ys = execute(run, xs, [x.dtype for x in xs], [x.shape for x in xs])
-
-        def grad(*dys: tf.Tensor) -> list[tf.Tensor]:
-            dys = _tensors(dys)
-            summed = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.SUM, 1.0, 1.0,
-                                   process_set)
-            return summed if process_set.rank() == root_rank else [tf.zeros_like(g) for g in summed]
-
-        return ys, grad
-
-    return list(forward(*tensors)) if tensors else []
+    return _same_shape_op(tensors, names, lambda s, o, d, n: core.submit_broadcast(s, o, d, root_rank, n,
+                                                                                  process_set), gradient)
 
 
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
