@@ -24,19 +24,27 @@ __all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "Learnin
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Start every rank from the root's model weights and optimizer state.
 
-    Broadcasts `model.variables` and the optimizer's variables when training begins (Keras 3 builds the
-    optimizer before the first step, so unlike Horovod's TF2 callback the first step already starts from
-    the root's values). Collective: every rank must use it in `fit`."""
+    A built model (e.g. one with a `keras.Input`) is broadcast, optimizer included, when training begins,
+    so the first step already starts from the root's values. A model that only builds itself on its first
+    call is broadcast after the first batch instead, as Horovod's TF2 callback does.
+    Collective: every rank must use it in `fit`."""
 
     def __init__(self, root_rank: int, device: str = "") -> None:
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
 
-    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+    def _broadcast(self) -> None:
         if not self.broadcast_done:
             broadcast_model(self.model, self.root_rank)
             self.broadcast_done = True
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        if self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
+        self._broadcast()
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

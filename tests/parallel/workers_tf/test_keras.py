@@ -173,3 +173,25 @@ def test_bad_optimizer_arguments(hvd):
         hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), backward_passes_per_step=0)
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd_keras.DistributedOptimizer(keras.optimizers.SGD(), op=hvd.Sum, gradient_predivide_factor=2.0)
+
+
+class Unbuilt(keras.Model):
+    """A subclassed model: it has no variables until its first call."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(2)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_broadcast_callback_waits_for_a_model_that_builds_on_first_call(hvd):
+    keras.utils.set_random_seed(hvd.rank())
+    model = Unbuilt()
+    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    x, y = data(2 * PER_RANK)
+    model.fit(x, y, batch_size=PER_RANK, shuffle=False, verbose=0,
+              callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+    everyone = hvd.allgather_object([w.tolist() for w in model.get_weights()])
+    assert all(weights == everyone[0] for weights in everyone)  # broadcast after batch 0, then equal updates
