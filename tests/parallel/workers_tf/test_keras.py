@@ -195,3 +195,12 @@ def test_broadcast_callback_waits_for_a_model_that_builds_on_first_call(hvd):
               callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
     everyone = hvd.allgather_object([w.tolist() for w in model.get_weights()])
     assert all(weights == everyone[0] for weights in everyone)  # broadcast after batch 0, then equal updates
+
+
+def test_value_collectives_return_numpy(hvd):
+    total = hvd_keras.allreduce(np.array([hvd.rank(), 1.0]), name="keras.value.allreduce", op=hvd_keras.Sum)
+    assert isinstance(total, np.ndarray) and total.tolist() == [sum(range(hvd.size())), hvd.size()]
+    assert hvd_keras.allreduce([2.0], average=True, name="keras.value.average").tolist() == [2.0]
+    assert hvd_keras.allgather(np.full((1, 2), hvd.rank()), name="keras.value.allgather")[:, 0].tolist() == \
+        list(range(hvd.size()))
+    assert hvd_keras.broadcast(np.array([hvd.rank()]), 0, name="keras.value.broadcast").tolist() == [0]
