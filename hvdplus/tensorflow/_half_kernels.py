@@ -7,7 +7,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from hvdplus.common.halfops import register_half_kernels
+from hvdplus.common.halfops import has_fast_kernels, register_half_kernels
 from hvdplus.common.ops import ReduceOp
 from hvdplus.tensorflow._graph import values
 
@@ -36,6 +36,7 @@ def _scaler(dtype: str) -> Callable[[np.ndarray, float], None]:
 
 
 def register() -> None:
-    """Hand TensorFlow's kernels to the core; idempotent."""
+    """Hand TensorFlow's kernels to the core, unless another adapter's (torch's are faster) are there; idempotent."""
     for name in ("float16", "bfloat16"):
-        register_half_kernels(name, {op: _combiner(fn, name) for op, fn in _COMBINE.items()}, _scaler(name))
+        if not has_fast_kernels(name, ReduceOp.SUM):
+            register_half_kernels(name, {op: _combiner(fn, name) for op, fn in _COMBINE.items()}, _scaler(name))
