@@ -37,7 +37,8 @@ def loss_fn(weights: list[tf.Variable], x: tf.Tensor, y: tf.Tensor) -> tf.Tensor
     return tf.reduce_mean((tf.tanh(x @ w1 + b1) @ w2 - y) ** 2)
 
 
-def train(hvd, weights, batches, distributed: bool, compile_step: bool, **tape_kwargs) -> list[np.ndarray]:
+def train(hvd, weights, batches, distributed: bool, compile_step: bool, lr: float = 0.1,
+          **tape_kwargs) -> list[np.ndarray]:
     velocity = [tf.Variable(tf.zeros_like(w)) for w in weights]
 
     def step(x, y):
@@ -47,7 +48,7 @@ def train(hvd, weights, batches, distributed: bool, compile_step: bool, **tape_k
             tape = hvd.DistributedGradientTape(tape, **tape_kwargs)
         for w, v, g in zip(weights, velocity, tape.gradient(loss, weights)):
             v.assign(0.9 * v + g)
-            w.assign_sub(0.1 * v)
+            w.assign_sub(lr * v)
 
     step = tf.function(step) if compile_step else step
     for x, y in batches:
@@ -55,13 +56,13 @@ def train(hvd, weights, batches, distributed: bool, compile_step: bool, **tape_k
     return [w.numpy() for w in weights]
 
 
-def distributed(hvd, compile_step: bool, **tape_kwargs) -> list[np.ndarray]:
+def distributed(hvd, compile_step: bool, lr: float = 0.1, **tape_kwargs) -> list[np.ndarray]:
     """Rank r starts from its own weights (broadcast from 0) and trains on its rows of each global batch."""
     weights = make_weights(seed=hvd.rank())
     hvd.broadcast_variables(weights, root_rank=0)
     rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
     shards = [(x[rows], y[rows]) for x, y in global_batches(hvd.size())]
-    return train(hvd, weights, shards, True, compile_step, **tape_kwargs)
+    return train(hvd, weights, shards, True, compile_step, lr, **tape_kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +77,11 @@ def test_tape_matches_single_process(hvd, reference, compile_step):
 
 
 def test_tape_options_keep_the_average(hvd, reference):
-    """Groups, predivide, Sum with postscale and fp16 all still produce the averaged gradient."""
+    """Groups and predivide still produce the averaged gradient, Sum the summed one, fp16 about the average."""
     for got, want in zip(distributed(hvd, True, groups=2, gradient_predivide_factor=2.0), reference):
+        np.testing.assert_allclose(got, want, **EXACT)
+    # Sum over n ranks is n times the average: momentum SGD with lr / n then takes the reference's steps
+    for got, want in zip(distributed(hvd, True, lr=0.1 / hvd.size(), op=hvd.Sum), reference):
         np.testing.assert_allclose(got, want, **EXACT)
     for got, want in zip(distributed(hvd, True, compression=hvd.Compression.fp16), reference):
         np.testing.assert_allclose(got, want, **HALF)
