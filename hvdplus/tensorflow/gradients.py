@@ -20,14 +20,7 @@ from hvdplus.tensorflow._graph import graph_name
 from hvdplus.tensorflow.compression import Compressor
 from hvdplus.tensorflow.mpi_ops import _allreduce_op, _sparse_allreduce, _tensors
 
-__all__ = ["GradientReducer", "variable_name"]
-
-
-def variable_name(variable: Any, index: int) -> str:
-    """The collective name of the `index`-th gradient: its position and shape, which every rank shares.
-
-    Variable names are left out: Keras numbers layers per process, so they can differ between ranks."""
-    return f"{index}.{'x'.join(str(d) for d in variable.shape) or 'scalar'}"
+__all__ = ["GradientReducer"]
 
 
 class GradientReducer:
@@ -72,8 +65,10 @@ class GradientReducer:
         return grads
 
     def _names(self, variables: Sequence[Any]) -> list[str]:
+        """Names by position only: Keras numbers layers per process, so variable names can differ between ranks,
+        and a variable whose shape differs between ranks must meet its peers to raise CollectiveMismatchError."""
         prefix = self.prefix if tf.executing_eagerly() else graph_name(self.prefix)
-        return [f"{prefix}.{variable_name(v, i)}" for i, v in enumerate(variables)]
+        return [f"{prefix}.grad{i}" for i in range(len(variables))]
 
     def _plan(self, variables: Sequence[Any], dense: list[int]) -> list[list[int]]:
         """The dense gradients' positions, one list per allreduce op."""

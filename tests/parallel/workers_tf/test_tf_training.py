@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from hvdplus.common.exceptions import CollectiveMismatchError
+
 STEPS = 4
 PER_RANK = 4
 
@@ -128,3 +130,12 @@ def test_bad_tape_arguments(hvd):
         hvd.DistributedGradientTape(tf.GradientTape(), groups="all")
     with pytest.raises(TypeError, match="Compressor"):
         hvd.DistributedGradientTape(tf.GradientTape(), compression="fp16")
+
+
+def test_variables_of_different_shapes_raise_on_every_rank(hvd):
+    weights = tf.Variable(tf.ones([2 + min(hvd.rank(), 1)]))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(weights)
+    with pytest.raises(CollectiveMismatchError, match="Mismatched shapes"):
+        hvd.DistributedGradientTape(tape).gradient(loss, [weights])
+    assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy().tolist() == [float(hvd.size())]  # the job goes on
