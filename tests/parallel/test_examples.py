@@ -66,4 +66,6 @@ def test_synthetic_benchmark_prints_horovods_summary():
     total = re.findall(r"Total img/sec on 2 CPU\(s\): ([\d.]+) \+-([\d.]+)", output)
     assert len(per_cpu) == 1 and len(total) == 1, output[-5000:]
     assert float(per_cpu[0][0]) > 0
-    assert float(total[0][0]) == pytest.approx(2 * float(per_cpu[0][0]), abs=0.1)
+    # Both figures are printed to one decimal: doubling the rounded per-CPU figure can be off by 0.1, and
+    # the total's own rounding adds up to 0.05, so the two agree to within 0.15.
+    assert float(total[0][0]) == pytest.approx(2 * float(per_cpu[0][0]), abs=0.16)
