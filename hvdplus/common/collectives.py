@@ -32,7 +32,7 @@ def resolve_op(average: bool | None, op: ReduceOp | None, default: ReduceOp = Re
         return default
     if not isinstance(op, ReduceOp):
         raise ValueError(f"op must be one of Average, Sum, Min, Max, Product, Adasum; got {op!r}")
-    return ReduceOp(op)
+    return op
 
 
 def _set_id(process_set: ProcessSet) -> int:

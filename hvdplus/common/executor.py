@@ -73,25 +73,23 @@ class Executor:
         if first.op == ReduceOp.ADASUM:
             return self._run_adasum(batch)
         members = batch[0][0].members
+        works = [work for _, work in batch]
         source = None
-        if len(batch) == 1:
-            work = batch[0][1]
-            buffer = work.output.reshape(-1)
-            source = None if work.input is work.output else work.input.reshape(-1)
+        if len(works) == 1:
+            buffer = works[0].output.reshape(-1)
+            source = None if works[0].input is works[0].output else works[0].input.reshape(-1)
         else:
-            buffer = self._fusion_buffer(storage_dtype(first.dtype), sum(w.input.size for _, w in batch))
-            offset = 0
-            for _, work in batch:
-                buffer[offset:offset + work.input.size] = work.input.reshape(-1)
-                offset += work.input.size
+            buffer = self._fusion_buffer(storage_dtype(first.dtype), sum(w.input.size for w in works))
+            np.concatenate([w.input.reshape(-1) for w in works], out=buffer)
         self._reduce(buffer, first, len(members), self._group_of(batch[0][0].key[0]), batch[0][0].key[0] == 0,
                      source)
-        if len(batch) > 1:
+        if len(works) > 1:
             offset = 0
-            for _, work in batch:
-                work.output.reshape(-1)[...] = buffer[offset:offset + work.output.size]
-                offset += work.output.size
-        for _, work in batch:
+            for work in works:
+                end = offset + work.output.size
+                np.copyto(work.output.reshape(-1), buffer[offset:end])
+                offset = end
+        for work in works:
             work.handle.set_result(work.output)
 
     def _run_adasum(self, batch: list[tuple[Response, Work]]) -> None:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from hvdplus.common.messages import Response
-from hvdplus.common.ops import OpKind, storage_dtype
+from hvdplus.common.ops import OpKind
 
 __all__ = ["plan_batches", "response_nbytes"]
 
 
 def response_nbytes(response: Response) -> int:
-    first = response.first
-    return first.nelements * storage_dtype(first.dtype).itemsize
+    """Bytes of one rank's tensor of `response`."""
+    return response.nbytes
 
 
 def plan_batches(responses: list[Response], threshold: int) -> list[list[Response]]:

@@ -109,29 +109,40 @@ def _lookup(handle: int) -> tuple[list[Handle], Callable[[list[Any]], Any]]:
 
 
 # ----------------------------------------------------------------------------- allreduce
+def _start_allreduce(tensor: torch.Tensor, name: str | None, inplace: bool, op: ReduceOp, prescale: float,
+                     postscale: float, process_set: ProcessSet) -> tuple[Handle, Callable[[], torch.Tensor]]:
+    """Submit one allreduce; return its handle and the function that gives the result once it is done."""
+    output, in_array, out_array = _buffers(tensor, inplace)
+    device = tensor.device
+    handle = core.submit_allreduce(in_array, out_array, _dtype_name(tensor), name, op, prescale, postscale,
+                                   process_set, "cpu" if device.type == "cpu" else str(device))
+
+    def result() -> torch.Tensor:
+        if inplace:
+            if output.data_ptr() != tensor.data_ptr():
+                tensor.data.copy_(output)
+            return tensor
+        return output if device.type == "cpu" else output.to(device)
+
+    return handle, result
+
+
 def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | None,
                              name: str | None, op: ReduceOp | None, prescale_factor: float,
                              postscale_factor: float, process_set: ProcessSet) -> int:
     op = core.resolve_op(average, op)
-    handles, outputs = [], []
-    for tensor, tensor_name in zip(tensors, member_names(name, len(tensors))):
-        output, in_array, out_array = _buffers(tensor, inplace)
-        handles.append(core.submit_allreduce(in_array, out_array, _dtype_name(tensor), tensor_name, op,
-                                             prescale_factor, postscale_factor, process_set, str(tensor.device)))
-        outputs.append(output)
+    started = [_start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set)
+               for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))]
+    return _register([handle for handle, _ in started], lambda _: [result() for _, result in started])
 
-    def finish(_: list[Any]) -> list[torch.Tensor]:
-        results = []
-        for tensor, output in zip(tensors, outputs):
-            if inplace:
-                if output.data_ptr() != tensor.data_ptr():
-                    tensor.data.copy_(output)
-                results.append(tensor)
-            else:
-                results.append(output if tensor.device.type == "cpu" else output.to(tensor.device))
-        return results
 
-    return _register(handles, finish)
+def _allreduce_async(tensor: torch.Tensor, inplace: bool, average: bool | None, name: str | None,
+                     op: ReduceOp | None, prescale_factor: float, postscale_factor: float,
+                     process_set: ProcessSet) -> int:
+    """One tensor: the grouped path without its lists (this runs once per gradient per step)."""
+    handle, result = _start_allreduce(tensor, name, inplace, core.resolve_op(average, op), prescale_factor,
+                                      postscale_factor, process_set)
+    return _register([handle], lambda _: result())
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -158,16 +169,14 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new tensor with the result.
 
     Collective: every rank in the process set must call this, in the same order."""
-    handle = grouped_allreduce_async([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
-    return _single(handle)
+    return _allreduce_async(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     """In-place `allreduce_async`: `tensor` itself receives the result."""
-    handle = grouped_allreduce_async_([tensor], average, name, op, prescale_factor, postscale_factor, process_set)
-    return _single(handle)
+    return _allreduce_async(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def _single(handle: int) -> int:
