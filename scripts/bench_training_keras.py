@@ -28,24 +28,20 @@ Rank 0 of each job writes its measurements; the driver prints the table and writ
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench_collectives import _MPI_ENV, child_env, find_mpirun, load_average, wait_all
+import training_bench as tb
+from bench_collectives import child_env
 
-BATCH = 32
-MODELS = ("mlp", "cnn")
 MODES = ("single", "mwms", "hvdplus", "hvdplus_fp16")
 
 
@@ -65,10 +61,10 @@ def keras_model(name: str) -> Any:
 
 
 def synthetic_batch(model_name: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """One batch of BATCH random samples (each rank its own)."""
+    """One batch of BATCH (32) random samples (each rank its own)."""
     generator = np.random.default_rng(seed)
-    shape = (BATCH, 32, 32, 3) if model_name == "cnn" else (BATCH, 784)
-    return generator.normal(size=shape).astype(np.float32), generator.integers(0, 10, BATCH)
+    shape = (tb.BATCH, 32, 32, 3) if model_name == "cnn" else (tb.BATCH, 784)
+    return generator.normal(size=shape).astype(np.float32), generator.integers(0, 10, tb.BATCH)
 
 
 def step_times(model: Any, optimizer: Any, batch: tuple[np.ndarray, np.ndarray], strategy: Any,
@@ -164,9 +160,7 @@ def run_job(args: argparse.Namespace, mode: str) -> dict[str, list[float]]:
     """One job of `mode`; rank 0's step times by model."""
     with tempfile.TemporaryDirectory(prefix="hvdplus-bench-keras-") as workdir:
         result_file = os.path.join(workdir, "rank0.json")
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--np", str(args.np),
-                   "--models", args.models, "--steps", str(args.steps), "--reps", str(args.reps),
-                   "--warmup", str(args.warmup), "--result-file", result_file]
+        command = tb.worker_command(__file__, args, mode, result_file, ["--np", str(args.np)])
         base = {"OMP_NUM_THREADS": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
         if mode == "single":
             procs = [subprocess.Popen(command, env=child_env(base), start_new_session=True)]
@@ -176,96 +170,42 @@ def run_job(args: argparse.Namespace, mode: str) -> dict[str, list[float]]:
                 {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})}))
                 for rank in range(args.np)]
         else:
-            env = child_env({**_MPI_ENV, **base, "HOROVOD_CPU_OPERATIONS": "mpi"})
-            mpirun = [find_mpirun(), "-np", str(args.np), "--oversubscribe", "--bind-to", "none"]
-            procs = [subprocess.Popen(mpirun + command, env=env, start_new_session=True)]
-        codes = wait_all(procs, args.timeout)
-        if any(codes) or not os.path.exists(result_file):
-            raise RuntimeError(f"the {mode} job failed (exit codes {codes})")
-        return json.loads(Path(result_file).read_text())
+            procs = tb.start_mpi_job(args.np, command, base)
+        return tb.finish_job(mode, procs, args.timeout, result_file)
 
 
-def summarize(samples: dict[str, dict[str, list[float]]], np_ranks: int) -> dict[str, Any]:
+def summarize(samples: tb.Samples, np_ranks: int) -> dict[str, Any]:
     """Median step time, quartiles, throughput, and hvdplus's ratios to mwms and single, per model."""
     summary: dict[str, Any] = {}
     for model in next(iter(samples.values())):
-        rows = {}
-        for mode in MODES:
-            times = np.asarray(samples[mode][model])
-            ranks = 1 if mode == "single" else np_ranks
-            median = float(np.median(times))
-            rows[mode] = {"step_time_s": median, "p25_p75_s": [float(q) for q in np.percentile(times, [25, 75])],
-                          "samples_per_s": BATCH * ranks / median, "ranks": ranks, "blocks": len(times)}
+        rows = {mode: tb.row(samples[mode][model], 1 if mode == "single" else np_ranks) for mode in MODES}
         for mode in ("hvdplus", "hvdplus_fp16"):
             rows[mode]["step_time_vs_mwms"] = rows[mode]["step_time_s"] / rows["mwms"]["step_time_s"]
+        for mode in ("mwms", "hvdplus", "hvdplus_fp16"):
             rows[mode]["step_time_vs_single"] = rows[mode]["step_time_s"] / rows["single"]["step_time_s"]
-        rows["mwms"]["step_time_vs_single"] = rows["mwms"]["step_time_s"] / rows["single"]["step_time_s"]
         summary[model] = rows
     return summary
 
 
-def print_table(summary: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"\nkeras, {args.np} ranks, batch {BATCH} per rank, tf.function step, CPU")
-    print(f"{'model':6} {'mode':14} {'step (ms)':>10} {'p25-p75 (ms)':>15} {'samples/s':>10} {'vs mwms':>8} "
-          f"{'vs single':>9}")
-    for model, rows in summary.items():
-        for mode in MODES:
-            row = rows[mode]
-            p25, p75 = (1000 * q for q in row["p25_p75_s"])
-            vs_mwms = f"{row['step_time_vs_mwms']:7.2f}x" if "step_time_vs_mwms" in row else f"{'':8}"
-            vs_single = f"{row['step_time_vs_single']:8.2f}x" if "step_time_vs_single" in row else ""
-            print(f"{model:6} {mode:14} {1000 * row['step_time_s']:10.2f} {p25:7.2f}-{p75:<7.2f} "
-                  f"{row['samples_per_s']:10.1f} {vs_mwms} {vs_single}")
-    print("(step-time ratios: below 1.0 means hvdplus steps faster)")
-
-
 def run_driver(args: argparse.Namespace) -> int:
-    samples: dict[str, dict[str, list[float]]] = {mode: {} for mode in MODES}
     started = time.perf_counter()
-    for round_index in range(args.rounds):
-        for mode in (MODES if round_index % 2 == 0 else MODES[::-1]):
-            for model, times in run_job(args, mode).items():
-                samples[mode].setdefault(model, []).extend(times)
+    samples = tb.collect(MODES, args.rounds, lambda mode: run_job(args, mode))
     summary = summarize(samples, args.np)
-    print_table(summary, args)
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-              "cpus": os.cpu_count(), "load_average": load_average(), "wall_s": time.perf_counter() - started,
-              "args": {k: v for k, v in vars(args).items() if k not in ("worker", "mode", "result_file")},
-              "batch_per_rank": BATCH, "summary": summary, "step_times_s": samples}
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(report, indent=1))
-    print(f"\nwrote {args.json}")
+    tb.print_table(f"keras, {args.np} ranks, batch {tb.BATCH} per rank, tf.function step, CPU", summary, MODES,
+                   [("vs mwms", "step_time_vs_mwms"), ("vs single", "step_time_vs_single")])
+    print("(step-time ratios: below 1.0 means hvdplus steps faster)")
+    tb.write_report(args, summary, samples, started)
     return 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--np", type=int, default=2, help="ranks (workers) per distributed job")
-    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
-    parser.add_argument("--steps", type=int, default=20, help="training steps per timed block")
-    parser.add_argument("--reps", type=int, default=7, help="timed blocks per job and model")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed blocks per job and model")
-    parser.add_argument("--rounds", type=int, default=2, help="jobs per mode, in alternating order")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds per job before it is stopped")
-    parser.add_argument("--json", default="results/bench_training_keras.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    unknown = set(args.models.split(",")) - set(MODELS)
-    if unknown:
-        parser.error(f"unknown --models {sorted(unknown)}; choose from {', '.join(MODELS)}")
-    return args
+    return tb.parse(tb.parser(__doc__.splitlines()[0], "results/bench_training_keras.json",
+                              "untimed blocks per job and model", 1), argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.worker:
-        return run_driver(args)
-    results = worker(args)
-    if results:
-        Path(args.result_file).write_text(json.dumps(results))
-    return 0
+    return tb.run_worker(args, worker) if args.worker else run_driver(args)
 
 
 if __name__ == "__main__":
