@@ -2,7 +2,7 @@
 
 One job per (engine, ranks) runs every TF worker test, since importing TensorFlow dominates a rank's start-up;
 the examples run as 2-rank jobs with tiny settings.
-MPI runs 2 and 3 ranks; Gloo runs 2 (the adapter is engine-agnostic; the torch suite covers Gloo at 3 ranks)."""
+Both engines (MPI and Gloo) run 2 and 3 ranks."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ WORKERS_TF = ROOT / "tests" / "parallel" / "workers_tf"
 
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine,np", [("mpi", 2), ("mpi", 3), ("gloo", 2)])
+@pytest.mark.parametrize("engine,np", [("mpi", 2), ("mpi", 3), ("gloo", 2), ("gloo", 3)])
 def test_tf_worker_suite(engine: str, np: int) -> None:
     """Every TF worker test passes on every rank (a failure on any rank fails the job)."""
     pytest.importorskip("tensorflow")
