@@ -7,7 +7,7 @@ import enum
 import numpy as np
 
 __all__ = ["ReduceOp", "OpKind", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-           "DTYPES", "REDUCIBLE_DTYPES", "storage_dtype", "check_reducible"]
+           "DTYPES", "REDUCIBLE_DTYPES", "storage_dtype", "check_reducible", "linear_scale"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -69,3 +69,11 @@ def check_reducible(dtype: str, op: ReduceOp, what: str) -> None:
                         f"(e.g. uint8) first")
     if op == ReduceOp.ADASUM and dtype not in ("float16", "bfloat16", "float32", "float64"):
         raise TypeError(f"{what}: Adasum needs a floating-point tensor, got dtype {dtype!r}")
+
+
+def linear_scale(op: ReduceOp, prescale: float, postscale: float, set_size: int, what: str) -> float:
+    """The factor a Sum or Average collective applies to every rank's input, which is what its gradient (and
+    Horovod's IndexedSlices allreduce) scales by; Min, Max and Product are not linear: NotImplementedError."""
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise NotImplementedError(f"{what} is defined for Average and Sum, not {op!r}")
+    return prescale * postscale / (set_size if op == ReduceOp.AVERAGE else 1)

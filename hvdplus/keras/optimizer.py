@@ -8,8 +8,10 @@ with `keras.models.load_model` where hvdplus is not installed, and `hvdplus.kera
 Gradient accumulation (`backward_passes_per_step=k`): each `apply` adds the local gradients to accumulators
 (plain tf.Variables, not part of `optimizer.variables`, so saved models stay plain); every k-th call the sums
 (divided by k with `average_aggregated_gradients=True`) are allreduced and the wrapped optimizer applies them.
-`optimizer.iterations` counts every call, as Keras' own gradient_accumulation_steps does, so the update
-happens when `(iterations + 1) % k == 0`. With a mean loss and equal batches, `average_aggregated_gradients=True`
+The k calls are counted by a counter of the wrapper's own (an optimizer wrapped after some training keeps
+its `iterations`); `optimizer.iterations` counts every call, as Keras' own gradient_accumulation_steps does.
+The collective names are taken in the step's graph before the update's tf.cond (whose branch graph would
+number them afresh), so two accumulating optimizers in one step keep theirs apart. With a mean loss and equal batches, `average_aggregated_gradients=True`
 makes k steps of b samples on n ranks equal one step on the combined k * n * b samples.
 """
 
@@ -38,6 +40,7 @@ class _DistributedOptimizer:
     _hvd_passes: int
     _hvd_average_aggregated: bool
     _hvd_accumulators: list[tf.Variable] | None = None
+    _hvd_calls: tf.Variable | None = None
 
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
         """Allreduce `grads` (every `backward_passes_per_step`-th call), then apply them with the wrapped optimizer.
@@ -63,12 +66,14 @@ class _DistributedOptimizer:
         for accumulator, grad in zip(accumulators, grads):
             if grad is not None:
                 accumulator.assign_add(tf.convert_to_tensor(grad))
+        names = self._hvd_reducer.names(variables)
+        calls = self._hvd_calls.assign_add(1)
 
         def update() -> None:
             scale = 1.0 / self._hvd_passes if self._hvd_average_aggregated else 1.0
             summed = [None if g is None else a.read_value() * tf.cast(scale, a.dtype)
                       for g, a in zip(grads, accumulators)]
-            reduced = self._hvd_reducer.reduce(summed, variables)
+            reduced = self._hvd_reducer.reduce(summed, variables, names)
             super(_DistributedOptimizer, self).apply(reduced, trainable_variables)  # type: ignore[misc]
             for accumulator in accumulators:
                 accumulator.assign(tf.zeros_like(accumulator))
@@ -76,14 +81,16 @@ class _DistributedOptimizer:
         def skip() -> None:
             optimizer.iterations.assign_add(1)
 
-        tf.cond(tf.equal((optimizer.iterations + 1) % self._hvd_passes, 0), update, skip)
+        tf.cond(tf.equal(calls % self._hvd_passes, 0), update, skip)
 
     def _hvd_accumulators_for(self, variables: list[Any]) -> list[tf.Variable]:
-        """One zero-initialised accumulator per variable, created on first use outside any tf.function."""
+        """One zero-initialised accumulator per variable (and the call counter), created on first use outside
+        any tf.function."""
         if self._hvd_accumulators is None:
             with tf.init_scope():
                 self._hvd_accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
                                                       name="hvd_accumulator") for v in variables]
+                self._hvd_calls = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_accumulated_calls")
         if len(self._hvd_accumulators) != len(variables):
             raise ValueError(f"backward_passes_per_step: this optimizer accumulates {len(self._hvd_accumulators)} "
                              f"gradients but got {len(variables)}; pass the same variables on every step")
@@ -105,7 +112,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None
                          scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so that it applies gradients averaged (`op`) over the ranks of `process_set`.
 
-    `name` renames the optimizer; `compression` is the wire codec (e.g. `Compression.fp16`); tf.IndexedSlices
+    `name` renames the optimizer and prefixes its collectives' names; `compression` is the wire codec (e.g. `Compression.fp16`); tf.IndexedSlices
     gradients are allgathered unless `sparse_as_dense`; `gradient_predivide_factor` f divides by f before the
     sum and by size/f after; `groups` (an int, or lists of variables) sets how many allreduce ops carry the
     gradients (one by default); see the module docstring for `backward_passes_per_step`.
@@ -141,7 +148,7 @@ def _wrap(optimizer: Any, name: str | None, compression: Compressor, sparse_as_d
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the original optimizer only once")
     check_passes(passes)
     reducer = GradientReducer(compression, sparse_as_dense, op, predivide, groups, process_set,
-                              scale_local_gradients, "DistributedOptimizer")
+                              scale_local_gradients, name or "DistributedOptimizer")
     reducer.register_local(local_variables)
     config = optimizer.get_config()
     if name is not None:

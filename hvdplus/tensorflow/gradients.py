@@ -41,14 +41,15 @@ class GradientReducer:
         """Leave the gradients of `variables` out of the allreduce (they stay local to each rank)."""
         self._local.update(id(v) for v in variables)
 
-    def reduce(self, grads: Sequence[Any], variables: Sequence[Any]) -> list[Any]:
-        """The gradients averaged (op) over the process set; None stays None.
+    def reduce(self, grads: Sequence[Any], variables: Sequence[Any], names: Sequence[str] | None = None) -> list[Any]:
+        """The gradients averaged (op) over the process set; None stays None. `names` (from `names()`) must be
+        given when this runs inside a tf.cond branch, whose graph numbers names afresh.
 
         Collective: every rank in the process set must call this with the same variables, in the same order."""
         grads = list(grads)
         if not self.process_set.included() or self.process_set.size() == 1:
             return grads
-        names = self._names(variables)
+        names = list(names) if names is not None else self.names(variables)
         shared = [i for i, g in enumerate(grads) if g is not None and id(variables[i]) not in self._local]
         for i, g in enumerate(grads):
             if g is not None and id(variables[i]) in self._local and self.scale_local_gradients:
@@ -64,8 +65,10 @@ class GradientReducer:
             self._allreduce(grads, members, names)
         return grads
 
-    def _names(self, variables: Sequence[Any]) -> list[str]:
-        """Names by position only: Keras numbers layers per process, so variable names can differ between ranks,
+    def names(self, variables: Sequence[Any]) -> list[str]:
+        """The collective names of the gradients of `variables` in the graph being built (or eagerly).
+
+        Names by position only: Keras numbers layers per process, so variable names can differ between ranks,
         and a variable whose shape differs between ranks must meet its peers to raise CollectiveMismatchError."""
         prefix = self.prefix if tf.executing_eagerly() else graph_name(self.prefix)
         return [f"{prefix}.grad{i}" for i in range(len(variables))]

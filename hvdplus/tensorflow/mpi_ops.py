@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set
-from hvdplus.common.ops import ReduceOp
+from hvdplus.common.ops import ReduceOp, linear_scale
 from hvdplus.tensorflow._graph import collective_names, dtype_name, execute, storage, values
 from hvdplus.tensorflow.compression import Compression, Compressor
 
@@ -72,12 +72,10 @@ def _allreduce_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale
 def _sparse_allreduce(tensor: tf.IndexedSlices, name: str | None, op: ReduceOp, prescale: float,
                       postscale: float, process_set: ProcessSet, ignore_name_scope: bool) -> tf.IndexedSlices:
     """Horovod's IndexedSlices allreduce: allgather values and indices (Average divides the values by size)."""
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise NotImplementedError(f"allreduce of tf.IndexedSlices supports Average and Sum, got {op!r}")
+    scale = linear_scale(op, prescale, postscale, process_set.size(), "allreduce of tf.IndexedSlices")
     parts = _tensors([tensor.values, tensor.indices])
     names = collective_names("Allgather", parts, name, ignore_name_scope)
     gathered_values, indices = _allgather_op(parts, names, process_set)
-    scale = prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
     if scale != 1.0:
         gathered_values = gathered_values * tf.cast(scale, gathered_values.dtype)
     return tf.IndexedSlices(gathered_values, indices, dense_shape=tensor.dense_shape)
@@ -249,8 +247,8 @@ def _reducescatter_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, pres
     """One op reduce-scattering every tensor; the gradient is the allgather of the shard gradients, scaled."""
 
     def gradient(_: Sequence[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor]:
+        scale = linear_scale(op, prescale, postscale, process_set.size(), "the gradient of reducescatter")
         gathered = _allgather_op(dys, collective_names("Allgather", dys, None), process_set)
-        scale = prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
         return [g * tf.cast(scale, g.dtype) for g in gathered]
 
     return _resizing_op("reducescatter", tensors, names,

@@ -17,7 +17,7 @@ from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.handles import Handle
 from hvdplus.common.naming import member_names
-from hvdplus.common.ops import ReduceOp
+from hvdplus.common.ops import ReduceOp, linear_scale
 from hvdplus.torch.compression import Compression, Compressor
 
 __all__ = ["allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
@@ -418,14 +418,15 @@ class HorovodReducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet,
                 prescale: float, postscale: float) -> torch.Tensor:
-        ctx.scale = prescale * postscale / (process_set.size() if op == ReduceOp.AVERAGE else 1)
-        ctx.process_set = process_set
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
         return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        scale = linear_scale(ctx.op, ctx.prescale, ctx.postscale, ctx.process_set.size(),
+                             "the gradient of reducescatter")
         gathered = synchronize(allgather_async(grad.contiguous(), process_set=ctx.process_set))
-        return gathered * ctx.scale, None, None, None, None, None
+        return gathered * scale, None, None, None, None, None
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,

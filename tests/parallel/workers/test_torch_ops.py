@@ -185,6 +185,10 @@ def test_autograd(hvd):
     (hvd.reducescatter(x, op=hvd.Sum) * (me + 1)).sum().backward()
     torch.testing.assert_close(x.grad, torch.tensor([[float(r + 1)] * 2 for r in range(n) for _ in range(2)]))
 
+    x = torch.ones(2 * n, 2, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="gradient of reducescatter is defined for Average and Sum"):
+        hvd.reducescatter(x, op=hvd.Max).sum().backward()
+
 
 def test_objects_and_barrier(hvd):
     assert hvd.broadcast_object({"from": hvd.rank()}, root_rank=hvd.size() - 1) == {"from": hvd.size() - 1}

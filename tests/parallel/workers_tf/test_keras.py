@@ -72,6 +72,48 @@ def test_backward_passes_per_step_matches_single_process(hvd, run_eagerly):
         np.testing.assert_allclose(got, want, **EXACT)
 
 
+def test_two_accumulating_optimizers_in_one_tf_function_step(hvd):
+    """Each optimizer's collectives get their own names (taken before the update's tf.cond, whose branch
+    graph would number them afresh), and both models match single-process training."""
+    import tensorflow as tf
+
+    models = [make_model(seed=0), make_model(seed=0)]  # the same start on every rank: no broadcast needed
+    optimizers = [hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2,
+                                                 average_aggregated_gradients=True) for _ in models]
+    for model, optimizer in zip(models, optimizers):
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        for model, optimizer in zip(models, optimizers):
+            with tf.GradientTape() as tape:
+                loss = keras.losses.MeanSquaredError()(y, model(x))
+            optimizer.apply(tape.gradient(loss, model.trainable_variables), model.trainable_variables)
+
+    x, y = data(STEPS * hvd.size() * 2 * PER_RANK)
+    rows = rank_rows(hvd, 2).reshape(-1, PER_RANK)
+    for batch in rows:
+        step(x[batch], y[batch])
+    want = reference_weights(hvd.size(), 2)
+    for model in models:
+        for got, expected in zip(model.get_weights(), want):
+            np.testing.assert_allclose(got, expected, **EXACT)
+
+
+def test_accumulation_counts_its_own_calls_when_wrapping_a_trained_optimizer(hvd):
+    variable = keras.Variable(np.zeros(2, np.float32))
+    plain = keras.optimizers.SGD(1.0)
+    plain.build([variable])
+    plain.iterations.assign(1)  # one step taken before wrapping
+    optimizer = hvd_keras.DistributedOptimizer(plain, backward_passes_per_step=2)
+    grad = np.ones(2, np.float32)
+    optimizer.apply([grad], [variable])
+    np.testing.assert_array_equal(variable.numpy(), [0.0, 0.0])  # first of two micro-batches: no update yet
+    optimizer.apply([grad], [variable])
+    np.testing.assert_array_equal(variable.numpy(), [-2.0, -2.0])  # lr 1 x (1 + 1), summed (not averaged)
+    assert int(optimizer.iterations) == 3
+
+
 def test_fp16_compression_and_groups(hvd):
     model = fit_distributed(hvd, compression=hvd_keras.Compression.fp16, groups=2)
     # fp16 rounding of O(1) gradients (~5e-4 relative) over 3 steps of lr 0.1: within 1e-3

@@ -45,6 +45,15 @@ def test_allreduce_average_scaling_and_compression(hvd, mode):
     np.testing.assert_allclose(compressed.numpy(), expected_sum(hvd) / hvd.size(), rtol=1e-3)
 
 
+def test_fp16_compression_really_rounds_to_half_precision(hvd, mode):
+    # 1 + 2**-12 is exact in float32 but rounds to 1.0 in float16 (10-bit mantissa): a no-op codec keeps it.
+    x = tf.fill([4], 1.0 + 2.0 ** -12)
+    plain, compressed = mode(lambda t: (hvd.allreduce(t, op=hvd.Sum),
+                                        hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16)))(x)
+    np.testing.assert_array_equal(plain.numpy(), np.full(4, hvd.size() * (1.0 + 2.0 ** -12), np.float32))
+    np.testing.assert_array_equal(compressed.numpy(), np.full(4, float(hvd.size()), np.float32))
+
+
 def test_static_shapes_inside_tf_function(hvd):
     @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32)])
     def fn(t):
@@ -140,6 +149,36 @@ def test_gradients_of_alltoall_and_reducescatter(hvd, mode):
     expected = [[2 * hvd.rank() + i % 2] for i in range(hvd.size() * 2)]
     np.testing.assert_allclose(grads[0].numpy(), expected)
     np.testing.assert_allclose(grads[1].numpy(), np.ones([hvd.size() * 2, 1]))
+
+
+def test_allgather_gradient_is_this_ranks_rows_of_the_summed_gradient(hvd, mode):
+    n, r = hvd.size(), hvd.rank()
+    x = tf.ones([r + 1, 2])  # uneven rows: rank q contributes q + 1 rows
+    total_rows = n * (n + 1) // 2
+    weights = tf.range(1, total_rows + 1, dtype=tf.float32)[:, None] * (r + 1)  # row- and rank-dependent
+    grad = mode(lambda t: gradient(lambda v: tf.reduce_sum(hvd.allgather(v) * weights), t))(x)
+    offset = r * (r + 1) // 2  # this rank's first row in the gathered tensor
+    rank_weight_sum = n * (n + 1) / 2
+    expected = [[rank_weight_sum * (offset + i + 1)] * 2 for i in range(r + 1)]
+    np.testing.assert_allclose(grad.numpy(), expected)
+
+
+def test_reducescatter_average_gradient_gathers_the_shard_gradients_in_rank_order(hvd, mode):
+    n, r = hvd.size(), hvd.rank()
+    x = tf.ones([2 * n, 1])
+    shard_weights = tf.constant([[1.0], [2.0]]) * (r + 1)  # each rank's two rows of the result
+    grad = mode(lambda t: gradient(lambda v: tf.reduce_sum(hvd.reducescatter(v) * shard_weights), t))(x)
+    expected = [[(q + 1) * (i + 1) / n] for q in range(n) for i in range(2)]
+    np.testing.assert_allclose(grad.numpy(), expected, rtol=1e-6)
+
+
+def test_gradient_of_a_nonlinear_reducescatter_is_refused(hvd):
+    x = tf.ones([2 * hvd.size(), 1])
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.reduce_sum(hvd.reducescatter(x, op=hvd.Max))
+    with pytest.raises(NotImplementedError, match="gradient of reducescatter is defined for Average and Sum"):
+        tape.gradient(y, x)
 
 
 def test_variables_objects_and_rank_ops(hvd, mode):
