@@ -18,6 +18,7 @@ makes k steps of b samples on n ranks equal one step on the combined k * n * b s
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Sequence
 
 import keras
@@ -147,6 +148,12 @@ def _wrap(optimizer: Any, name: str | None, compression: Compressor, sparse_as_d
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the original optimizer only once")
     check_passes(passes)
+    if (keras.config.dtype_policy().name == "mixed_float16"
+            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
+        warnings.warn("with the mixed_float16 policy, wrap the loss-scale optimizer: hvd.DistributedOptimizer("
+                      "keras.optimizers.LossScaleOptimizer(opt)). Otherwise model.compile() puts a LossScaleOptimizer "
+                      "around this one, which skips the allreduce on a rank whose own gradients overflow while the "
+                      "other ranks wait for it.", stacklevel=3)
     reducer = GradientReducer(compression, sparse_as_dense, op, predivide, groups, process_set,
                               scale_local_gradients, name or "DistributedOptimizer")
     reducer.register_local(local_variables)

@@ -114,6 +114,34 @@ def test_accumulation_counts_its_own_calls_when_wrapping_a_trained_optimizer(hvd
     assert int(optimizer.iterations) == 3
 
 
+def test_mixed_precision_wraps_the_loss_scale_optimizer_and_skips_overflow_on_every_rank(hvd):
+    import tensorflow as tf
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with pytest.warns(UserWarning, match="wrap the loss-scale optimizer"):
+            hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1))
+        model = make_model(seed=0)
+        optimizer = hvd_keras.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+        model.compile(optimizer=optimizer, loss="mse")
+        assert model.optimizer is optimizer  # compile keeps it: it already is a LossScaleOptimizer
+        x, y = data(2 * PER_RANK * hvd.size())
+        model.fit(x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()], batch_size=PER_RANK, verbose=0)
+        scale = float(optimizer.dynamic_scale)
+        before = model.get_weights()
+        grads = [tf.zeros_like(v) for v in model.trainable_variables]
+        if hvd.rank() == 0:  # an overflow on one rank only: the reduced gradients overflow on every rank
+            grads[0] = grads[0] + np.inf
+        optimizer.apply(grads, model.trainable_variables)
+        assert float(optimizer.dynamic_scale) == scale / 2
+        for got, want in zip(model.get_weights(), before):
+            np.testing.assert_array_equal(got, want)
+        everyone = hvd_keras.allgather_object([w.tolist() for w in model.get_weights()])
+        assert all(weights == everyone[0] for weights in everyone)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def test_fp16_compression_and_groups(hvd):
     model = fit_distributed(hvd, compression=hvd_keras.Compression.fp16, groups=2)
     # fp16 rounding of O(1) gradients (~5e-4 relative) over 3 steps of lr 0.1: within 1e-3
