@@ -17,7 +17,6 @@ makes k steps of b samples on n ranks equal one step on the combined k * n * b s
 
 from __future__ import annotations
 
-import functools
 import warnings
 from typing import Any, Sequence
 
@@ -27,6 +26,7 @@ import tensorflow as tf
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.ops import Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, merge_num_groups
+from hvdplus.common.subclassing import disguised_subclass
 from hvdplus.tensorflow.compression import Compression, Compressor
 from hvdplus.tensorflow.gradient_tape import _layer_variables
 from hvdplus.tensorflow.gradients import GradientReducer
@@ -62,7 +62,6 @@ class _DistributedOptimizer:
         optimizer: Any = self
         if not optimizer.built:
             optimizer.build(variables)
-            optimizer.built = True
         accumulators = self._hvd_accumulators_for(variables)
         for accumulator, grad in zip(accumulators, grads):
             if grad is not None:
@@ -96,12 +95,6 @@ class _DistributedOptimizer:
             raise ValueError(f"backward_passes_per_step: this optimizer accumulates {len(self._hvd_accumulators)} "
                              f"gradients but got {len(variables)}; pass the same variables on every step")
         return self._hvd_accumulators
-
-
-@functools.lru_cache(maxsize=None)
-def _distributed_class(base: type) -> type:
-    return type(base.__name__, (_DistributedOptimizer, base),
-                {"__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
 def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None, device_dense: str = "",
@@ -160,7 +153,7 @@ def _wrap(optimizer: Any, name: str | None, compression: Compressor, sparse_as_d
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    wrapped = _distributed_class(type(optimizer)).from_config(config)
+    wrapped = disguised_subclass(_DistributedOptimizer, type(optimizer)).from_config(config)
     wrapped._hvd_reducer, wrapped._hvd_passes = reducer, passes
     wrapped._hvd_average_aggregated = average_aggregated
     if optimizer.built:
@@ -171,7 +164,6 @@ def _wrap(optimizer: Any, name: str | None, compression: Compressor, sparse_as_d
 def _copy_state(source: Any, target: Any) -> None:
     """Build `target` on `source`'s variables and copy its slots and iteration count."""
     target.build(source._trainable_variables)  # the list a built Keras optimizer was built with
-    target.built = True
     if len(target.variables) != len(source.variables):
         raise ValueError(f"cannot carry the optimizer's state over: it has {len(source.variables)} variables, "
                          f"the wrapped copy {len(target.variables)}")

@@ -8,7 +8,6 @@ a tape before or after the `with` block, eagerly or inside tf.function.
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any, Iterable
 
 import tensorflow as tf
@@ -16,6 +15,7 @@ import tensorflow as tf
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.ops import Average, ReduceOp
 from hvdplus.common.optimizer_options import merge_num_groups
+from hvdplus.common.subclassing import disguised_subclass
 from hvdplus.tensorflow.compression import Compression, Compressor
 from hvdplus.tensorflow.gradients import GradientReducer
 
@@ -40,11 +40,6 @@ class _DistributedGradientTape:
         self._hvd_reducer.register_local([source])
 
 
-@functools.lru_cache(maxsize=None)
-def _distributed_class(base: type) -> type:
-    return type(base.__name__, (_DistributedGradientTape, base), {"__module__": base.__module__})
-
-
 def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
                             compression: Compressor = Compression.none, sparse_as_dense: bool = False,
                             op: ReduceOp = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
@@ -64,7 +59,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     reducer = GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
                               scale_local_gradients, "DistributedGradientTape")
     wrapped = copy.copy(gradtape)
-    wrapped.__class__ = _distributed_class(type(gradtape))
+    wrapped.__class__ = disguised_subclass(_DistributedGradientTape, type(gradtape))
     wrapped._hvd_reducer = reducer
     return wrapped
 
