@@ -18,8 +18,9 @@ from hvdplus.common.handles import Handle
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind, ReduceOp, check_reducible, storage_dtype
 
-__all__ = ["resolve_op", "submit_allreduce", "submit_allgather", "submit_broadcast", "submit_alltoall",
-           "submit_reducescatter", "submit_barrier", "submit_join", "broadcast_object", "allgather_object"]
+__all__ = ["resolve_op", "process_set_size", "submit_allreduce", "submit_allgather", "submit_broadcast",
+           "submit_alltoall", "submit_reducescatter", "submit_barrier", "submit_join", "broadcast_object",
+           "allgather_object"]
 
 
 def resolve_op(average: bool | None, op: ReduceOp | None, default: ReduceOp = ReduceOp.AVERAGE) -> ReduceOp:
@@ -43,7 +44,8 @@ def _set_id(process_set: ProcessSet) -> int:
     return process_set.process_set_id
 
 
-def _set_size(set_id: int) -> int:
+def process_set_size(set_id: int) -> int:
+    """The number of ranks in process set `set_id`, or ValueError if it does not exist."""
     ranks = runtime().coordinator.process_set_ranks(set_id)
     if ranks is None:
         raise ValueError(f"process set {set_id} does not exist")
@@ -66,7 +68,7 @@ def submit_allreduce(array: np.ndarray, output: np.ndarray, dtype: str, name: st
     """Collective: every rank in the process set must call this, in the same order."""
     check_reducible(dtype, op, "allreduce")
     if op == ReduceOp.ADASUM:
-        check_adasum_size(_set_size(_set_id(process_set)))
+        check_adasum_size(process_set_size(_set_id(process_set)))
     request = _request(OpKind.ALLREDUCE, array, dtype, name, process_set, device, op=op,
                        prescale=float(prescale), postscale=float(postscale))
     return runtime().coordinator.submit(request, array, output)
@@ -88,8 +90,8 @@ def submit_broadcast(array: np.ndarray, output: np.ndarray, dtype: str, root_ran
                      process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
     """Collective: every rank in the process set must call this, in the same order."""
     set_id = _set_id(process_set)
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < _set_size(set_id):
-        raise ValueError(f"root_rank must be a rank of the process set (0..{_set_size(set_id) - 1}), "
+    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < process_set_size(set_id):
+        raise ValueError(f"root_rank must be a rank of the process set (0..{process_set_size(set_id) - 1}), "
                          f"got {root_rank!r}")
     request = _request(OpKind.BROADCAST, array, dtype, name, process_set, device, root=int(root_rank))
     return runtime().coordinator.submit(request, array, output)
@@ -99,7 +101,7 @@ def submit_alltoall(array: np.ndarray, dtype: str, splits: Sequence[int] | None,
                     process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
     """Collective: every rank in the process set must call this, in the same order."""
     _need_dims(array, "alltoall")
-    set_size = _set_size(_set_id(process_set))
+    set_size = process_set_size(_set_id(process_set))
     if splits is None:
         even_splits(array.shape[0], set_size)
         split_tuple = None

@@ -5,12 +5,7 @@ from __future__ import annotations
 from hvdplus.common.messages import Response
 from hvdplus.common.ops import OpKind
 
-__all__ = ["plan_batches", "response_nbytes"]
-
-
-def response_nbytes(response: Response) -> int:
-    """Bytes of one rank's tensor of `response`."""
-    return response.nbytes
+__all__ = ["plan_batches"]
 
 
 def plan_batches(responses: list[Response], threshold: int) -> list[list[Response]]:
@@ -24,7 +19,7 @@ def plan_batches(responses: list[Response], threshold: int) -> list[list[Respons
             continue
         first = response.first
         key = (response.key[0], first.dtype, first.device, first.op, first.prescale, first.postscale)
-        size = response_nbytes(response)
+        size = response.nbytes
         current = open_batch.get(key)
         if current is not None and current[1] + size <= threshold:
             current[0].append(response)

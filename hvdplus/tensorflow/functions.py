@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import tensorflow as tf
 
 from hvdplus.common import collectives as core
-from hvdplus.common.basics import ProcessSet, global_process_set, local_rank, local_size, rank, runtime
+from hvdplus.common.basics import ProcessSet, global_process_set, local_rank, local_size, rank
 from hvdplus.tensorflow._graph import collective_names
 from hvdplus.tensorflow.mpi_ops import broadcast_op
 
@@ -74,10 +74,7 @@ def allgather_object(obj: Any, session: Session | None = None, name: str | None 
 
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """The number of ranks of a process set (the global one by default) as an int32 tensor."""
-    ranks = runtime().coordinator.process_set_ranks(process_set_id)
-    if ranks is None:
-        raise ValueError(f"process set {process_set_id} does not exist")
-    return tf.constant(len(ranks), tf.int32, name=name)
+    return tf.constant(core.process_set_size(process_set_id), tf.int32, name=name)
 
 
 def local_size_op(name: str | None = None) -> tf.Tensor:

@@ -1,6 +1,6 @@
 """plan_batches: which allreduces share a fusion buffer."""
 
-from hvdplus.common.fusion import plan_batches, response_nbytes
+from hvdplus.common.fusion import plan_batches
 from hvdplus.common.messages import Request, Response
 from hvdplus.common.ops import OpKind, ReduceOp
 
@@ -15,8 +15,8 @@ def names(batches):
 
 
 def test_nbytes():
-    assert response_nbytes(resp("a", 4)) == 16
-    assert response_nbytes(resp("a", 4, dtype="float16")) == 8
+    assert resp("a", 4).nbytes == 16
+    assert resp("a", 4, dtype="float16").nbytes == 8
 
 
 def test_compatible_allreduces_are_fused():
@@ -61,4 +61,4 @@ def test_every_response_appears_once():
     assert sorted(r.key for r in flat) == sorted(r.key for r in responses)
     for batch in batches:
         if len(batch) > 1:
-            assert sum(response_nbytes(r) for r in batch) <= 24
+            assert sum(r.nbytes for r in batch) <= 24
