@@ -13,14 +13,15 @@ import numpy as np
 
 from hvdplus.common.adasum import check_adasum_size
 from hvdplus.common.basics import ProcessSet, global_process_set, runtime
+from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import even_splits
 from hvdplus.common.handles import Handle
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind, ReduceOp, check_reducible, storage_dtype
 
-__all__ = ["resolve_op", "process_set_size", "submit_allreduce", "submit_allgather", "submit_broadcast",
-           "submit_alltoall", "submit_reducescatter", "submit_barrier", "submit_join", "broadcast_object",
-           "allgather_object"]
+__all__ = ["resolve_op", "process_set_size", "check_root", "check_reducescatter_op", "submit_allreduce",
+           "submit_allgather", "submit_broadcast", "submit_alltoall", "submit_reducescatter", "submit_barrier",
+           "submit_join", "broadcast_object", "allgather_object"]
 
 
 def resolve_op(average: bool | None, op: ReduceOp | None, default: ReduceOp = ReduceOp.AVERAGE) -> ReduceOp:
@@ -86,14 +87,32 @@ def submit_allgather(array: np.ndarray, dtype: str, name: str | None,
     return runtime().coordinator.submit(_request(OpKind.ALLGATHER, array, dtype, name, process_set, device), array)
 
 
+def check_root(root_rank: int, process_set: ProcessSet = global_process_set) -> int:
+    """Horovod's rule: `root_rank` is a global rank (what `rank()` returns), also with `process_set=`.
+
+    Returns it as an int, or raises ValueError naming the set's global ranks. Every member sees the same
+    root and set, so every member raises here, before anything is submitted, and the job stays usable."""
+    set_id = _set_id(process_set)
+    members = runtime().coordinator.process_set_ranks(set_id) or ()
+    if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)) \
+            or root_rank not in members:
+        where = "the job" if set_id == 0 else f"process set {set_id}"
+        raise ValueError(f"root_rank must be the global rank (hvd.rank()) of a member of {where}, whose global "
+                         f"ranks are {_ranks_text(members)}; got {root_rank!r}")
+    return int(root_rank)
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return f"0..{len(ranks) - 1}" if list(ranks) == list(range(len(ranks))) and len(ranks) > 3 else str(list(ranks))
+
+
 def submit_broadcast(array: np.ndarray, output: np.ndarray, dtype: str, root_rank: int, name: str | None,
                      process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
-    """Collective: every rank in the process set must call this, in the same order."""
-    set_id = _set_id(process_set)
-    if not isinstance(root_rank, (int, np.integer)) or not 0 <= root_rank < process_set_size(set_id):
-        raise ValueError(f"root_rank must be a rank of the process set (0..{process_set_size(set_id) - 1}), "
-                         f"got {root_rank!r}")
-    request = _request(OpKind.BROADCAST, array, dtype, name, process_set, device, root=int(root_rank))
+    """Copy the root's `array` into every member's `output`; `root_rank` is a global rank (see `check_root`).
+
+    Collective: every rank in the process set must call this, in the same order."""
+    root = check_root(root_rank, process_set)
+    request = _request(OpKind.BROADCAST, array, dtype, name, process_set, device, root=root)
     return runtime().coordinator.submit(request, array, output)
 
 
@@ -114,13 +133,20 @@ def submit_alltoall(array: np.ndarray, dtype: str, splits: Sequence[int] | None,
     return runtime().coordinator.submit(request, array)
 
 
+def check_reducescatter_op(op: ReduceOp) -> None:
+    """Adasum cannot reduce-scatter: HorovodInternalError, the type horovod.torch raises for it (its core aborts
+    the enqueue). Average and Sum are Horovod's; Min, Max and Product are hvdplus's additions."""
+    if op == ReduceOp.ADASUM:
+        raise HorovodInternalError("Reducescatter does not support Adasum; use op=Average or op=Sum "
+                                   "(Min, Max and Product also work in hvdplus)")
+
+
 def submit_reducescatter(array: np.ndarray, dtype: str, name: str | None, op: ReduceOp,
                          prescale: float = 1.0, postscale: float = 1.0,
                          process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
     """Collective: every rank in the process set must call this, in the same order."""
     _need_dims(array, "reducescatter")
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT):
-        raise ValueError(f"reducescatter supports Average, Sum, Min, Max and Product, got {op!r}")
+    check_reducescatter_op(op)
     check_reducible(dtype, op, "reducescatter")
     request = _request(OpKind.REDUCESCATTER, array, dtype, name, process_set, device, op=op,
                        prescale=float(prescale), postscale=float(postscale))
@@ -144,11 +170,12 @@ def submit_join() -> Handle:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """Pickle `obj` on the root and return a copy of it on every rank.
+    """Pickle `obj` on the root (a global rank) and return a copy of it on every member.
 
     Collective: every rank in the process set must call this, in the same order."""
     name = name or runtime().auto_name("broadcast_object", _set_id(process_set))
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if process_set.rank() == root_rank else None
+    root_rank = check_root(root_rank, process_set)
+    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if runtime().rank == root_rank else None
     length = np.array([0 if payload is None else payload.size], dtype=np.int64)
     submit_broadcast(length, length, "int64", root_rank, f"{name}.size", process_set).wait()
     buffer = payload.copy() if payload is not None else np.empty(int(length[0]), dtype=np.uint8)

@@ -134,9 +134,10 @@ class Executor:
             self._engine.allgather(work.input.reshape(-1), out.reshape(-1), counts, group)
             return out
         if response.kind == OpKind.BROADCAST:
-            if set_rank == request.root and work.input is not work.output:
+            root = response.members.index(request.root)  # the request names a global rank; the group, its index
+            if set_rank == root and work.input is not work.output:
                 np.copyto(work.output, work.input)
-            self._engine.broadcast(work.output.reshape(-1), request.root, group)
+            self._engine.broadcast(work.output.reshape(-1), root, group)
             return work.output
         if response.kind == OpKind.ALLTOALL:
             return self._alltoall(requests, work, set_rank, group)

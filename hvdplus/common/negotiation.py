@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 from hvdplus.common.messages import Key, Request, Response
 from hvdplus.common.ops import OpKind
 
-__all__ = ["MessageTable", "Stall", "validate", "JOIN_KEY"]
+__all__ = ["MessageTable", "Stall", "validate", "device_kind", "JOIN_KEY"]
 
 JOIN_KEY: Key = (0, "__hvdplus_join__")
 
@@ -34,8 +34,16 @@ def _disagreement(values: Mapping[int, object]) -> str:
     return "; ".join(parts)
 
 
-def validate(requests: Mapping[int, Request], set_size: int) -> str | None:
-    """Return why these per-rank requests for one name cannot run together, or None if they can."""
+def device_kind(device: str) -> str:
+    """'cpu' or 'cuda' from 'cuda:1': ranks pinned to different GPUs of their hosts still agree (as in Horovod,
+    which only requires every rank to be on CPU or every rank on GPU)."""
+    return device.split(":", 1)[0]
+
+
+def validate(requests: Mapping[int, Request], members: tuple[int, ...]) -> str | None:
+    """Return why these per-rank requests for one name cannot run together, or None if they can.
+
+    A broadcast's `root` is a global rank (Horovod's rule, process sets included); it must be in `members`."""
     first = next(iter(requests.values()))
     what = f"{first.name!r}"
 
@@ -47,7 +55,7 @@ def validate(requests: Mapping[int, Request], set_size: int) -> str | None:
 
     for label, getter in (("collective operations", lambda r: r.kind.name.lower()),
                           ("data types", lambda r: r.dtype),
-                          ("devices", lambda r: r.device)):
+                          ("devices (CPU or GPU)", lambda r: device_kind(r.device))):
         problem = check(label, getter)
         if problem:
             return problem
@@ -67,8 +75,9 @@ def validate(requests: Mapping[int, Request], set_size: int) -> str | None:
         problem = check(label, getter)
         if problem:
             return problem
-    if kind == OpKind.BROADCAST and not 0 <= first.root < set_size:
-        return f"Invalid root rank {first.root} for broadcast {what}: the process set has {set_size} ranks."
+    if kind == OpKind.BROADCAST and first.root not in members:
+        return (f"Invalid root rank {first.root} for broadcast {what}: it is not a member of the process set, "
+                f"whose global ranks are {list(members)}.")
     return None
 
 
@@ -142,7 +151,7 @@ class MessageTable:
             return Response(key, first.kind, requests, members=members, error=(
                 f"{first.describe()} was submitted by {_ranks_text(strangers)}, which are not in process set "
                 f"{key[0]} (members {list(members)})."))
-        return Response(key, first.kind, requests, error=validate(entry, len(members)), members=members)
+        return Response(key, first.kind, requests, error=validate(entry, members), members=members)
 
     def _deadlocks(self, members: Callable[[int], tuple[int, ...]]) -> list[Response]:
         """Errors for one name submitted on two process sets by ranks that wait on each other.

@@ -7,7 +7,8 @@ import enum
 import numpy as np
 
 __all__ = ["ReduceOp", "OpKind", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-           "DTYPES", "REDUCIBLE_DTYPES", "storage_dtype", "check_reducible", "linear_scale"]
+           "DTYPES", "REDUCIBLE_DTYPES", "storage_dtype", "check_reducible", "linear_scale",
+           "reducescatter_grad_scale"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -77,3 +78,12 @@ def linear_scale(op: ReduceOp, prescale: float, postscale: float, set_size: int,
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise NotImplementedError(f"{what} is defined for Average and Sum, not {op!r}")
     return prescale * postscale / (set_size if op == ReduceOp.AVERAGE else 1)
+
+
+def reducescatter_grad_scale(op: ReduceOp, prescale: float, postscale: float, set_size: int) -> float:
+    """Horovod's factor for the gradient of reducescatter (then allgathered): the set's size for Sum, 1 for
+    Average, times both scale factors. That is `size` times the exact gradient of the ranks' summed loss;
+    scripts written for Horovod rely on it, so it is kept. Min, Max and Product: NotImplementedError."""
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise NotImplementedError(f"the gradient of reducescatter is defined for Average and Sum, not {op!r}")
+    return prescale * postscale * (set_size if op == ReduceOp.SUM else 1)

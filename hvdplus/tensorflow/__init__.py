@@ -14,6 +14,7 @@ from hvdplus.tensorflow.functions import (allgather_object, broadcast_, broadcas
 from hvdplus.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
 from hvdplus.tensorflow.mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather,
                                         grouped_allreduce, grouped_reducescatter, join, reducescatter)
+from hvdplus.tensorflow.optimizer import DistributedOptimizer
 from hvdplus.tensorflow import _half_kernels
 
 _half_kernels.register()

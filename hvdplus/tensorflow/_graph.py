@@ -1,30 +1,72 @@
-"""Running a core collective from TensorFlow: numpy buffers in eager mode, one `tf.numpy_function` op in graphs.
+"""Running a core collective from TensorFlow: numpy buffers in eager mode, a submit op and a wait op in graphs.
 
-Inside tf.function every collective is one stateful op; automatic control dependencies run stateful ops in
-program order, so the collectives of a graph start in the same order on every rank (the core negotiates the
-order anyway). Default names in graphs are `Horovod<Kind>` made unique in the graph being built, so they agree
-across ranks without depending on execution order, tensor names or Keras' per-process layer counters. Eager
+A collective is started by `start(*numpy inputs)`, which submits it to the core without blocking and returns
+`finish()`, which waits and returns the numpy outputs. Eagerly both run at once. In a graph (tf.function, or a
+tf.compat.v1 graph run by a Session) they are two stateful ops: a *submit* op returning an int64 token and a
+*wait* op that takes the token and returns the outputs. Each wait op has a control dependency on the previous
+wait op of its chain: the collectives of one graph and control-flow context, in creation order.
+
+Why: a `tf.numpy_function` is synchronous. An op that submitted and then waited held one of TensorFlow's
+inter-op threads until its peers came; with several independent collectives in one `session.run`, each rank
+could fill its threads with waits for collectives that the other rank, its own threads full of other waits,
+had not submitted: both hung (with one thread at once, with TF's default count too). Horovod's kernels are
+asynchronous and hold no thread while they wait.
+
+Why one chain cannot deadlock, whatever order TF runs ready ops in and whatever its thread count, when every
+rank runs the same graph with the same fetches (Horovod's rule): submit ops never block; only wait ops do, and
+the chain runs its waits one at a time, in creation order. Suppose no rank can progress, and let rank A be
+blocked in the wait at the smallest position w of any rank's blocked wait. Collective w is incomplete, so
+some rank B has not submitted it. B is blocked in no wait: at a position p > w it would have finished wait w
+(so w completed), and at p = w it would have run submit w (the wait consumes the submit's token). So no
+thread of B is blocked. Submit w depends only on ops created before it; the waits among them are at positions
+below w, whose collectives completed (A has passed their waits), so they return at once on B. B thus submits
+w, the core completes it on its own thread (not TensorFlow's), and A moves on: a contradiction.
+Inside a tf.function, TensorFlow's automatic control dependencies already run stateful ops in creation order;
+the chain matters for tf.compat.v1 graphs and for graphs built without them (such as the backward function of
+a tf.function differentiated by an outer tape).
+
+What chains cost: fetching a collective also runs the collectives created before it in its chain (a control
+dependency cannot be conditional). Broadcasts of variables are usually fetched on their own (`sess.run(bcast)`
+before training), so they form a chain of their own, and the training step neither pulls them in nor is
+pulled in by them. The argument above is per chain: a `session.run` that fetches collectives of several
+chains (a variable broadcast together with other collectives, collectives inside a tf.compat.v1 cond or
+while context) needs at least as many inter-op threads as chains.
+
+Names: default names in graphs are `Horovod<Kind>` made unique in the graph being built, so they agree across
+ranks without depending on execution order, tensor names or Keras' per-process layer counters. Eager
 collectives without a name are numbered by the core in call order. Two tf.functions running concurrently must
 not both use default names (each graph numbers its own); give one of them `name=`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import functools
+import itertools
+import weakref
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
+from hvdplus.common.handles import Handle
 from hvdplus.common.naming import member_names
 
-__all__ = ["dtype_name", "storage", "values", "execute", "graph_name", "collective_names"]
+__all__ = ["dtype_name", "storage", "values", "Finish", "finishing", "execute", "graph_name", "collective_names",
+           "VARIABLES_CHAIN"]
 
 _DTYPE_NAMES = {tf.uint8: "uint8", tf.int8: "int8", tf.uint16: "uint16", tf.int16: "int16", tf.int32: "int32",
                 tf.int64: "int64", tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
                 tf.float64: "float64", tf.bool: "bool"}
 _BFLOAT16 = tf.bfloat16.as_numpy_dtype
 
-Run = Callable[..., Sequence[np.ndarray]]
+Finish = Callable[[], Sequence[np.ndarray]]
+Start = Callable[..., Finish]
+
+VARIABLES_CHAIN = "variables"  # the chain of variable broadcasts (see the module docstring)
+
+_pending: dict[int, Finish] = {}  # token -> finish() of a collective submitted by a graph's submit op
+_tokens = itertools.count(1)
+_last_wait: weakref.WeakKeyDictionary[Any, dict[Any, tf.Operation]] = weakref.WeakKeyDictionary()
 
 
 def dtype_name(dtype: tf.DType) -> str:
@@ -47,15 +89,43 @@ def values(array: np.ndarray, dtype: str) -> np.ndarray:
     return array.view(_BFLOAT16) if dtype == "bfloat16" else array
 
 
-def execute(run: Run, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType],
-            shapes: Sequence[tf.TensorShape]) -> list[tf.Tensor]:
-    """`run(*numpy inputs) -> numpy outputs` now (eager) or as one graph op whose outputs get static `shapes`."""
+def finishing(handles: Sequence[Handle], convert: Callable[[list[Any]], Sequence[np.ndarray]]) -> Finish:
+    """The `finish()` of submitted `handles`: wait for all of them, then `convert(results)` to the outputs."""
+    return lambda: convert([h.wait() for h in handles])
+
+
+def execute(start: Start, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType],
+            shapes: Sequence[tf.TensorShape], chain: str = "") -> list[tf.Tensor]:
+    """Run a collective now (eager), or add its submit and wait ops to the graph (outputs get static `shapes`);
+    `chain` names the chain its wait joins (the default one, or VARIABLES_CHAIN)."""
     if tf.executing_eagerly():
-        return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(run(*(t.numpy() for t in inputs)), dtypes)]
-    outputs = tf.numpy_function(run, list(inputs), list(dtypes), stateful=True)
+        results = start(*(t.numpy() for t in inputs))()
+        return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, dtypes)]
+    token = tf.numpy_function(functools.partial(_submit, start), list(inputs), tf.int64, stateful=True,
+                              name="HorovodSubmit")
+    token.set_shape([])
+    graph = tf.compat.v1.get_default_graph()
+    links = _last_wait.setdefault(graph, {})
+    key = (graph._get_control_flow_context(), chain)  # v1 cond/while contexts cannot share control inputs
+    with graph.control_dependencies([links[key]] if key in links else []):
+        outputs = tf.numpy_function(_wait, [token], list(dtypes), stateful=True, name="HorovodWait")
+    links[key] = outputs[0].op
     for output, shape in zip(outputs, shapes):
         output.set_shape(shape)
     return outputs
+
+
+def _submit(start: Start, *arrays: np.ndarray) -> np.int64:
+    """The submit op: start the collective, keep its finish() under a new token."""
+    finish = start(*arrays)
+    token = next(_tokens)
+    _pending[token] = finish
+    return np.int64(token)
+
+
+def _wait(token: np.ndarray) -> list[np.ndarray]:
+    """The wait op: finish the collective that `token` stands for."""
+    return list(_pending.pop(int(token))())
 
 
 def graph_name(base: str, ignore_name_scope: bool = True) -> str:

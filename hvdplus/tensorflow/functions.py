@@ -8,7 +8,7 @@ import tensorflow as tf
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, local_rank, local_size, rank
-from hvdplus.tensorflow._graph import collective_names
+from hvdplus.tensorflow._graph import VARIABLES_CHAIN, collective_names
 from hvdplus.tensorflow.mpi_ops import broadcast_op
 
 if TYPE_CHECKING:
@@ -19,12 +19,14 @@ __all__ = ["broadcast_variables", "broadcast_", "broadcast_global_variables", "b
 
 
 def _broadcast_assign(variables: Sequence[Any], root_rank: int, process_set: ProcessSet, prefix: str | None) -> Any:
-    """Assign root's values to `variables` with one broadcast op; the group of assignments in graphs."""
+    """Assign the root's values to `variables` with one broadcast op (in graphs on the chain of variable
+    broadcasts, see _graph.py); returns the group of assignments in graphs."""
     variables = list(variables)
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
     tensors = [tf.convert_to_tensor(v) for v in variables]
-    received = broadcast_op(tensors, collective_names("Broadcast", tensors, prefix), root_rank, process_set)
+    received = broadcast_op(tensors, collective_names("Broadcast", tensors, prefix), root_rank, process_set,
+                            VARIABLES_CHAIN)
     return tf.group(*[v.assign(value) for v, value in zip(variables, received)])
 
 
@@ -32,13 +34,14 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: P
                         inplace: bool = False) -> Any:
     """Overwrite each variable with the root's value (tf.Variable or Keras variable); returns the op in graphs.
 
+    `root_rank` is a global rank (`hvd.rank()`), also with `process_set`.
     Collective: every rank in the process set must call this with the same variables, in the same order."""
     return _broadcast_assign(variables, root_rank, process_set, None)
 
 
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> list[Any]:
-    """In-place broadcast of variables: each receives root's value; returns the variables.
+    """In-place broadcast of variables: each receives the root's value (a global rank); returns the variables.
 
     Collective: every rank in the process set must call this, in the same order."""
     _broadcast_assign(variables, root_rank, process_set, name)
@@ -58,7 +61,8 @@ def broadcast_global_variables(root_rank: int) -> Any:
 
 def broadcast_object(obj: Any, root_rank: int = 0, session: Session | None = None, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
-    """Return a copy of root's picklable `obj` on every rank (`session` is accepted for Horovod and unused).
+    """Return a copy of the root's picklable `obj` on every member (the root is a global rank; `session` is
+    accepted for Horovod and unused).
 
     Collective: every rank in the process set must call this, in the same order."""
     return core.broadcast_object(obj, root_rank, name, process_set)

@@ -13,9 +13,9 @@ import numpy as np
 import tensorflow as tf
 
 from hvdplus.common import collectives as core
-from hvdplus.common.basics import ProcessSet, global_process_set
-from hvdplus.common.ops import ReduceOp, linear_scale
-from hvdplus.tensorflow._graph import collective_names, dtype_name, execute, storage, values
+from hvdplus.common.basics import ProcessSet, global_process_set, rank
+from hvdplus.common.ops import ReduceOp, linear_scale, reducescatter_grad_scale
+from hvdplus.tensorflow._graph import Finish, collective_names, dtype_name, execute, finishing, storage, values
 from hvdplus.tensorflow.compression import Compression, Compressor
 
 __all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
@@ -31,26 +31,22 @@ def _tensors(tensors: Sequence[Any]) -> list[tf.Tensor]:
     return result
 
 
-def _wait(handles: list[Any]) -> list[Any]:
-    return [h.wait() for h in handles]
-
-
 # ----------------------------------------------------------------------------- allreduce
 def _same_shape_op(tensors: list[tf.Tensor], names: Names, submit: Callable[..., Any],
-                   gradient: Callable[[list[tf.Tensor]], list[tf.Tensor]]) -> list[tf.Tensor]:
-    """One op whose outputs have the inputs' shapes (allreduce, broadcast); `submit(source, output, dtype, name)`
-    starts one member, `gradient(output_grads)` differentiates the op."""
+                   gradient: Callable[[list[tf.Tensor]], list[tf.Tensor]], chain: str = "") -> list[tf.Tensor]:
+    """One collective whose outputs have the inputs' shapes (allreduce, broadcast); `submit(source, output, dtype,
+    name)` starts one member, `gradient(output_grads)` differentiates it; `chain` as in `execute`."""
     dtypes = [dtype_name(t.dtype) for t in tensors]
 
-    def run(*arrays: np.ndarray) -> list[np.ndarray]:
+    def start(*arrays: np.ndarray) -> Finish:
         sources = [storage(a) for a in arrays]
         outputs = [np.empty_like(s) for s in sources]
-        _wait([submit(s, o, d, n) for s, o, d, n in zip(sources, outputs, dtypes, names)])
-        return [values(o, d) for o, d in zip(outputs, dtypes)]
+        handles = [submit(s, o, d, n) for s, o, d, n in zip(sources, outputs, dtypes, names)]
+        return finishing(handles, lambda _: [values(o, d) for o, d in zip(outputs, dtypes)])
 
     @tf.custom_gradient
     def forward(*xs: tf.Tensor) -> Any:
-        ys = execute(run, xs, [x.dtype for x in xs], [x.shape for x in xs])
+        ys = execute(start, xs, [x.dtype for x in xs], [x.shape for x in xs], chain)
         return ys, lambda *dys: gradient(_tensors(dys))
 
     return list(forward(*tensors)) if tensors else []
@@ -132,27 +128,29 @@ def _resizing_op(kind: str, tensors: list[tf.Tensor], names: Names, submit: Call
         if t.shape.rank == 0:
             raise ValueError(f"{kind} needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
 
-    def run(*arrays: np.ndarray) -> list[np.ndarray]:
-        results = _wait([submit(storage(a), d, n) for a, d, n in zip(arrays, dtypes, names)])
-        return [values(r, d) for r, d in zip(results, dtypes)]
+    def start(*arrays: np.ndarray) -> Finish:
+        handles = [submit(storage(a), d, n) for a, d, n in zip(arrays, dtypes, names)]
+        return finishing(handles, lambda results: [values(r, d) for r, d in zip(results, dtypes)])
 
     @tf.custom_gradient
     def forward(*xs: tf.Tensor) -> Any:
-        ys = execute(run, xs, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
+        ys = execute(start, xs, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
         return ys, lambda *dys: gradient(xs, _tensors(dys))
 
     return list(forward(*tensors)) if tensors else []
 
 
 def _allgather_op(tensors: list[tf.Tensor], names: Names, process_set: ProcessSet) -> list[tf.Tensor]:
-    """One op gathering every tensor along dimension 0; the gradient is this rank's rows of the summed gradient."""
+    """One op gathering every tensor along dimension 0; the gradient is this rank's rows of the gradient averaged
+    over the set (Horovod's `_allgather_grad`)."""
 
     def gradient(xs: Sequence[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        summed = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.SUM, 1.0, 1.0, process_set)
+        averaged = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0,
+                                 process_set)
         rows = [tf.shape(x, out_type=tf.int64)[:1] for x in xs]
         all_rows = _allgather_op(rows, collective_names("Allgather", rows, None), process_set)
         me = process_set.rank()
-        return [g[tf.reduce_sum(r[:me]):tf.reduce_sum(r[:me + 1])] for g, r in zip(summed, all_rows)]
+        return [g[tf.reduce_sum(r[:me]):tf.reduce_sum(r[:me + 1])] for g, r in zip(averaged, all_rows)]
 
     return _resizing_op("allgather", tensors, names,
                         lambda a, d, n: core.submit_allgather(a, d, n, process_set), gradient)
@@ -177,23 +175,26 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
 
 
 # ----------------------------------------------------------------------------- broadcast
-def broadcast_op(tensors: list[tf.Tensor], names: Names, root_rank: int,
-                 process_set: ProcessSet) -> list[tf.Tensor]:
-    """One op copying root's tensors to every rank; the gradient is the summed gradient on the root, 0 elsewhere."""
+def broadcast_op(tensors: list[tf.Tensor], names: Names, root_rank: int, process_set: ProcessSet,
+                 chain: str = "") -> list[tf.Tensor]:
+    """One op copying the root's tensors to every member; `root_rank` is a global rank (Horovod's rule, checked
+    here on every member). The gradient is the gradient averaged over the set on the root, 0 elsewhere
+    (Horovod's `_broadcast_grad`)."""
+    root_rank = core.check_root(root_rank, process_set)
 
     def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        summed = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.SUM, 1.0, 1.0, process_set)
-        return summed if process_set.rank() == root_rank else [tf.zeros_like(g) for g in summed]
+        averaged = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0,
+                                 process_set)
+        return averaged if rank() == root_rank else [tf.zeros_like(g) for g in averaged]
 
     return _same_shape_op(tensors, names, lambda s, o, d, n: core.submit_broadcast(s, o, d, root_rank, n,
-                                                                                  process_set), gradient)
+                                                                                  process_set), gradient, chain)
 
 
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
-    """Return root's `tensor` on every rank. Differentiable.
-
-    Collective: every rank in the process set must call this, in the same order."""
+    """Return the root's `tensor` on every member; `root_rank` is a global rank (`hvd.rank()`), also with
+    `process_set`. Differentiable. Collective: every rank in the process set must call this, in the same order."""
     tensors = _tensors([tensor])
     names = collective_names("Broadcast", tensors, name, ignore_name_scope)
     return broadcast_op(tensors, names, root_rank, process_set)[0]
@@ -220,14 +221,14 @@ def _alltoall_op(x: tf.Tensor, splits: tf.Tensor, even: bool, name: str | None,
                  process_set: ProcessSet) -> tuple[tf.Tensor, tf.Tensor]:
     dtype = dtype_name(x.dtype)
 
-    def run(array: np.ndarray, split_array: np.ndarray) -> list[np.ndarray]:
-        output, received = core.submit_alltoall(storage(array), dtype, None if even else split_array.tolist(),
-                                                name, process_set).wait()
-        return [values(output, dtype), received.astype(np.int32)]
+    def start(array: np.ndarray, split_array: np.ndarray) -> Finish:
+        handle = core.submit_alltoall(storage(array), dtype, None if even else split_array.tolist(), name,
+                                      process_set)
+        return finishing([handle], lambda results: [values(results[0][0], dtype), results[0][1].astype(np.int32)])
 
     @tf.custom_gradient
     def forward(value: tf.Tensor) -> Any:
-        output, received = execute(run, [value, splits], [value.dtype, tf.int32],
+        output, received = execute(start, [value, splits], [value.dtype, tf.int32],
                                    [tf.TensorShape([None]).concatenate(value.shape[1:]),
                                     tf.TensorShape([process_set.size()])])
 
@@ -244,16 +245,27 @@ def _alltoall_op(x: tf.Tensor, splits: tf.Tensor, even: bool, name: str | None,
 # ----------------------------------------------------------------------------- reducescatter
 def _reducescatter_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float,
                       process_set: ProcessSet) -> list[tf.Tensor]:
-    """One op reduce-scattering every tensor; the gradient is the allgather of the shard gradients, scaled."""
+    """One op reduce-scattering every tensor; the gradient is the allgather of the shard gradients, scaled as
+    Horovod's `_reducescatter_grad` does (by the set's size for Sum, and by both scale factors)."""
 
     def gradient(_: Sequence[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        scale = linear_scale(op, prescale, postscale, process_set.size(), "the gradient of reducescatter")
+        scale = reducescatter_grad_scale(op, prescale, postscale, process_set.size())
         gathered = _allgather_op(dys, collective_names("Allgather", dys, None), process_set)
         return [g * tf.cast(scale, g.dtype) for g in gathered]
 
     return _resizing_op("reducescatter", tensors, names,
                         lambda a, d, n: core.submit_reducescatter(a, d, n, op, prescale, postscale, process_set),
                         gradient)
+
+
+def _reducescatter_op_of(op: ReduceOp | None) -> ReduceOp:
+    """The op, or the error Horovod's TF op fails with for Adasum (its enqueue returns Aborted), raised here on
+    every rank before anything is submitted. Min, Max and Product are hvdplus's additions."""
+    op = core.resolve_op(None, op)
+    if op == ReduceOp.ADASUM:
+        raise tf.errors.AbortedError(None, None, "Reducescatter currently only supports AVERAGE and SUM (hvdplus "
+                                                 "also Min, Max and Product), not Adasum")
+    return op
 
 
 def reducescatter(tensor: Any, device_dense: str = "", compression: Compressor = Compression.none,
@@ -263,7 +275,7 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Compressor =
     """Reduce `tensor` over the ranks and return this rank's rows of the result (Horovod's uneven split).
 
     Differentiable. Collective: every rank in the process set must call this, in the same order."""
-    op = core.resolve_op(None, op)
+    op = _reducescatter_op_of(op)
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
     inputs = _tensors([compressed])
     names = collective_names("Reducescatter", inputs, name, ignore_name_scope)
@@ -277,7 +289,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compre
     """Reduce-scatter a list of tensors in one op. Differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    op = core.resolve_op(None, op)
+    op = _reducescatter_op_of(op)
     pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     inputs = _tensors([p[0] for p in pairs])
     shards = _reducescatter_op(inputs, collective_names("Reducescatter", inputs, None), op, prescale_factor,
@@ -291,10 +303,12 @@ def join() -> tf.Tensor:
 
     Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
     Returns the rank that joined last. Collective: every rank must call it once per epoch."""
-    return execute(lambda: [np.int32(core.submit_join().wait())], [], [tf.int32], [tf.TensorShape([])])[0]
+    return execute(lambda: finishing([core.submit_join()], lambda results: [np.int32(results[0])]), [],
+                   [tf.int32], [tf.TensorShape([])])[0]
 
 
-def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Block until every rank of the process set reaches the barrier."""
-    execute(lambda: [np.int32(core.submit_barrier(process_set).wait() or 0)], [], [tf.int32],
-            [tf.TensorShape([])])
+def barrier(process_set: ProcessSet = global_process_set) -> tf.Operation | None:
+    """Block until every rank of the process set reaches the barrier (in a graph: return the op that does)."""
+    [done] = execute(lambda: finishing([core.submit_barrier(process_set)], lambda _: [np.int32(0)]), [], [tf.int32],
+                     [tf.TensorShape([])])
+    return None if tf.executing_eagerly() else done.op

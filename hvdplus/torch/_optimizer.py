@@ -110,12 +110,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._start_group(group)
 
     def _gradient(self, p: torch.Tensor) -> torch.Tensor:
-        """p's gradient as it is sent: zeros if this rank did not use p, densified with sparse_as_dense."""
+        """p's gradient as it is sent: zeros if this rank did not use p, a dense copy with sparse_as_dense
+        (p.grad itself stays sparse: `synchronize` hands the optimizer a sparse result, as Horovod does)."""
         if p.grad is None:
             # This rank did not use p (dynamic forward), but other ranks may have: contribute zeros.
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse and self.sparse_as_dense:
-            p.grad = p.grad.to_dense()
+            return p.grad.to_dense()
         return p.grad
 
     def _scales(self) -> tuple[float, float]:
@@ -135,15 +136,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _start_group(self, group: tuple[torch.Tensor, ...]) -> None:
         """One grouped allreduce for the dense gradients of `group`; sparse ones go the sparse path."""
         self._group_counts[group] = 0
-        dense = []
+        dense, gradients = [], []
         for p in group:
-            if self._gradient(p).is_sparse:
+            gradient = self._gradient(p)
+            if gradient.is_sparse:
                 self._handles[p] = self._allreduce_grad_async(p)
             else:
                 dense.append(p)
+                gradients.append(gradient)
         if not dense:
             return
-        compressed, contexts = zip(*(self._compression.compress(p.grad) for p in dense))
+        compressed, contexts = zip(*(self._compression.compress(g) for g in gradients))
         prescale, postscale = self._scales()
         result = _GroupResult(grouped_allreduce_async_(list(compressed), name=self._parameter_names[dense[0]],
                                                        op=self.op, prescale_factor=prescale,
@@ -175,8 +178,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p, (handle, ctx) in self._handles.items():
                 output = handle[0].output(handle[1]) if isinstance(handle, tuple) else _synchronize_handle(handle)
                 result = self._compression.decompress(output, ctx)
-                if result.is_sparse:
-                    p.grad = result
+                if p.grad.is_sparse:  # a sparse optimizer (SparseAdam) needs a sparse gradient back
+                    p.grad = result if result.is_sparse else result.to_sparse()
                 elif result is not p.grad:
                     p.grad.copy_(result)
         finally:

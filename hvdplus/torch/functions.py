@@ -7,8 +7,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from hvdplus.common.basics import ProcessSet, global_process_set
-from hvdplus.common.collectives import broadcast_object
+from hvdplus.common.basics import ProcessSet, global_process_set, rank
+from hvdplus.common.collectives import broadcast_object, check_root
 from hvdplus.torch.mpi_ops import _DTYPE_NAMES, broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
@@ -74,18 +74,40 @@ def _fill(value: Any, tensors: list[tuple[str, torch.Tensor]]) -> Any:
     return value
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+def _initialize_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
+    """Horovod's start-up step: zero gradients for every parameter that requires one (sparse for SparseAdam and
+    for `model`'s sparse embeddings), then one step of the wrapped optimizer, so that its state exists."""
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or id(p) in sparse:
+                    p.grad = p.grad.to_sparse()
+    # A DistributedOptimizer's own step would allreduce (every rank would have to step): step the wrapped one.
+    base_step = getattr(optimizer, "_base_step", optimizer.step)
+    base_step()
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None,
                               process_set: ProcessSet = global_process_set) -> None:
     """Give every rank the root's optimizer state and param_group options (lr, momentum, ...).
 
-    The root sends the structure of `optimizer.state_dict()` (scalars, options, tensor shapes) with
-    `broadcast_object`, its tensors are broadcast as tensors, and the other ranks `load_state_dict` the
-    result. This works before the first step too: an empty state on the root empties it everywhere, so
-    every rank initializes it identically on its first step (no zero-gradient step is taken, unlike Horovod).
-    Collective: every rank in the process set must call this, in the same order."""
+    As in Horovod, an optimizer without state is first initialized on each rank by one step on zero gradients
+    (sparse ones for SparseAdam and for the sparse embeddings of `model`), so `p.grad` is a zero tensor
+    afterwards. Parameters that need no gradient (frozen) have no state and are skipped. The root then sends
+    the structure of its `state_dict()` (scalars, options, tensor shapes) with `broadcast_object`, its tensors
+    as tensors, and the other ranks `load_state_dict` it. `root_rank` is a global rank. LBFGS raises ValueError,
+    as in Horovod. Collective: every rank in the process set must call this, in the same order."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    is_root = process_set.rank() == root_rank
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state (its state holds nested closures); "
+                         "save and load it with torch.save on every rank instead")
+    is_root = rank() == check_root(root_rank, process_set)
+    if not optimizer.state:
+        _initialize_state(optimizer, model)
     tensors: list[tuple[str, torch.Tensor]] = []
     skeleton = _strip(optimizer.state_dict(), "optimizer_state", tensors) if is_root else None
     skeleton = broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.structure", process_set)

@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from hvdplus.common import collectives as core
-from hvdplus.common.basics import ProcessSet, global_process_set
+from hvdplus.common.basics import ProcessSet, global_process_set, rank
 from hvdplus.common.handles import Handle
 from hvdplus.common.naming import member_names
-from hvdplus.common.ops import ReduceOp, linear_scale
+from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
 from hvdplus.torch.compression import Compression, Compressor
 
 __all__ = ["allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
@@ -320,7 +320,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 
 
 class HorovodBroadcast(torch.autograd.Function):
-    """Broadcast whose gradient is the averaged gradient on the root and zero elsewhere (as Horovod)."""
+    """Broadcast whose gradient is the averaged gradient on the root (a global rank) and zero elsewhere (as Horovod)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
@@ -331,7 +331,7 @@ class HorovodBroadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         reduced = synchronize(allreduce_async(grad, op=ReduceOp.AVERAGE, process_set=ctx.process_set))
-        if ctx.process_set.rank() != ctx.root_rank:
+        if rank() != ctx.root_rank:
             reduced = torch.zeros_like(reduced)
         return reduced, None, None, None
 
@@ -413,7 +413,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
 
 
 class HorovodReducescatter(torch.autograd.Function):
-    """Reduce-scatter whose gradient is the allgather of the shard gradients (scaled like the forward)."""
+    """Reduce-scatter whose gradient is the allgather of the shard gradients, scaled by Horovod's rule
+    (`reducescatter_grad_scale`: the set's size for Sum, 1 for Average, times the scale factors)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet,
@@ -423,8 +424,7 @@ class HorovodReducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        scale = linear_scale(ctx.op, ctx.prescale, ctx.postscale, ctx.process_set.size(),
-                             "the gradient of reducescatter")
+        scale = reducescatter_grad_scale(ctx.op, ctx.prescale, ctx.postscale, ctx.process_set.size())
         gathered = synchronize(allgather_async(grad.contiguous(), process_set=ctx.process_set))
         return gathered * scale, None, None, None, None, None
 

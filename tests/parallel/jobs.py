@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -89,3 +90,24 @@ def run_job(engine: str, np: int, argv: list[str], extra_env: dict[str, str] | N
 def pytest_argv(*paths: str) -> list[str]:
     return ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=90", "-W", "ignore::FutureWarning",
             *paths]
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RANK_SUMMARY = {  # how each launcher tags a rank's pytest summary line ("44 passed, 2 skipped in 7.01s")
+    "mpi": re.compile(r"\[1,(\d+)\]<stdout>: [^\n]*?(\d+) passed"),
+    "mpich": re.compile(r"\[(\d+)\] (\d+) passed"),
+    "gloo": re.compile(r"----- rank (\d+) -----\n(?:.*\n)*?(\d+) passed"),
+}
+
+
+def passed_per_rank(engine: str, output: str) -> dict[int, int]:
+    """{rank: number of tests that passed there}, read from each rank's pytest summary in a job's output."""
+    return {int(rank): int(count) for rank, count in _RANK_SUMMARY[engine].findall(_ANSI.sub("", output))}
+
+
+def assert_every_rank_ran(engine: str, np: int, output: str, at_least: int = 1) -> None:
+    """Every rank ran and passed the same number of tests (at least `at_least`): no rank skipped a module or
+    stopped early while the others went on."""
+    counts = passed_per_rank(engine, output)
+    assert sorted(counts) == list(range(np)), f"summaries found for ranks {sorted(counts)} of {np}:\n{output[-3000:]}"
+    assert len(set(counts.values())) == 1 and min(counts.values()) >= at_least, f"passed per rank: {counts}"

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.parallel.jobs import ROOT, mpirun, pytest_argv, run_job
+from tests.parallel.jobs import ROOT, assert_every_rank_ran, mpirun, pytest_argv, run_job
 
 WORKERS_TF = ROOT / "tests" / "parallel" / "workers_tf"
 
@@ -20,6 +20,29 @@ WORKERS_TF = ROOT / "tests" / "parallel" / "workers_tf"
 @pytest.mark.parametrize("engine,np", [("mpi", 2), ("mpi", 3), ("gloo", 2), ("gloo", 3)])
 def test_tf_worker_suite(engine: str, np: int) -> None:
     """Every TF worker test passes on every rank (a failure on any rank fails the job)."""
+    _need(engine)
+    code, output = run_job(engine, np, pytest_argv("--color=no", str(WORKERS_TF)),
+                           extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"})
+    assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran(engine, np, output, at_least=60)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine,np", [("gloo", 2), ("mpi", 3)])
+def test_tf_graphs_with_one_inter_op_thread(engine: str, np: int) -> None:
+    """The graph tests again with one inter-op thread for the whole process (tf.function's pool too): a
+    collective that held the only thread while it waited would hang the job (the stall shutdown ends it)."""
+    _need(engine)
+    code, output = run_job(engine, np, pytest_argv("--color=no", str(WORKERS_TF / "test_tf_graphs.py")),
+                           extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30",
+                                      "TEST_TF_INTER_OP_THREADS": "1"}, timeout=150)
+    assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran(engine, np, output, at_least=5)
+
+
+def _need(engine: str) -> None:
+    """Skip unless TensorFlow, Keras 3 and the engine are installed."""
     pytest.importorskip("tensorflow")
     pytest.importorskip("keras", minversion="3")
     if engine == "mpi":
@@ -28,9 +51,6 @@ def test_tf_worker_suite(engine: str, np: int) -> None:
             pytest.skip("no mpirun found (pip install 'hvdplus[mpi]')")
     else:
         pytest.importorskip("torch")  # the Gloo engine is torch.distributed's
-    code, output = run_job(engine, np, pytest_argv("--color=no", str(WORKERS_TF)),
-                           extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"})
-    assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
 
 
 def _final_accuracy(output: str) -> float:

@@ -119,7 +119,14 @@ def test_mismatched_op():
 
 def test_mismatched_device():
     error = _error_for({0: req(device="cpu"), 1: req(device="cuda:0")})
-    assert "devices" in error and "cuda:0" in error
+    assert "devices (CPU or GPU)" in error and "rank 0 has cpu" in error and "rank 1 has cuda" in error
+
+
+def test_ranks_pinned_to_different_gpus_agree():
+    """torch.cuda.set_device(hvd.local_rank()) gives cuda:0 on rank 0 and cuda:1 on rank 1: Horovod only asks that
+    all ranks be on CPU or all on GPU."""
+    assert _error_for({0: req(device="cuda:0"), 1: req(device="cuda:1")}) is None
+    assert _error_for({0: req(device="cuda:0"), 1: req(device="cuda:1"), 2: req(device="cuda:2")}, THREE) is None
 
 
 def test_mismatched_scales():
@@ -134,7 +141,19 @@ def test_mismatched_broadcast_root():
 
 def test_invalid_broadcast_root():
     error = _error_for({0: req(kind=OpKind.BROADCAST, root=2), 1: req(kind=OpKind.BROADCAST, root=2)})
-    assert "Invalid root rank 2" in error and "2 ranks" in error
+    assert "Invalid root rank 2" in error and "global ranks are [0, 1]" in error
+
+
+def test_broadcast_root_is_a_global_rank_of_the_set():
+    """Horovod's root_rank is a global rank also on a process set: on the set {1, 2}, root 2 is valid
+    (index 1 in the set) and root 0 is not a member."""
+    pair = members_of({0: (0, 1, 2), 5: (1, 2)})
+    for root, problem in ((2, None), (1, None), (0, "Invalid root rank 0")):
+        table = MessageTable()
+        for rank in (1, 2):
+            table.add(rank, req(kind=OpKind.BROADCAST, root=root, process_set=5))
+        [response] = table.take_ready(pair)
+        assert (response.error is None) if problem is None else (problem in response.error), response.error
 
 
 def test_valid_broadcast():
@@ -162,8 +181,8 @@ def test_reducescatter_requires_same_shape():
 
 
 def test_validate_direct_ok_and_mismatch():
-    assert validate({0: req(), 1: req()}, 2) is None
-    assert "rank 1" in validate({0: req(), 1: req(shape=(1,))}, 2)
+    assert validate({0: req(), 1: req()}, (0, 1)) is None
+    assert "rank 1" in validate({0: req(), 1: req(shape=(1,))}, (0, 1))
 
 
 # ------------------------------------------------------------------ join

@@ -70,10 +70,17 @@ def test_invalid_root_rank(hvd):
 
 
 def test_duplicate_name_in_flight(hvd):
-    handle = hvd.allreduce_async(torch.ones(1), name="dup")
-    with pytest.raises(ValueError, match="already in flight"):
-        hvd.allreduce_async(torch.ones(1), name="dup")
-    hvd.synchronize(handle)
+    """Rank 0 submits 'dup' twice while it is surely in flight: the other ranks submit theirs only after a
+    barrier that rank 0 enters after its second call (ranks may submit in different orders)."""
+    if hvd.rank() == 0:
+        handle = hvd.allreduce_async(torch.ones(1), name="dup")
+        with pytest.raises(ValueError, match="already in flight"):
+            hvd.allreduce_async(torch.ones(1), name="dup")
+        hvd.barrier()
+    else:
+        hvd.barrier()
+        handle = hvd.allreduce_async(torch.ones(1), name="dup")
+    assert hvd.synchronize(handle).item() == 1.0
 
 
 def test_unsupported_dtype(hvd):

@@ -182,8 +182,8 @@ def test_autograd(hvd):
     torch.testing.assert_close(x.grad, torch.tensor([float(dst + 1) for dst in range(n) for _ in range(2)]))
 
     x = torch.ones(2 * n, 2, requires_grad=True)
-    (hvd.reducescatter(x, op=hvd.Sum) * (me + 1)).sum().backward()
-    torch.testing.assert_close(x.grad, torch.tensor([[float(r + 1)] * 2 for r in range(n) for _ in range(2)]))
+    (hvd.reducescatter(x, op=hvd.Sum) * (me + 1)).sum().backward()  # Horovod's rule: size x the gathered grads
+    torch.testing.assert_close(x.grad, torch.tensor([[float(n * (r + 1))] * 2 for r in range(n) for _ in range(2)]))
 
     x = torch.ones(2 * n, 2, requires_grad=True)
     with pytest.raises(NotImplementedError, match="gradient of reducescatter is defined for Average and Sum"):

@@ -108,13 +108,15 @@ def test_broadcast_parameters_and_adam_state(hvd):
     model = make_model(seed=100 + hvd.rank())
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01 * (hvd.rank() + 1), betas=(0.8, 0.9 - hvd.rank() / 100))
 
-    # Before any step: the root's params and options everywhere, and an (equally) empty state.
+    # Before any step: the root's params and options everywhere, and the state of Horovod's start-up step on
+    # zero gradients (Adam's moments stay zero and the parameters do not move; `step` is 1).
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     for got, want in zip(model.parameters(), make_model(seed=100).parameters()):
         torch.testing.assert_close(got.detach(), want.detach(), rtol=0, atol=0)
     assert optimizer.param_groups[0]["lr"] == 0.01 and optimizer.param_groups[0]["betas"] == (0.8, 0.9)
-    assert len(optimizer.state) == 0
+    first = _adam_state(optimizer)
+    assert float(first["state"][0]["step"]) == 1.0 and not first["state"][0]["exp_avg"].any()
 
     # After steps with rank-specific data (no allreduce), states differ until broadcast again.
     torch.manual_seed(hvd.rank())
@@ -131,7 +133,7 @@ def test_broadcast_parameters_and_adam_state(hvd):
         torch.testing.assert_close(got.detach(), want, rtol=0, atol=0)
     state = _adam_state(optimizer)
     assert {"exp_avg", "exp_avg_sq", "step"} <= set(state["state"][0])
-    assert float(state["state"][0]["step"]) == 2.0
+    assert float(state["state"][0]["step"]) == 3.0  # the start-up step and the root's 2 steps
     _assert_same_state(state, root_state)
 
 

@@ -14,7 +14,8 @@ def hvd():
 
     import hvdplus.tensorflow as hvd
 
-    tf.config.threading.set_inter_op_parallelism_threads(2)
+    # test_tf_jobs.py also runs the graph tests with one inter-op thread (fixed for the process once TF starts)
+    tf.config.threading.set_inter_op_parallelism_threads(int(os.environ.get("TEST_TF_INTER_OP_THREADS", "2")))
     tf.config.threading.set_intra_op_parallelism_threads(1)
     hvd.init()
     yield hvd

@@ -23,6 +23,8 @@ HALF = {"rtol": 1e-3, "atol": 1e-3}
 
 
 def make_weights(seed: int) -> list[tf.Variable]:
+    """Variables with numpy initial values (in a tf.compat.v1 graph, an initial value read from another variable
+    would race with that variable's own initializer under global_variables_initializer)."""
     generator = np.random.default_rng(seed)
     return [tf.Variable(generator.normal(size=shape).astype(np.float32), name=name)
             for shape, name in (((4, 8), "w1"), ((8,), "b1"), ((8, 2), "w2"))]
@@ -139,3 +141,43 @@ def test_variables_of_different_shapes_raise_on_every_rank(hvd):
     with pytest.raises(CollectiveMismatchError, match="Mismatched shapes"):
         hvd.DistributedGradientTape(tape).gradient(loss, [weights])
     assert hvd.allreduce(tf.ones([1]), op=hvd.Sum).numpy().tolist() == [float(hvd.size())]  # the job goes on
+
+
+def test_tf1_distributed_optimizer_in_a_graph_matches_single_process(hvd, reference):
+    """horovod.tensorflow.DistributedOptimizer of a tf.compat.v1.train optimizer: minimize() applies averaged
+    gradients (Horovod's _DistributedOptimizer.compute_gradients), in a tf.compat.v1 graph with placeholders."""
+    graph = tf.Graph()
+    with graph.as_default():
+        weights = make_weights(seed=hvd.rank())
+        x, y = tf.compat.v1.placeholder(tf.float32, [None, 4]), tf.compat.v1.placeholder(tf.float32, [None, 2])
+        optimizer = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
+        assert isinstance(optimizer, tf.compat.v1.train.Optimizer) and optimizer.get_name() == \
+            "DistributedMomentumOptimizer"
+        step = optimizer.minimize(loss_fn(weights, x, y), var_list=weights)
+        bcast = hvd.broadcast_global_variables(0)
+        init = tf.compat.v1.global_variables_initializer()
+    rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
+    with tf.compat.v1.Session(graph=graph) as session:
+        session.run(init)
+        session.run(bcast)
+        for xs, ys in global_batches(hvd.size()):
+            session.run(step, feed_dict={x: xs[rows], y: ys[rows]})
+        assert len(optimizer.variables()) == len(weights) and optimizer.get_slot_names() == ["momentum"]
+        for got, want in zip(session.run(weights), reference):
+            np.testing.assert_allclose(got, want, **EXACT)
+
+
+def test_distributed_optimizer_hands_keras_optimizers_to_hvdplus_keras(hvd):
+    import keras
+
+    wrapped = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=hvd.Compression.fp16)
+    assert isinstance(wrapped, keras.optimizers.SGD) and type(wrapped) is not keras.optimizers.SGD
+    variable = keras.Variable(np.zeros(2, np.float32))
+    wrapped.apply([np.full(2, hvd.rank() + 1.0, np.float32)], [variable])
+    np.testing.assert_allclose(variable.numpy(), [-0.1 * (hvd.size() + 1) / 2] * 2, rtol=1e-3)  # averaged
+    with pytest.raises(ValueError, match="Adasum is not supported yet with Keras"):
+        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
+    with pytest.raises(NotImplementedError, match="backward_passes_per_step"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), backward_passes_per_step=2)
+    with pytest.raises(TypeError, match="Keras 3 optimizer"):
+        hvd.DistributedOptimizer(object())

@@ -2,7 +2,9 @@
 
 hvdplusrun puts this package first on the workers' PYTHONPATH when Horovod itself is not installed
 (opt out with --no-horovod-alias). `import horovod.torch as hvd` then gives the very module object
-`hvdplus.torch`; horovod.tensorflow, horovod.tensorflow.keras and horovod.keras map the same way.
+`hvdplus.torch`; horovod.tensorflow, horovod.tensorflow.keras and horovod.keras map the same way, and
+importing one of those also turns on hvdplus.tensorflow.keras2_compat (Keras 2 idioms such as
+`SGD(lr=...)` and `optimizer.variables()` on Keras 3), which `import hvdplus...` never does.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+
+_KERAS2_SCRIPTS = frozenset({"horovod.tensorflow", "horovod.keras", "horovod.tensorflow.keras"})
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -29,6 +33,8 @@ class _AliasLoader(importlib.abc.Loader):
                                           f"install has no {exc.name}", name=spec.name) from None
             raise
         self._own = {name: getattr(module, name) for name in ("__spec__", "__path__") if hasattr(module, name)}
+        if spec.name in _KERAS2_SCRIPTS:
+            importlib.import_module("hvdplus.tensorflow.keras2_compat").enable()
         return module
 
     def exec_module(self, module: types.ModuleType) -> None:

@@ -1,0 +1,122 @@
+"""Keras 2 idioms on Keras 3, so that unmodified Horovod scripts run: turned on by the `horovod` alias only.
+
+Horovod's examples and the scripts written from them use Keras 2 forms that Keras 3 rejects:
+
+- `keras.optimizers.SGD(lr=0.1)` (Keras 3: `learning_rate=`; raises "Argument(s) not recognized"),
+- `optimizer.lr` (Keras 3: `optimizer.learning_rate`),
+- `optimizer.variables()` (Keras 3: `variables` is a list property; "'list' object is not callable"),
+- `model.compile(..., experimental_run_tf_function=False)` (Keras 3: no such argument; it always compiles).
+
+`enable()` makes Keras 3 accept each of them, on every optimizer (plain ones too) and model of the process,
+and warns once per idiom with its Keras 3 form. hvdplusrun's `horovod` alias calls it when a script imports
+horovod.tensorflow, horovod.keras or horovod.tensorflow.keras; `import hvdplus...` never does, so code
+written for hvdplus meets plain Keras 3.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import warnings
+from typing import Any, Callable
+
+import tensorflow as tf
+
+__all__ = ["Keras2IdiomWarning", "enable", "enabled"]
+
+_warned: set[str] = set()
+_enabled = False
+
+
+class Keras2IdiomWarning(UserWarning):
+    """A Keras 2 idiom was accepted for an unmodified Horovod script; the message names the Keras 3 form."""
+
+
+def _warn_once(idiom: str, keras3: str) -> None:
+    """Warn about `idiom` the first time it is used, pointing at the script's line."""
+    if idiom not in _warned:
+        _warned.add(idiom)
+        warnings.warn(f"{idiom} is Keras 2; hvdplus accepts it for Horovod scripts. Keras 3: {keras3}",
+                      Keras2IdiomWarning, stacklevel=_script_level())
+
+
+def _script_level() -> int:
+    """The stacklevel, for a warning raised by our caller, of the first frame of the script's own code: outside
+    hvdplus, Keras and TF, and not a copy made by autograph (inside a tf.function that is the function's call)."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and _internal(frame):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _internal(frame: Any) -> bool:
+    module = frame.f_globals.get("__name__", "").split(".")[0]
+    return module in ("hvdplus", "keras", "tensorflow") or "__autograph_generated_file" in frame.f_code.co_filename
+
+
+class _CallableList(list):
+    """Keras 3's `optimizer.variables` list that Keras 2's `optimizer.variables()` can also call."""
+
+    @tf.autograph.experimental.do_not_convert  # called inside tf.functions: keep the warning's frames our own
+    def __call__(self) -> list[Any]:
+        _warn_once("optimizer.variables()", "optimizer.variables (a list property)")
+        return list(self)
+
+
+def _callable_variables(prop: property) -> property:
+    return property(lambda self: _CallableList(prop.fget(self)), prop.fset, prop.fdel, prop.__doc__)
+
+
+def _accept_lr(init: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "lr" in kwargs:
+            _warn_once("the optimizer argument lr=", "learning_rate=")
+            kwargs["learning_rate"] = kwargs.pop("lr")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+def _lr_alias() -> property:
+    def get(self: Any) -> Any:
+        _warn_once("optimizer.lr", "optimizer.learning_rate")
+        return self.learning_rate
+
+    def set_(self: Any, value: Any) -> None:
+        _warn_once("optimizer.lr", "optimizer.learning_rate")
+        self.learning_rate = value
+
+    return property(get, set_, doc="Keras 2's name of `learning_rate`.")
+
+
+def _drop_run_tf_function(compile_: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(compile_)
+    def compile(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "experimental_run_tf_function" in kwargs:
+            _warn_once("model.compile(experimental_run_tf_function=...)",
+                       "leave it out (Keras 3 runs the train step as a tf.function; run_eagerly=True to debug)")
+            kwargs.pop("experimental_run_tf_function")
+        compile_(self, *args, **kwargs)
+    return compile
+
+
+def enable() -> None:
+    """Make this process's Keras 3 accept the Keras 2 idioms above (idempotent)."""
+    global _enabled
+    if _enabled:
+        return
+    from keras.src.optimizers.base_optimizer import BaseOptimizer
+    from keras.src.optimizers.loss_scale_optimizer import LossScaleOptimizer
+    from keras.src.trainers.trainer import Trainer
+
+    BaseOptimizer.__init__ = _accept_lr(BaseOptimizer.__init__)
+    BaseOptimizer.lr = _lr_alias()
+    for cls in (BaseOptimizer, LossScaleOptimizer):  # the classes that define the `variables` property
+        cls.variables = _callable_variables(cls.__dict__["variables"])
+    Trainer.compile = _drop_run_tf_function(Trainer.compile)
+    _enabled = True
+
+
+def enabled() -> bool:
+    """Whether `enable()` ran in this process."""
+    return _enabled
