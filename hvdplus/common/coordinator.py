@@ -3,6 +3,11 @@
 Every rank runs the same cycle in lock step. Each cycle costs one small bitwise-AND allreduce
 (the response-cache bits plus flags); announcements not in the cache are allgathered in full,
 and every rank derives the same ordered list of responses from the same table.
+
+The control allreduce is non-blocking and waited for without spinning a core (a peer that is busy
+computing would otherwise make this thread poll MPI for as long). While work is in flight on any rank,
+cycles follow HOROVOD_CYCLE_TIME; once a round shows no rank has work, every rank doubles its wait
+between rounds up to 20 ms, and a submit ends the wait at once.
 """
 
 from __future__ import annotations
@@ -34,7 +39,13 @@ __all__ = ["Coordinator"]
 
 log = logging.getLogger("hvdplus")
 
-_HAS_UNCACHED, _SHUTDOWN, _STALL_ABORT = 1, 2, 4
+_HAS_UNCACHED, _SHUTDOWN, _STALL_ABORT, _BUSY = 1, 2, 4, 8
+# The longest wait between rounds while no rank has work: bounds an idle process's cost (one round costs
+# tens of microseconds of CPU) and the delay before a rank that did not submit anything notices a peer's work.
+_IDLE_WAIT_S = 0.02
+# How a rank waits for the control round (see _exchange): spin while peers are expected at once; otherwise
+# sleep between tests, up to 1 ms while work is in flight and 4 ms between idle rounds.
+_SPIN_S, _BUSY_SLEEP_S, _IDLE_SLEEP_S = 2e-3, 1e-3, 4e-3
 
 
 def _mask(bits: Iterable[int]) -> int:
@@ -86,6 +97,7 @@ class Coordinator:
         self._shutdown_requested = False
         self._fatal: BaseException | None = None
         self._last_stall_warning = 0.0
+        self.rounds = 0  # control rounds run so far (a test checks that idle ranks slow down)
         self.timeline: Timeline | None = None
         if settings.timeline and self.rank == 0:
             self.timeline = Timeline(settings.timeline, settings.timeline_mark_cycles)
@@ -133,9 +145,13 @@ class Coordinator:
     # ----------------------------------------------------------------- background thread
     def _loop(self) -> None:
         cycle = self._settings.cycle_time_ms / 1000.0
+        busy, idle_rounds = True, 0
         try:
-            while self._cycle():
-                self._wake.wait(cycle)
+            while (busy := self._cycle(busy)) is not None:
+                # Every rank saw the same round, so all slow down together once no rank has work in flight:
+                # the wait doubles up to _IDLE_WAIT_S, and a submit on this rank ends it at once.
+                idle_rounds = 0 if busy else idle_rounds + 1
+                self._wake.wait(cycle if busy else min(_IDLE_WAIT_S, cycle * 2 ** min(idle_rounds, 16)))
                 self._wake.clear()
         except BaseException as exc:  # engine failure: every pending and future call must fail
             log.error("hvdplus background thread failed: %s", exc)
@@ -190,6 +206,7 @@ class Coordinator:
                     else:
                         invalid |= 1 << bit
         flags = (_HAS_UNCACHED if self._to_send else 0) | (_SHUTDOWN if self._shutdown_requested else 0)
+        flags |= _BUSY if self._inflight or self._joined else 0
         flags |= _STALL_ABORT if self._stall_abort_due() else 0
         words = np.empty(1 + 3 * self._words, dtype=np.int64)
         words[0] = ~flags
@@ -200,12 +217,14 @@ class Coordinator:
     def _bytes(self, mask: int) -> bytes:
         return mask.to_bytes(self._words * 8, "little")
 
-    def _cycle(self) -> bool:
-        """One negotiation cycle; False once the job shuts down."""
+    def _cycle(self, busy: bool = True) -> bool | None:
+        """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down.
+        `busy`: some rank had work in the last round."""
         if self.timeline:
             self.timeline.cycle()
         self._drain_queue()
-        words = self._engine.bitwise_and(self._control_words(), self._engine.world)
+        self.rounds += 1
+        words = self._exchange(self._control_words(), busy)
         flags = int(~words[0])
         n = self._words
         all_hit, not_any_hit, not_any_invalid = (int.from_bytes(words[1 + i * n:1 + (i + 1) * n].tobytes(), "little")
@@ -214,7 +233,7 @@ class Coordinator:
         self._invalid.clear()
         if flags & (_SHUTDOWN | _STALL_ABORT):
             self._stop(flags)
-            return False
+            return None
         for bit in _bits(any_invalid | self._stale_partials(all_hit, any_hit)):
             self._evict(bit)
         ready_bits = list(_bits(all_hit & ~any_invalid))
@@ -229,7 +248,14 @@ class Coordinator:
                 self._evict(evicted)
         self._execute(responses)
         self._warn_stalls()
-        return True
+        return bool(flags & _BUSY)
+
+    def _exchange(self, words: np.ndarray, busy: bool) -> np.ndarray:
+        """The control round. While work is in flight the peers usually join within microseconds: spin for up
+        to 2 ms (a sleep would add its length to every collective), then sleep. Idle ranks join at their next
+        wake-up: no spin, and longer sleeps."""
+        pending = self._engine.start_bitwise_and(words, self._engine.world)
+        return pending.wait(_SPIN_S, _BUSY_SLEEP_S) if busy else pending.wait(0.0, _IDLE_SLEEP_S)
 
     def _evict(self, bit: int) -> None:
         self._cache.erase(bit)

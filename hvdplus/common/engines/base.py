@@ -12,9 +12,27 @@ import numpy as np
 
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["Engine", "Group"]
+__all__ = ["Engine", "Group", "Pending", "Done"]
 
 Group = Any  # an engine-specific communicator handle
+
+
+class Pending(Protocol):
+    """A control collective in progress (see `Engine.start_bitwise_and`)."""
+
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
+        """The result. Engines whose waits poll may test back to back for `spin_s` (when the peers are expected
+        at once), then sleep between tests, at most `max_sleep_s`, so that a late peer costs no core."""
+
+
+class Done:
+    """A `Pending` whose result is already known (one-rank jobs)."""
+
+    def __init__(self, result: np.ndarray) -> None:
+        self._result = result
+
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
+        return self._result
 
 
 @runtime_checkable
@@ -56,8 +74,9 @@ class Engine(Protocol):
     def allgather_bytes(self, data: bytes, group: Group) -> list[bytes]:
         """Control plane: every rank's `data`, in rank order."""
 
-    def bitwise_and(self, words: np.ndarray, group: Group) -> np.ndarray:
-        """Control plane: the bitwise AND of an int64 vector across `group`."""
+    def start_bitwise_and(self, words: np.ndarray, group: Group) -> Pending:
+        """Control plane: start the bitwise AND of an int64 vector across `group`; non-blocking, so the
+        coordinator waits for a late peer without polling a core (MPI's blocking calls spin)."""
 
     def shutdown(self) -> None:
         """Release the engine's resources (process groups, communicators)."""

@@ -6,6 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
+from hvdplus.common.engines.base import Done
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["LocalEngine"]
@@ -50,8 +51,8 @@ class LocalEngine:
     def allgather_bytes(self, data: bytes, group: str) -> list[bytes]:
         return [data]
 
-    def bitwise_and(self, words: np.ndarray, group: str) -> np.ndarray:
-        return words.copy()
+    def start_bitwise_and(self, words: np.ndarray, group: str) -> Done:
+        return Done(words.copy())
 
     def shutdown(self) -> None:
         return None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -103,15 +104,33 @@ class MPIEngine:
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [recv[offsets[i]:offsets[i + 1]].tobytes() for i in range(len(sizes))]
 
-    def bitwise_and(self, words: np.ndarray, group: Any) -> np.ndarray:
+    def start_bitwise_and(self, words: np.ndarray, group: Any) -> "_MPIPending":
         out = np.empty_like(words)
-        group.Allreduce(words, out, op=self._MPI.BAND)
-        return out
+        return _MPIPending(group.Iallreduce(words, out, op=self._MPI.BAND), words, out)
 
     def shutdown(self) -> None:
         for op in self._half_ops.values():
             op.Free()
         self._half_ops.clear()
+
+
+class _MPIPending:
+    """A non-blocking MPI collective. MPI progresses it only inside MPI calls, and a blocking wait spins a core
+    for as long as a peer is late (busy computing, say), so `wait` tests it instead: back to back for `spin_s`,
+    then with sleeps doubling from 50 us to `max_sleep_s`."""
+
+    _FIRST_SLEEP_S = 50e-6
+
+    def __init__(self, request: Any, send: np.ndarray, out: np.ndarray) -> None:
+        self._request, self._send, self._out = request, send, out  # `send` stays alive until completion
+
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
+        spin_until, delay = time.perf_counter() + spin_s, 0.0
+        while not self._request.Test():
+            if time.perf_counter() >= spin_until:
+                delay = min(max(2 * delay, self._FIRST_SLEEP_S), max_sleep_s)
+                time.sleep(delay)
+        return self._out
 
 
 def _displacements(counts: Sequence[int]) -> list[int]:

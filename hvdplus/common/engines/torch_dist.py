@@ -134,10 +134,11 @@ class TorchDistEngine:
         offsets = np.concatenate([[0], np.cumsum(counts)])
         return [recv[offsets[i]:offsets[i + 1]].tobytes() for i in range(n)]
 
-    def bitwise_and(self, words: np.ndarray, group: Any) -> np.ndarray:
+    def start_bitwise_and(self, words: np.ndarray, group: Any) -> "_GlooPending":
         out = words.copy()
-        self._dist.all_reduce(self._torch.from_numpy(out), op=self._dist.ReduceOp.BAND, group=group)
-        return out
+        work = self._dist.all_reduce(self._torch.from_numpy(out), op=self._dist.ReduceOp.BAND, group=group,
+                                     async_op=True)
+        return _GlooPending(work, out)
 
     def shutdown(self) -> None:
         """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
@@ -190,3 +191,14 @@ def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -
 
     return AuthenticatedStore(RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port,
                                                launch.secret_key, timeout_seconds))
+
+
+class _GlooPending:
+    """A Gloo collective in flight: Gloo's own threads move the data, and `wait` sleeps on its completion."""
+
+    def __init__(self, work: Any, out: np.ndarray) -> None:
+        self._work, self._out = work, out
+
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
+        self._work.wait()
+        return self._out
