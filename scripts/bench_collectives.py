@@ -27,8 +27,12 @@ times are medians over the repetitions, per call (or per 100-tensor round for fu
 also has each median's quartiles (p25, p75), which show how noisy the machine was. Before
 timing, one allreduce of every size is checked for the right sum on both sides.
 
-Note that the raw baseline runs while hvdplus is initialized, so it shares the CPU with hvdplus's
-background negotiation thread, as a training script using both would.
+The baseline is never timed beside a running hvdplus. Each job runs rounds: raw blocks with hvdplus not
+running (before `hvd.init()`, and again after `hvd.shutdown()`), then hvdplus blocks alternating with raw
+blocks while hvdplus is initialised. The ratio compares hvdplus with the quiet raw call; the raw call timed
+beside the running hvdplus is printed as its own row ("beside / quiet"), which measures how much hvdplus's
+background thread slows the other work of the process. The raw call runs on its own communicator
+(MPI.COMM_WORLD; for Gloo a default process group the worker creates before hvdplus makes its own).
 
 Run it (it launches the ranks itself):
 
@@ -66,6 +70,7 @@ QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB)
 FUSION_TENSORS = 100
 FUSION_ELEMENTS = 1024  # 4 KiB of float32
 FUSION_TARGET = 5.0
+ROUNDS, ROUNDS_QUICK = 3, 2  # hvd.init() ... hvd.shutdown() rounds, each after quiet raw blocks
 ENGINES = ("mpi", "gloo")
 # Child environment variables that would steer hvdplus to another engine or rank layout.
 _LAUNCH_VARS = ("HOROVOD_CPU_OPERATIONS", "HVDPLUS_CPU_OPERATIONS", "HOROVOD_RANK", "HVDPLUS_RANK",
@@ -99,12 +104,13 @@ class AllreduceResult:
     inner: int
     reps: int
     hvdplus_time_s: float
-    raw_time_s: float
+    raw_time_s: float  # quiet: hvdplus not running
     hvdplus_busbw_GBps: float
     raw_busbw_GBps: float
     ratio: float
     hvdplus_time_p25_p75_s: tuple[float, float] = (0.0, 0.0)
     raw_time_p25_p75_s: tuple[float, float] = (0.0, 0.0)
+    raw_beside_time_s: float = 0.0  # the raw call while hvdplus is initialised (its interference)
 
 
 @dataclass
@@ -121,6 +127,7 @@ class FusionResult:
     target_met: bool = False
     hvdplus_time_p25_p75_s: tuple[float, float] = (0.0, 0.0)
     raw_time_p25_p75_s: tuple[float, float] = (0.0, 0.0)
+    raw_beside_time_s: float = 0.0
 
 
 @dataclass
@@ -157,6 +164,8 @@ class RawEngine(Protocol):
     """The engine call hvdplus is compared with, plus the barrier and max-reduction used for timing."""
 
     name: str
+    rank: int
+    world: int
 
     def buffer(self, elements: int, fill: float) -> Any: ...
 
@@ -180,6 +189,7 @@ class RawMPI:
         from mpi4py import MPI
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD
+        self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
 
     def buffer(self, elements: int, fill: float) -> np.ndarray:
         return np.full(elements, fill, dtype=np.float32)
@@ -205,16 +215,19 @@ class RawMPI:
 
 
 class RawGloo:
-    """torch.distributed on the default (Gloo) process group that hvd.init() created."""
+    """torch.distributed on a default Gloo process group made before hvd.init() (hvdplus adds a group of its
+    own to it and leaves it up at shutdown), so the baseline also runs while hvdplus is not running."""
 
     name = "gloo"
 
     def __init__(self) -> None:
         import torch
         import torch.distributed as dist
-        if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialized after hvd.init(); is the Gloo engine in use?")
+        size = int(os.environ["HOROVOD_SIZE"])
+        dist.init_process_group("gloo", store=dist.FileStore(os.environ["HVDPLUS_RENDEZVOUS_FILE"] + ".raw", size),
+                                rank=int(os.environ["HOROVOD_RANK"]), world_size=size)
         self._torch, self._dist = torch, dist
+        self.rank, self.world = dist.get_rank(), size
 
     def buffer(self, elements: int, fill: float) -> Any:
         return self._torch.full((elements,), fill, dtype=self._torch.float32)
@@ -270,8 +283,19 @@ class Timing:
         return self.p25, self.p75
 
 
+def blocks(call: Callable[[], None], raw: RawEngine, inner: int, reps: int, warmup: int) -> list[float]:
+    """Seconds per call of `reps` blocks (the slowest rank's, each block started together after a barrier)."""
+    for _ in range(warmup):
+        time_block(call, inner)
+    times = np.zeros(reps)
+    for rep in range(reps):
+        raw.barrier()
+        times[rep] = time_block(call, inner)
+    return raw.max_over_ranks(times).tolist()
+
+
 def alternate(hvd_call: Callable[[], None], raw_call: Callable[[], None], raw: RawEngine,
-              inner: int, reps: int, warmup: int) -> tuple[Timing, Timing]:
+              inner: int, reps: int, warmup: int) -> tuple[list[float], list[float]]:
     """Seconds per call (slowest rank per repetition) of the two calls, run in ABBA order."""
     for _ in range(warmup):
         time_block(hvd_call, inner)
@@ -283,7 +307,7 @@ def alternate(hvd_call: Callable[[], None], raw_call: Callable[[], None], raw: R
             raw.barrier()
             samples[side, rep] = time_block(hvd_call if side == 0 else raw_call, inner)
     slowest = raw.max_over_ranks(samples.reshape(-1)).reshape(2, reps)
-    return Timing.of(slowest[0]), Timing.of(slowest[1])
+    return slowest[0].tolist(), slowest[1].tolist()
 
 
 def check_allreduce(hvd: Any, raw: RawEngine, elements: int, rank: int, world: int) -> None:
@@ -302,20 +326,70 @@ def check_allreduce(hvd: Any, raw: RawEngine, elements: int, rank: int, world: i
 MODES = ("in place", "new output")
 
 
-def measure_size(hvd: Any, raw: RawEngine, plan: SizePlan, world: int, mode: str) -> AllreduceResult:
-    """hvdplus vs raw allreduce of one size, both in place or both into a new output."""
+Samples = dict[tuple[str, str, int], list[float]]  # (side, mode, bytes) -> seconds per call, one per block
+FUSION = "fusion"  # the mode key of the fusion rounds
+
+
+def raw_calls(raw: RawEngine, plan: SizePlan, mode: str) -> Callable[[], None]:
+    buf = raw.buffer(plan.elements, 0.0)  # zeros: repeated in-place sums stay finite
+    return (lambda: raw.allreduce(buf)) if mode == "in place" else (lambda: raw.allreduce_new(buf))
+
+
+def quiet_blocks(raw: RawEngine, plans: list[SizePlan], quick: bool, rounds: int, samples: Samples) -> None:
+    """The raw calls while hvdplus is not running: the baseline."""
+    for mode in MODES:
+        for plan in plans:
+            samples.setdefault(("quiet", mode, plan.nbytes), []).extend(
+                blocks(raw_calls(raw, plan, mode), raw, plan.inner, _per_round(plan.reps, rounds), plan.warmup))
+    buffers = [raw.buffer(FUSION_ELEMENTS, 0.0) for _ in range(FUSION_TENSORS)]
+    reps, warmup = fusion_reps(quick)
+    samples.setdefault(("quiet", FUSION, 0), []).extend(
+        blocks(lambda: raw_round(raw, buffers), raw, 1, _per_round(reps, rounds), warmup))
+
+
+def hvdplus_blocks(hvd: Any, raw: RawEngine, plans: list[SizePlan], quick: bool, rounds: int,
+                   samples: Samples) -> None:
+    """hvdplus's calls, alternating with the raw calls timed beside the running hvdplus (its interference)."""
     import torch
-    tensor = torch.zeros(plan.elements)  # zeros: repeated in-place sums stay finite
-    raw_buf = raw.buffer(plan.elements, 0.0)
-    name = f"bench.allreduce.{plan.nbytes}"
-    if mode == "in place":
-        calls = (lambda: hvd.allreduce_(tensor, op=hvd.Sum, name=name), lambda: raw.allreduce(raw_buf))
-    else:
-        calls = (lambda: hvd.allreduce(tensor, op=hvd.Sum, name=name), lambda: raw.allreduce_new(raw_buf))
-    hvd_time, raw_time = alternate(*calls, raw, plan.inner, plan.reps, plan.warmup)
+    for mode in MODES:
+        for plan in plans:
+            tensor, name = torch.zeros(plan.elements), f"bench.allreduce.{plan.nbytes}"
+            call = (lambda: hvd.allreduce_(tensor, op=hvd.Sum, name=name)) if mode == "in place" else \
+                (lambda: hvd.allreduce(tensor, op=hvd.Sum, name=name))
+            ours, beside = alternate(call, raw_calls(raw, plan, mode), raw, plan.inner,
+                                     _per_round(plan.reps, rounds), plan.warmup)
+            samples.setdefault(("hvdplus", mode, plan.nbytes), []).extend(ours)
+            samples.setdefault(("beside", mode, plan.nbytes), []).extend(beside)
+    tensors = [torch.zeros(FUSION_ELEMENTS) for _ in range(FUSION_TENSORS)]
+    buffers = [raw.buffer(FUSION_ELEMENTS, 0.0) for _ in range(FUSION_TENSORS)]
+    reps, warmup = fusion_reps(quick)
+    ours, beside = alternate(lambda: fused_round(hvd, tensors), lambda: raw_round(raw, buffers), raw, 1,
+                             _per_round(reps, rounds), warmup)
+    samples.setdefault(("hvdplus", FUSION, 0), []).extend(ours)
+    samples.setdefault(("beside", FUSION, 0), []).extend(beside)
+
+
+def _per_round(reps: int, rounds: int) -> int:
+    return max(3, -(-reps // rounds))
+
+
+def size_result(samples: Samples, plan: SizePlan, mode: str, world: int) -> AllreduceResult:
+    hvd_time, raw_time, beside = (Timing.of(np.array(samples[(side, mode, plan.nbytes)]))
+                                  for side in ("hvdplus", "quiet", "beside"))
     hvd_bw, raw_bw = busbw_gbps(plan.nbytes, hvd_time.median, world), busbw_gbps(plan.nbytes, raw_time.median, world)
-    return AllreduceResult(mode, plan.nbytes, plan.elements, plan.inner, plan.reps, hvd_time.median, raw_time.median,
-                           hvd_bw, raw_bw, hvd_bw / raw_bw, hvd_time.quartiles, raw_time.quartiles)
+    return AllreduceResult(mode, plan.nbytes, plan.elements, plan.inner, len(samples[("hvdplus", mode, plan.nbytes)]),
+                           hvd_time.median, raw_time.median, hvd_bw, raw_bw, hvd_bw / raw_bw, hvd_time.quartiles,
+                           raw_time.quartiles, beside.median)
+
+
+def fusion_result(samples: Samples) -> FusionResult:
+    hvd_time, raw_time, beside = (Timing.of(np.array(samples[(side, FUSION, 0)]))
+                                  for side in ("hvdplus", "quiet", "beside"))
+    speedup = raw_time.median / hvd_time.median
+    return FusionResult(FUSION_TENSORS, FUSION_ELEMENTS * 4, len(samples[("hvdplus", FUSION, 0)]), hvd_time.median,
+                        raw_time.median, speedup, target_met=speedup >= FUSION_TARGET,
+                        hvdplus_time_p25_p75_s=hvd_time.quartiles, raw_time_p25_p75_s=raw_time.quartiles,
+                        raw_beside_time_s=beside.median)
 
 
 def fused_round(hvd: Any, tensors: list[Any]) -> list[Any]:
@@ -338,20 +412,6 @@ def check_fusion(hvd: Any, rank: int, world: int) -> None:
             raise AssertionError(f"fused allreduce {i} is wrong on rank {rank}: expected {expected}, got {out[:4]}")
 
 
-def measure_fusion(hvd: Any, raw: RawEngine, quick: bool) -> FusionResult:
-    """FUSION_TENSORS async hvdplus allreduces vs as many raw blocking calls."""
-    import torch
-    tensors = [torch.zeros(FUSION_ELEMENTS) for _ in range(FUSION_TENSORS)]
-    buffers = [raw.buffer(FUSION_ELEMENTS, 0.0) for _ in range(FUSION_TENSORS)]
-    reps, warmup = fusion_reps(quick)
-    hvd_time, raw_time = alternate(lambda: fused_round(hvd, tensors), lambda: raw_round(raw, buffers),
-                                   raw, 1, reps, warmup)
-    speedup = raw_time.median / hvd_time.median
-    return FusionResult(FUSION_TENSORS, FUSION_ELEMENTS * 4, reps, hvd_time.median, raw_time.median, speedup,
-                        target_met=speedup >= FUSION_TARGET, hvdplus_time_p25_p75_s=hvd_time.quartiles,
-                        raw_time_p25_p75_s=raw_time.quartiles)
-
-
 # ============================================================================ worker: output
 def fmt_size(nbytes: int) -> str:
     return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB"
@@ -367,12 +427,22 @@ def fmt_time(seconds: float) -> str:
 
 def table_header() -> str:
     return (f"{'size':>8} {'hvdplus time':>13} {'raw time':>12} {'hvdplus busbw GB/s':>19} "
-            f"{'raw busbw GB/s':>15} {'ratio':>7}")
+            f"{'raw busbw GB/s':>15} {'ratio':>7} {'raw beside hvdplus':>19}")
 
 
 def table_row(r: AllreduceResult) -> str:
     return (f"{fmt_size(r.bytes):>8} {fmt_time(r.hvdplus_time_s):>13} {fmt_time(r.raw_time_s):>12} "
-            f"{r.hvdplus_busbw_GBps:>19.3f} {r.raw_busbw_GBps:>15.3f} {r.ratio:>7.3f}")
+            f"{r.hvdplus_busbw_GBps:>19.3f} {r.raw_busbw_GBps:>15.3f} {r.ratio:>7.3f} "
+            f"{fmt_time(r.raw_beside_time_s):>19}")
+
+
+def interference_lines(report: EngineReport) -> str:
+    """The raw call timed beside a running hvdplus over the same call timed quiet (1.0: no interference)."""
+    rows = [f"  {fmt_size(r.bytes)} {r.mode}: {r.raw_beside_time_s / r.raw_time_s:.2f}x" for r in report.allreduce]
+    fusion = report.fusion
+    rows.append(f"  {fusion.tensors} x {fmt_size(fusion.tensor_bytes)} raw calls: "
+                f"{fusion.raw_beside_time_s / fusion.raw_time_s:.2f}x")
+    return "interference (raw call beside a running hvdplus / quiet raw call):\n" + "\n".join(rows)
 
 
 def fusion_line(f: FusionResult) -> str:
@@ -411,33 +481,42 @@ def say(rank: int, text: str) -> None:
 
 # ============================================================================ worker: main
 def run_worker(engine: str, quick: bool, result_file: str | None) -> None:
-    """One rank of the benchmark job (started by the driver)."""
+    """One rank of the benchmark job (started by the driver): quiet raw blocks, then hvdplus blocks (with raw
+    blocks beside them) between hvd.init() and hvd.shutdown(), ROUNDS times, then quiet raw blocks again."""
     import hvdplus.torch as hvd
-    hvd.init()
     started = time.perf_counter()
-    rank, world = hvd.rank(), hvd.size()
-    active = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "local"
-    if active != engine:
-        raise RuntimeError(f"asked for the {engine} engine but hvdplus chose {active}")
     raw = make_raw_engine(engine)
+    rank, world, plans = raw.rank, raw.world, size_plans(quick)
+    rounds = ROUNDS_QUICK if quick else ROUNDS
     report = EngineReport(engine, world, info=engine_info(engine))
-    plans = size_plans(quick)
-    for plan in plans:
-        check_allreduce(hvd, raw, plan.elements, rank, world)
-    check_fusion(hvd, rank, world)
+    samples: Samples = {}
+    for round_ in range(rounds):
+        say(rank, f"round {round_ + 1}/{rounds}: raw calls with hvdplus not running, then hvdplus")
+        quiet_blocks(raw, plans, quick, rounds, samples)
+        hvd.init()
+        active = "mpi" if hvd.mpi_enabled() else "gloo" if hvd.gloo_enabled() else "local"
+        if active != engine:
+            raise RuntimeError(f"asked for the {engine} engine but hvdplus chose {active}")
+        if round_ == 0:
+            for plan in plans:
+                check_allreduce(hvd, raw, plan.elements, rank, world)
+            check_fusion(hvd, rank, world)
+        hvdplus_blocks(hvd, raw, plans, quick, rounds, samples)
+        hvd.shutdown()
+    quiet_blocks(raw, plans, quick, rounds, samples)
     for mode in MODES:
-        say(rank, f"\n== engine {engine}, {world} ranks, float32 Sum, {mode}; median of {plans[0].reps} reps, "
-                  f"slowest rank, time per call\n{table_header()}")
+        say(rank, f"\n== engine {engine}, {world} ranks, float32 Sum, {mode}; medians over {rounds} rounds, "
+                  f"slowest rank, time per call; raw = quiet (hvdplus not running)\n{table_header()}")
         for plan in plans:
-            result = measure_size(hvd, raw, plan, world, mode)
+            result = size_result(samples, plan, mode, world)
             report.allreduce.append(result)
             say(rank, table_row(result))
-    report.fusion = measure_fusion(hvd, raw, quick)
+    report.fusion = fusion_result(samples)
     say(rank, fusion_line(report.fusion))
+    say(rank, interference_lines(report))
     report.wall_s = time.perf_counter() - started
     report.info["load_average_at_end"] = load_average()
     raw.barrier()
-    hvd.shutdown()
     if rank == 0 and result_file:
         Path(result_file).write_text(json.dumps(asdict(report)))
 
