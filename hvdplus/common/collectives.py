@@ -65,13 +65,19 @@ def _request(kind: OpKind, array: np.ndarray, dtype: str, name: str | None, proc
 
 def submit_allreduce(array: np.ndarray, output: np.ndarray, dtype: str, name: str | None, op: ReduceOp,
                      prescale: float = 1.0, postscale: float = 1.0,
-                     process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
-    """Collective: every rank in the process set must call this, in the same order."""
+                     process_set: ProcessSet = global_process_set, device: str = "cpu",
+                     parts: tuple[tuple[int, ...], ...] | None = None) -> Handle:
+    """Reduce `array` into `output`. `parts`: `array` packs a group of tensors of these shapes (checked against
+    the other ranks' like the shape; Adasum, which reduces tensor by tensor, cannot be packed).
+
+    Collective: every rank in the process set must call this, in the same order."""
     check_reducible(dtype, op, "allreduce")
     if op == ReduceOp.ADASUM:
+        if parts is not None:
+            raise ValueError("Adasum reduces each tensor on its own: submit the tensors of a group separately")
         check_adasum_size(process_set_size(_set_id(process_set)))
     request = _request(OpKind.ALLREDUCE, array, dtype, name, process_set, device, op=op,
-                       prescale=float(prescale), postscale=float(postscale))
+                       prescale=float(prescale), postscale=float(postscale), parts=parts)
     return runtime().coordinator.submit(request, array, output)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-__all__ = ["split_list", "check_groups", "group_indices", "build_groups"]
+__all__ = ["split_list", "check_groups", "group_indices", "build_groups", "bucket_indices"]
 
 
 def split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:
@@ -43,6 +43,24 @@ def build_groups(params: Sequence[Any], groups: Any) -> dict[Any, tuple[Any, ...
     """Map each of `params` (hashable ones, e.g. torch tensors) to the tuple of its group (see group_indices)."""
     plan = [tuple(params[i] for i in indices) for indices in group_indices(params, groups)]
     return {p: group for group in plan for p in group}
+
+
+def bucket_indices(nbytes: Sequence[int], kinds: Sequence[Any], bucket_bytes: int) -> list[tuple[int, ...]]:
+    """DDP's gradient buckets, as positions: the parameters in reverse order (backward produces the last
+    layers' gradients first) cut into contiguous runs of one kind (dtype) and at most `bucket_bytes` (a larger
+    parameter alone); no buckets when `bucket_bytes` is 0. Every rank computes the same buckets."""
+    if bucket_bytes <= 0:
+        return []
+    buckets: list[list[int]] = []
+    filled = 0
+    for i in reversed(range(len(nbytes))):
+        current = buckets[-1] if buckets else None
+        if current is None or kinds[current[-1]] != kinds[i] or filled + nbytes[i] > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(i)
+        filled += nbytes[i]
+    return [tuple(sorted(bucket)) for bucket in buckets]
 
 
 def _listed_groups(params: Sequence[Any], groups: list[Any]) -> list[list[int]]:

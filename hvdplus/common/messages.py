@@ -31,6 +31,7 @@ class Request(NamedTuple):
     prescale: float = 1.0
     postscale: float = 1.0
     ranks: tuple[int, ...] | None = None  # for ADD_PROCESS_SET
+    parts: tuple[tuple[int, ...], ...] | None = None  # a grouped allreduce packed into one flat buffer: its shapes
 
     @property
     def key(self) -> Key:

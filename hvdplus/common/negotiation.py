@@ -67,7 +67,7 @@ def validate(requests: Mapping[int, Request], members: tuple[int, ...]) -> str |
     if kind == OpKind.BROADCAST:
         checks.append(("root ranks", lambda r: r.root))
     if kind in _SAME_SHAPE:
-        checks.append(("shapes", lambda r: r.shape))
+        checks += [("shapes", lambda r: r.shape), ("shapes of the grouped tensors", lambda r: r.parts)]
     elif kind in (OpKind.ALLGATHER, OpKind.ALLTOALL):
         checks += [("ranks (number of dimensions)", lambda r: len(r.shape)),
                    ("trailing dimensions (all but the first)", lambda r: r.shape[1:])]

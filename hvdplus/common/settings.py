@@ -49,6 +49,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("fusion_threshold", int, 128 * 1024 * 1024,
             "Bytes packed into one fused allreduce buffer; 0 disables fusion.",
             "HVDPLUS_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"),
+    Setting("bucket_bytes", int, 25 * 1024 * 1024,
+            "Bytes of gradients a DistributedOptimizer allreduces as one packed bucket when groups= is not "
+            "given (DDP's bucket_cap_mb); 0 allreduces each gradient on its own, as Horovod does.",
+            "HVDPLUS_BUCKET_BYTES"),
     Setting("cycle_time_ms", float, 1.0,
             "Milliseconds the background thread waits between negotiation cycles.",
             "HVDPLUS_CYCLE_TIME", "HOROVOD_CYCLE_TIME"),
@@ -209,6 +213,7 @@ class Settings:
     """All hvdplus configuration, read once from the environment at init."""
 
     fusion_threshold: int = 128 * 1024 * 1024
+    bucket_bytes: int = 25 * 1024 * 1024
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False
@@ -227,6 +232,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
+        if self.bucket_bytes < 0:
+            raise ValueError(f"bucket_bytes must be >= 0 bytes, got {self.bucket_bytes}")
         if self.cycle_time_ms <= 0:
             raise ValueError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")
         if self.cpu_operations not in ("", "mpi", "gloo"):

@@ -10,11 +10,11 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hvdplus.common.basics import ProcessSet, global_process_set, size
-from hvdplus.common.ops import Average, ReduceOp
+from hvdplus.common.basics import ProcessSet, global_process_set, runtime, size
+from hvdplus.common.ops import Adasum, Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.torch.compression import Compressor
-from hvdplus.common.grouping import build_groups
+from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
 from hvdplus.torch.mpi_ops import synchronize as _synchronize_handle
 from hvdplus.torch.sparse import sparse_allreduce_async
@@ -73,6 +73,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
         self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
         self._requires_update = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        if groups is None and op != Adasum:  # Adasum reduces tensor by tensor
+            groups = self._buckets()
         self._p_to_group = build_groups(self._requires_update, groups)
         self._group_counts = {group: 0 for group in set(self._p_to_group.values())}
         self._hook_handles: list[Any] = []
@@ -81,6 +83,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if process_set.included() and size() > 1:
             self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                                   for p in self._requires_update]
+
+    def _buckets(self) -> list[list[torch.Tensor]] | None:
+        """Default groups: DDP-style buckets of `HVDPLUS_BUCKET_BYTES`, each allreduced as one packed buffer once
+        backward has produced all of its gradients (None, one allreduce per gradient, when set to 0)."""
+        params = self._requires_update
+        plan = bucket_indices([p.numel() * p.element_size() for p in params], [p.dtype for p in params],
+                              runtime().settings.bucket_bytes)
+        return [[params[i] for i in bucket] for bucket in plan] or None
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Allreduce every `passes`-th backward pass from now on (gradients accumulate in between)."""

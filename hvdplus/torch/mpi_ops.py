@@ -127,10 +127,42 @@ def _start_allreduce(tensor: torch.Tensor, name: str | None, inplace: bool, op: 
     return handle, result
 
 
+def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
+    """Whether a group can travel as one flat buffer: several CPU tensors of one dtype, and not Adasum
+    (which reduces tensor by tensor)."""
+    return (len(tensors) > 1 and op != ReduceOp.ADASUM and all(isinstance(t, torch.Tensor) for t in tensors)
+            and all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors))
+
+
+def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, inplace: bool, op: ReduceOp,
+                            prescale: float, postscale: float,
+                            process_set: ProcessSet) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
+    """One request for the whole group: packed by one torch kernel, reduced in place in one engine call,
+    unpacked as views of the buffer (copied into the inputs when in place)."""
+    flat = torch._utils._flatten_dense_tensors([t.detach() for t in tensors])
+    array = _numpy(flat)
+    handle = core.submit_allreduce(array, array, _dtype_name(flat), name, op, prescale, postscale, process_set,
+                                   parts=tuple(tuple(t.shape) for t in tensors))
+
+    def result() -> list[torch.Tensor]:
+        outputs = torch._utils._unflatten_dense_tensors(flat, tensors)
+        if not inplace:
+            return list(outputs)
+        torch._foreach_copy_([t.data for t in tensors], list(outputs))
+        return list(tensors)
+
+    return handle, result
+
+
 def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | None,
                              name: str | None, op: ReduceOp | None, prescale_factor: float,
                              postscale_factor: float, process_set: ProcessSet) -> int:
     op = core.resolve_op(average, op)
+    tensors = list(tensors)
+    if _packable(tensors, op):
+        handle, result = _start_packed_allreduce(tensors, name, inplace, op, prescale_factor, postscale_factor,
+                                                 process_set)
+        return _register([handle], lambda _: result())
     started = [_start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set)
                for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))]
     return _register([handle for handle, _ in started], lambda _: [result() for _, result in started])
@@ -222,15 +254,34 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
 
+class HorovodGroupedAllreduce(torch.autograd.Function):
+    """Grouped allreduce whose gradients are the grouped allreduce of the gradients (as Horovod)."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
+                process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
+        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale, postscale,
+                                                         process_set)))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, ctx.op,
+                                                      ctx.prescale, ctx.postscale, ctx.process_set))
+        return (None, None, None, None, None, *reduced)
+
+
 def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                       compression: Compressor = Compression.none, op: ReduceOp | None = None,
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
-    """Allreduce a list of tensors together (fused where possible); differentiable.
+    """Allreduce a list of tensors together (one flat buffer when they share a dtype); differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    return [allreduce(t, average, n, compression, op, prescale_factor, postscale_factor, process_set)
-            for t, n in zip(tensors, member_names(name, len(tensors)))]
+    op = core.resolve_op(average, op)
+    compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else ((), ())
+    reduced = HorovodGroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set, *compressed)
+    return [compression.decompress(r, ctx) for r, ctx in zip(reduced, contexts)]
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,

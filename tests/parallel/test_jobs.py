@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.jobs import WORKERS, mpich_mpiexec, mpirun, pytest_argv, run_job
+from tests.parallel.jobs import WORKERS, assert_every_rank_ran, mpich_mpiexec, mpirun, pytest_argv, run_job
 
 ENGINES = ["mpi", "mpich", "gloo"]
 
@@ -28,3 +28,15 @@ def test_worker_suite(engine: str, np: int) -> None:
     _skip_if_missing(engine)
     code, output = run_job(engine, np, pytest_argv(str(WORKERS)))
     assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran(engine, np, output, at_least=150)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
+def test_optimizer_without_buckets():
+    """HVDPLUS_BUCKET_BYTES=0: DistributedOptimizer allreduces each gradient on its own (Horovod's own path)."""
+    _skip_if_missing("mpi")
+    code, output = run_job("mpi", 3, pytest_argv(str(WORKERS / "test_torch_optimizer.py")),
+                           extra_env={"HVDPLUS_BUCKET_BYTES": "0"})
+    assert code == 0, f"job failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran("mpi", 3, output, at_least=10)

@@ -41,3 +41,15 @@ def test_duplicates_and_flat_lists_are_rejected():
         build_groups([p], [[p], [p]])
     with pytest.raises(ValueError, match="list of lists"):
         build_groups([p], [p])
+
+
+def test_buckets_follow_ddp():
+    """Reverse order, contiguous, one dtype per bucket, capped in bytes (a larger parameter alone), 0 = none."""
+    from hvdplus.common.grouping import bucket_indices
+
+    nbytes, kinds = [4, 4, 10, 4, 4, 4], ["f"] * 6
+    assert bucket_indices(nbytes, kinds, 8) == [(4, 5), (3,), (2,), (0, 1)]
+    assert bucket_indices(nbytes, kinds, 100) == [(0, 1, 2, 3, 4, 5)]
+    assert bucket_indices(nbytes, ["f", "f", "h", "h", "f", "f"], 100) == [(4, 5), (2, 3), (0, 1)]
+    assert bucket_indices(nbytes, kinds, 0) == []
+    assert bucket_indices([], [], 8) == []

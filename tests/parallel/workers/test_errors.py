@@ -37,6 +37,14 @@ def test_mismatched_roots(hvd):
     _after_error_job_still_works(hvd)
 
 
+def test_mismatched_member_shapes_of_a_packed_group(hvd):
+    """A packed group's total size can agree while its tensors do not ((2, 3) against (3, 2)): still an error."""
+    first = (2, 3) if hvd.rank() == 0 else (3, 2)
+    with pytest.raises(CollectiveMismatchError, match="shapes of the grouped tensors"):
+        hvd.grouped_allreduce([torch.ones(first), torch.ones(4)], name="packed.mismatch")
+    _after_error_job_still_works(hvd)
+
+
 def test_mismatched_kinds(hvd):
     tensor = torch.ones(2)
     with pytest.raises(CollectiveMismatchError, match="Mismatched collective operations"):

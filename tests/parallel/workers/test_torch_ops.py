@@ -73,6 +73,30 @@ def test_allreduce_inplace_async_and_grouped(hvd):
     torch.testing.assert_close(tensors[0], expected)
 
 
+def test_grouped_allreduce_is_one_packed_request(hvd):
+    """A group of one dtype travels as one flat buffer: one core handle, results unpacked per tensor, gradients
+    by one grouped allreduce; a group of mixed dtypes falls back to one request per tensor."""
+    from hvdplus.torch.mpi_ops import _handles
+
+    shapes = [(2, 3), (5,), (1,)]
+    inputs = [rank_tensor(hvd.rank(), shape=shape) for shape in shapes]
+    handle = hvd.grouped_allreduce_async(inputs, op=hvd.Sum, name="packed")
+    assert len(_handles[handle][0]) == 1
+    for got, shape in zip(hvd.synchronize(handle), shapes):
+        torch.testing.assert_close(got, torch.stack(all_inputs(hvd, shape=shape)).sum(0))
+    inplace = [t.clone() for t in inputs]
+    assert hvd.grouped_allreduce_(inplace, op=hvd.Average)[0] is inplace[0]
+    torch.testing.assert_close(inplace[1], torch.stack(all_inputs(hvd, shape=(5,))).mean(0))
+    leaves = [torch.ones(shape, requires_grad=True) for shape in shapes]
+    outputs = hvd.grouped_allreduce(leaves, op=hvd.Sum)
+    sum((out * (hvd.rank() + 1)).sum() for out in outputs).backward()
+    for leaf in leaves:
+        torch.testing.assert_close(leaf.grad, torch.full_like(leaf, float(sum(range(1, hvd.size() + 1)))))
+    mixed = hvd.grouped_allreduce_async([torch.ones(2), torch.ones(2, dtype=torch.float64)], op=hvd.Sum)
+    assert len(_handles[mixed][0]) == 2
+    assert [t.tolist() for t in hvd.synchronize(mixed)] == [[float(hvd.size())] * 2] * 2
+
+
 def test_allreduce_non_contiguous_inplace(hvd):
     x = rank_tensor(hvd.rank(), shape=(4, 3)).t()
     assert not x.is_contiguous()

@@ -223,3 +223,25 @@ def test_set_backward_passes_per_step_and_too_many_passes(hvd):
     with pytest.raises(AssertionError, match="more than backward_passes_per_step"):
         model(torch.ones(2, 4)).sum().backward()
     optimizer.step()
+
+
+def test_gradients_travel_in_packed_buckets(hvd):
+    """Without groups=, gradients go in DDP-style buckets (HVDPLUS_BUCKET_BYTES, 25 MB): this small model is one
+    bucket, started once backward has produced all of its gradients, as one core request. With
+    HVDPLUS_BUCKET_BYTES=0 (tests/parallel/test_jobs.py runs this file so) each gradient goes on its own."""
+    from hvdplus.common.basics import runtime
+    from hvdplus.torch.mpi_ops import _handles
+
+    model = make_model()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=named(model, "bucket"))
+    params = list(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    if runtime().settings.bucket_bytes == 0:
+        assert optimizer._p_to_group == {}
+        assert all(isinstance(handle, int) for handle, _ in optimizer._handles.values())
+    else:
+        assert set(optimizer._p_to_group) == set(params) and len(set(optimizer._p_to_group.values())) == 1
+        [result] = {id(handle[0]): handle[0] for handle, _ in optimizer._handles.values()}.values()
+        assert len(_handles[result._handle][0]) == 1  # one request for the whole bucket
+    optimizer.step()
