@@ -45,20 +45,25 @@ def build_groups(params: Sequence[Any], groups: Any) -> dict[Any, tuple[Any, ...
     return {p: group for group in plan for p in group}
 
 
-def bucket_indices(nbytes: Sequence[int], kinds: Sequence[Any], bucket_bytes: int) -> list[tuple[int, ...]]:
+def bucket_indices(nbytes: Sequence[int], kinds: Sequence[Any], bucket_bytes: int,
+                   alone_bytes: int) -> list[tuple[int, ...]]:
     """DDP's gradient buckets, as positions: the parameters in reverse order (backward produces the last
-    layers' gradients first) cut into contiguous runs of one kind (dtype) and at most `bucket_bytes` (a larger
-    parameter alone); no buckets when `bucket_bytes` is 0. Every rank computes the same buckets."""
+    layers' gradients first) cut into contiguous runs of one kind (dtype) and at most `bucket_bytes`. A
+    parameter of `alone_bytes` or more is in no bucket: it is reduced alone and in place, since packing it would
+    cost two copies and save nothing. No buckets when `bucket_bytes` is 0. Every rank computes the same buckets."""
     if bucket_bytes <= 0:
         return []
     buckets: list[list[int]] = []
+    current: list[int] | None = None
     filled = 0
     for i in reversed(range(len(nbytes))):
-        current = buckets[-1] if buckets else None
+        if nbytes[i] >= alone_bytes:
+            current = None  # buckets stay contiguous: a large parameter closes the open one
+            continue
         if current is None or kinds[current[-1]] != kinds[i] or filled + nbytes[i] > bucket_bytes:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(i)
+            current, filled = [], 0
+            buckets.append(current)
+        current.append(i)
         filled += nbytes[i]
     return [tuple(sorted(bucket)) for bucket in buckets]
 

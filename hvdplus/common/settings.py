@@ -49,9 +49,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("fusion_threshold", int, 128 * 1024 * 1024,
             "Bytes packed into one fused allreduce buffer; 0 disables fusion.",
             "HVDPLUS_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"),
-    Setting("bucket_bytes", int, 25 * 1024 * 1024,
-            "Bytes of gradients a DistributedOptimizer allreduces as one packed bucket when groups= is not "
-            "given (DDP's bucket_cap_mb); 0 allreduces each gradient on its own, as Horovod does.",
+    Setting("bucket_bytes", int, 1024 * 1024,
+            "Bytes of small gradients a DistributedOptimizer allreduces as one packed bucket when groups= is not "
+            "given (DDP's first bucket size); gradients of 1 MiB or more always go alone, in place; 0 allreduces "
+            "each gradient on its own, as Horovod does.",
             "HVDPLUS_BUCKET_BYTES"),
     Setting("cycle_time_ms", float, 1.0,
             "Milliseconds the background thread waits between negotiation cycles.",
@@ -213,7 +214,7 @@ class Settings:
     """All hvdplus configuration, read once from the environment at init."""
 
     fusion_threshold: int = 128 * 1024 * 1024
-    bucket_bytes: int = 25 * 1024 * 1024
+    bucket_bytes: int = 1024 * 1024
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool = False

@@ -1,6 +1,6 @@
 """plan_batches: which allreduces share a fusion buffer."""
 
-from hvdplus.common.fusion import plan_batches
+from hvdplus.common.fusion import ALONE_BYTES, plan_batches
 from hvdplus.common.messages import Request, Response
 from hvdplus.common.ops import OpKind, ReduceOp
 
@@ -34,6 +34,15 @@ def test_exactly_at_threshold_fits():
 
 def test_oversized_response_runs_alone():
     assert names(plan_batches([resp("big", 100), resp("a")], 32)) == [["big"], ["a"]]
+
+
+def test_large_responses_run_alone_below_the_threshold():
+    """A response of ALONE_BYTES or more is reduced in place on its own (no copies in and out of a fusion
+    buffer), even when the fusion threshold would take it; the small ones around it still fuse."""
+    large = resp("large", ALONE_BYTES // 4)
+    assert names(plan_batches([resp("a"), large, resp("b")], 128 << 20)) == [["a", "b"], ["large"]]
+    assert names(plan_batches([resp("a"), resp("just below", ALONE_BYTES // 4 - 1)], 128 << 20)) == \
+        [["a", "just below"]]
 
 
 def test_zero_threshold_disables_fusion():

@@ -48,8 +48,21 @@ def test_buckets_follow_ddp():
     from hvdplus.common.grouping import bucket_indices
 
     nbytes, kinds = [4, 4, 10, 4, 4, 4], ["f"] * 6
-    assert bucket_indices(nbytes, kinds, 8) == [(4, 5), (3,), (2,), (0, 1)]
-    assert bucket_indices(nbytes, kinds, 100) == [(0, 1, 2, 3, 4, 5)]
-    assert bucket_indices(nbytes, ["f", "f", "h", "h", "f", "f"], 100) == [(4, 5), (2, 3), (0, 1)]
-    assert bucket_indices(nbytes, kinds, 0) == []
-    assert bucket_indices([], [], 8) == []
+    big = 1 << 30
+    assert bucket_indices(nbytes, kinds, 8, big) == [(4, 5), (3,), (2,), (0, 1)]
+    assert bucket_indices(nbytes, kinds, 100, big) == [(0, 1, 2, 3, 4, 5)]
+    assert bucket_indices(nbytes, ["f", "f", "h", "h", "f", "f"], 100, big) == [(4, 5), (2, 3), (0, 1)]
+    assert bucket_indices(nbytes, kinds, 0, big) == []
+    assert bucket_indices([], [], 8, big) == []
+
+
+def test_large_parameters_stay_out_of_buckets():
+    """A parameter of alone_bytes or more is in no bucket (reduced alone, in place), and it closes the open bucket
+    so that buckets stay contiguous."""
+    from hvdplus.common.grouping import bucket_indices
+
+    nbytes, kinds = [4, 4, 10, 4, 4, 4], ["f"] * 6
+    assert bucket_indices(nbytes, kinds, 100, 10) == [(3, 4, 5), (0, 1)]
+    assert bucket_indices(nbytes, kinds, 8, 10) == [(4, 5), (3,), (0, 1)]
+    assert bucket_indices([10, 4, 10], kinds[:3], 100, 10) == [(1,)]
+    assert bucket_indices([10, 10], kinds[:2], 100, 10) == []

@@ -226,7 +226,7 @@ def test_set_backward_passes_per_step_and_too_many_passes(hvd):
 
 
 def test_gradients_travel_in_packed_buckets(hvd):
-    """Without groups=, gradients go in DDP-style buckets (HVDPLUS_BUCKET_BYTES, 25 MB): this small model is one
+    """Without groups=, gradients go in DDP-style buckets (HVDPLUS_BUCKET_BYTES, 1 MiB): this small model is one
     bucket, started once backward has produced all of its gradients, as one core request. With
     HVDPLUS_BUCKET_BYTES=0 (tests/parallel/test_jobs.py runs this file so) each gradient goes on its own."""
     from hvdplus.common.basics import runtime
