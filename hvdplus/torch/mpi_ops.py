@@ -130,8 +130,10 @@ def _start_allreduce(tensor: torch.Tensor, name: str | None, inplace: bool, op: 
 def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
     """Whether a group can travel as one flat buffer: several CPU tensors of one dtype, and not Adasum
     (which reduces tensor by tensor)."""
-    return (len(tensors) > 1 and op != ReduceOp.ADASUM and all(isinstance(t, torch.Tensor) for t in tensors)
-            and all(t.device.type == "cpu" and t.dtype == tensors[0].dtype for t in tensors))
+    if len(tensors) < 2 or op == ReduceOp.ADASUM or not isinstance(tensors[0], torch.Tensor):
+        return False
+    dtype = tensors[0].dtype  # is_cpu and one dtype object: ~0.4 us a tensor (device.type costs 4x more)
+    return all(isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dtype for t in tensors)
 
 
 def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, inplace: bool, op: ReduceOp,
@@ -139,7 +141,8 @@ def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, i
                             process_set: ProcessSet) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
     """One request for the whole group: packed by one torch kernel, reduced in place in one engine call,
     unpacked as views of the buffer (copied into the inputs when in place)."""
-    flat = torch._utils._flatten_dense_tensors([t.detach() for t in tensors])
+    with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
+        flat = torch._utils._flatten_dense_tensors(tensors)
     array = _numpy(flat)
     handle = core.submit_allreduce(array, array, _dtype_name(flat), name, op, prescale, postscale, process_set,
                                    parts=tuple(tuple(t.shape) for t in tensors))
@@ -148,7 +151,8 @@ def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, i
         outputs = torch._utils._unflatten_dense_tensors(flat, tensors)
         if not inplace:
             return list(outputs)
-        torch._foreach_copy_([t.data for t in tensors], list(outputs))
+        with torch.no_grad():  # in place on the inputs, leaves that require grad included
+            torch._foreach_copy_(list(tensors), list(outputs))
         return list(tensors)
 
     return handle, result
