@@ -13,24 +13,7 @@ import pytest
 import torch
 
 from hvdplus.common.exceptions import HorovodInternalError
-
-
-@pytest.fixture(scope="module")
-def rest(hvd):
-    """Every rank but 0 (Horovod's process sets need registering on every rank)."""
-    process_set = hvd.add_process_set(list(range(1, hvd.size())))
-    yield process_set
-    hvd.barrier()
-    hvd.remove_process_set(process_set)
-
-
-@pytest.fixture(params=["global", "rest"])
-def pset(request, hvd, rest):
-    return hvd.global_process_set if request.param == "global" else rest
-
-
-def _members(hvd, process_set):
-    return list(range(hvd.size())) if process_set is hvd.global_process_set else process_set.ranks
+from tests.parallel.process_sets import global_ranks, pset, rest  # noqa: F401 (fixtures)
 
 
 def _job_still_works(hvd):
@@ -43,7 +26,7 @@ def test_broadcast_roots_are_global_ranks(hvd, pset):
     (GetGlobalRankToControllerRank), whatever the process set."""
     if not pset.included():
         return
-    root = _members(hvd, pset)[-1]  # the highest member: a global rank, not an index into the set
+    root = global_ranks(hvd, pset)[-1]  # the highest member: a global rank, not an index into the set
     mine = torch.arange(4, dtype=torch.float32) + 10 * hvd.rank()
     expected = torch.arange(4, dtype=torch.float32) + 10 * root
     assert torch.equal(hvd.broadcast(mine, root_rank=root, process_set=pset), expected)
@@ -60,7 +43,7 @@ def test_broadcast_roots_are_global_ranks(hvd, pset):
 def test_broadcast_parameters_and_optimizer_state_take_a_global_root(hvd, pset):
     if not pset.included():
         return
-    root = _members(hvd, pset)[-1]
+    root = global_ranks(hvd, pset)[-1]
     torch.manual_seed(hvd.rank())
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1 * (hvd.rank() + 1), momentum=0.9)
@@ -80,10 +63,10 @@ def test_broadcast_gradient_lands_on_the_global_root(hvd, pset):
     """HorovodBroadcast.backward: the averaged gradient where rank() == root_rank, zeros elsewhere."""
     if not pset.included():
         return
-    root = _members(hvd, pset)[-1]
+    root = global_ranks(hvd, pset)[-1]
     x = torch.full((3,), float(hvd.rank()), requires_grad=True)
     (hvd.broadcast(x, root_rank=root, process_set=pset) * (hvd.rank() + 1)).sum().backward()
-    members = _members(hvd, pset)
+    members = global_ranks(hvd, pset)
     average = sum(r + 1 for r in members) / len(members)
     assert x.grad.tolist() == [average if hvd.rank() == root else 0.0] * 3
 
@@ -168,7 +151,7 @@ def test_reducescatter_gradient_follows_horovod(hvd, pset, op_name, prescale, po
     """HorovodReducescatter.backward: grad *= size for Sum; *= prescale; *= postscale; then allgather."""
     if not pset.included():
         return
-    op, n = getattr(hvd, op_name), len(_members(hvd, pset))
+    op, n = getattr(hvd, op_name), len(global_ranks(hvd, pset))
     expected = (n if op_name == "Sum" else 1) * prescale * postscale
     x = torch.ones(2 * n + 1, 2, requires_grad=True)
     shard = hvd.reducescatter(x, op=op, process_set=pset, prescale_factor=prescale, postscale_factor=postscale)
@@ -187,7 +170,7 @@ def test_reducescatter_gradient_is_this_ranks_rows_of_the_allgather(hvd, pset):
     """The allgather in the gradient puts each member's output gradient at that member's rows."""
     if not pset.included():
         return
-    members = _members(hvd, pset)
+    members = global_ranks(hvd, pset)
     x = torch.zeros(len(members) + 1, requires_grad=True)  # member 0 gets two rows (Horovod's uneven split)
     shard = hvd.reducescatter(x, op=hvd.Average, process_set=pset)
     (shard * (hvd.rank() + 1)).sum().backward()
@@ -252,7 +235,7 @@ def test_allreduce_family_on_every_set(hvd, pset, op_name):
     """mpi_ops.py allreduce*: op over the set's members; Average = postscale * sum(prescale * x) / size."""
     if not pset.included():
         return
-    members, op = _members(hvd, pset), getattr(hvd, op_name)
+    members, op = global_ranks(hvd, pset), getattr(hvd, op_name)
     stacked = torch.stack([_values(hvd, r) * 0.5 for r in members])  # prescale 0.5 applied per rank
     expected = {"Average": stacked.mean(0), "Sum": stacked.sum(0), "Min": stacked.min(0).values,
                 "Max": stacked.max(0).values, "Product": stacked.prod(0)}[op_name] * 3.0
@@ -279,7 +262,7 @@ def test_allreduce_average_flag_and_gradient(hvd, pset):
     the same op and scale factors."""
     if not pset.included():
         return
-    members, mine = _members(hvd, pset), _values(hvd, hvd.rank())
+    members, mine = global_ranks(hvd, pset), _values(hvd, hvd.rank())
     total = torch.stack([_values(hvd, r) for r in members]).sum(0)
     torch.testing.assert_close(hvd.allreduce(mine, average=False, process_set=pset), total)
     torch.testing.assert_close(hvd.allreduce(mine, average=True, process_set=pset), total / len(members))
@@ -296,7 +279,7 @@ def test_allgather_family_and_gradient(hvd, pset):
     the gradient over the set and returns this rank's rows."""
     if not pset.included():
         return
-    members = _members(hvd, pset)
+    members = global_ranks(hvd, pset)
     mine = torch.full((hvd.rank() + 1, 2), float(hvd.rank()))
     expected = torch.cat([torch.full((r + 1, 2), float(r)) for r in members])
     assert torch.equal(hvd.allgather(mine, process_set=pset), expected)
@@ -317,7 +300,7 @@ def test_alltoall_returns_received_splits_only_when_given_splits(hvd, pset):
     HorovodAlltoall.backward is the alltoall of the gradient with the received splits."""
     if not pset.included():
         return
-    members, me = _members(hvd, pset), pset.rank()
+    members, me = global_ranks(hvd, pset), pset.rank()
     n = len(members)
     even = torch.arange(2 * n, dtype=torch.float32) + 100 * hvd.rank()
     out = hvd.alltoall(even, process_set=pset)
@@ -338,7 +321,7 @@ def test_reducescatter_splits_rows_as_horovod(hvd, pset):
     """The first dim0 % size members get one row more (Horovod's uneven split); Average by default."""
     if not pset.included():
         return
-    members, me = _members(hvd, pset), pset.rank()
+    members, me = global_ranks(hvd, pset), pset.rank()
     n = len(members)
     rows = 2 * n + 1
     mine = torch.arange(rows, dtype=torch.float32).unsqueeze(1) * (hvd.rank() + 1)
@@ -365,6 +348,6 @@ def test_barrier_poll_and_synchronize_on_a_set(hvd, pset):
     while not hvd.poll(handle):
         assert time.monotonic() < deadline, "poll() never turned True"
         time.sleep(0.001)
-    assert hvd.synchronize(handle).tolist() == [float(len(_members(hvd, pset)))] * 2
+    assert hvd.synchronize(handle).tolist() == [float(len(global_ranks(hvd, pset)))] * 2
     with pytest.raises(ValueError, match="unknown or was already synchronized"):
         hvd.poll(handle)

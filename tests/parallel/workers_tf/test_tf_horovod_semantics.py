@@ -13,24 +13,7 @@ import pytest
 import tensorflow as tf
 
 import hvdplus.keras as hvd_keras
-
-
-@pytest.fixture(scope="module")
-def rest(hvd):
-    """Every rank but 0 (Horovod's process sets need registering on every rank)."""
-    process_set = hvd.add_process_set(list(range(1, hvd.size())))
-    yield process_set
-    hvd.barrier()
-    hvd.remove_process_set(process_set)
-
-
-@pytest.fixture(params=["global", "rest"])
-def pset(request, hvd, rest):
-    return hvd.global_process_set if request.param == "global" else rest
-
-
-def _members(hvd, process_set):
-    return list(range(hvd.size())) if process_set is hvd.global_process_set else process_set.ranks
+from tests.parallel.process_sets import global_ranks, pset, rest  # noqa: F401 (fixtures)
 
 
 def _job_still_works(hvd):
@@ -43,7 +26,7 @@ def test_broadcast_roots_are_global_ranks(hvd, pset, mode):
     the process set; broadcast, broadcast_variables and broadcast_ all take it."""
     if not pset.included():
         return
-    root = _members(hvd, pset)[-1]  # the highest member: a global rank, not an index into the set
+    root = global_ranks(hvd, pset)[-1]  # the highest member: a global rank, not an index into the set
     mine = tf.range(4, dtype=tf.float32) + 10.0 * hvd.rank()
     expected = (np.arange(4) + 10.0 * root).tolist()
     variables = [tf.Variable(mine), tf.Variable(tf.cast(mine, tf.int64))]
@@ -64,7 +47,7 @@ def test_broadcast_gradient_lands_on_the_global_root(hvd, pset, mode):
     rank() == root_rank, zeros elsewhere."""
     if not pset.included():
         return
-    members = _members(hvd, pset)
+    members = global_ranks(hvd, pset)
     root = members[-1]
     x = tf.fill([3], float(hvd.rank()))
 
@@ -83,7 +66,7 @@ def test_keras_broadcasts_take_a_global_root(hvd, pset):
     assert hvd_keras.broadcast(np.array([hvd.rank()]), root_rank=hvd.size() - 1).tolist() == [hvd.size() - 1]
     if not pset.included():
         return
-    members = _members(hvd, pset)
+    members = global_ranks(hvd, pset)
     keras.utils.set_random_seed(hvd.rank())
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
     model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
@@ -134,7 +117,7 @@ def test_reducescatter_gradient_follows_horovod(hvd, pset, mode, extra, op_name,
     *= prescale; *= postscale; then allgather. (`extra` rows vary the shapes from one case to the next.)"""
     if not pset.included():
         return
-    op, n = getattr(hvd, op_name), len(_members(hvd, pset))
+    op, n = getattr(hvd, op_name), len(global_ranks(hvd, pset))
     expected = (n if op_name == "Sum" else 1) * prescale * postscale
     xs = [tf.ones([2 * n + 1 + extra, 2]), tf.ones([n + extra, 3]), tf.ones([n + 2 + extra], tf.float64)]
 
