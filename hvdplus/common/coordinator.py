@@ -218,7 +218,7 @@ class Coordinator:
     def _bytes(self, mask: int) -> bytes:
         return mask.to_bytes(self._words * 8, "little")
 
-    def _cycle(self, busy: bool = True) -> bool | None:
+    def _cycle(self, busy: bool) -> bool | None:
         """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down.
         `busy`: some rank had work in the last round."""
         if self.timeline:
