@@ -1,8 +1,9 @@
 """The background thread: queue -> negotiate -> fuse -> execute -> complete handles.
 
 Every rank runs the same cycle in lock step. Each cycle costs one small bitwise-AND allreduce
-(the response-cache bits plus flags); announcements not in the cache are allgathered in full,
-and every rank derives the same ordered list of responses from the same table.
+(the response-cache bits plus flags), whose size does not depend on the number of ranks; announcements
+not in the cache are exchanged merged (common/announcements.py: ranks that agree share one entry), and
+every rank derives the same ordered list of responses from the same table.
 
 The control allreduce is non-blocking and waited for without spinning a core (a peer that is busy
 computing would otherwise make this thread poll MPI for as long). While work is in flight on any rank,
@@ -13,15 +14,16 @@ between rounds up to 40 ms, and a submit ends the wait at once.
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
+from hvdplus.common.announcements import exchange_announcements
+from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
@@ -49,26 +51,11 @@ _IDLE_WAIT_S = 0.04
 _SPIN_S, _BUSY_SLEEP_S, _IDLE_SLEEP_S = 2e-3, 1e-3, 4e-3
 
 
-def _mask(bits: Iterable[int]) -> int:
-    """A bit set as an int (Python ints make the per-cycle bit work a few cheap integer operations)."""
-    mask = 0
-    for bit in bits:
-        mask |= 1 << bit
-    return mask
-
-
-def _bits(mask: int) -> Iterator[int]:
-    """The set bits of `mask`, lowest first."""
-    while mask:
-        low = mask & -mask
-        yield low.bit_length() - 1
-        mask ^= low
-
-
 @dataclass
 class _ProcessSet:
     ranks: tuple[int, ...]
     group: Any
+    index: int | None  # this rank's position in `ranks`; None if it is not a member
 
 
 class Coordinator:
@@ -78,7 +65,7 @@ class Coordinator:
         self._engine = engine
         self._settings = settings
         self.rank, self.size = engine.rank, engine.size
-        self._sets: dict[int, _ProcessSet] = {0: _ProcessSet(tuple(range(self.size)), engine.world)}
+        self._sets: dict[int, _ProcessSet] = {0: _ProcessSet(tuple(range(self.size)), engine.world, self.rank)}
         self._next_set_id = 1
         self._executor = Executor(engine, lambda set_id: self._sets[set_id].group, hierarchical)
         self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
@@ -112,7 +99,7 @@ class Coordinator:
             raise HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}")
         if request.process_set not in self._sets:
             raise ValueError(f"process set {request.process_set} does not exist (it was removed or never added)")
-        if self.rank not in self._sets[request.process_set].ranks:
+        if self._sets[request.process_set].index is None:
             raise ValueError(f"rank {self.rank} is not a member of process set {request.process_set} "
                              f"(ranks {list(self._sets[request.process_set].ranks)}); only members may submit")
         with self._lock:
@@ -142,6 +129,11 @@ class Coordinator:
     @property
     def running(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def thread_id(self) -> int | None:
+        """The background thread's ident (benchmarks read its CPU clock)."""
+        return self._thread.ident
 
     # ----------------------------------------------------------------- background thread
     def _loop(self) -> None:
@@ -173,6 +165,11 @@ class Coordinator:
         entry = self._sets.get(set_id)
         return entry.ranks if entry else ()
 
+    def _index_in(self, set_id: int) -> int | None:
+        """This rank's position in a process set; None if it is not a member or the set was removed."""
+        entry = self._sets.get(set_id)
+        return entry.index if entry else None
+
     def _queued(self) -> Iterator[Work]:
         """Take every work submitted since the last call, recording it as in flight."""
         while True:
@@ -187,7 +184,7 @@ class Coordinator:
         for work in self._queued():
             if self.timeline:
                 self.timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
-            status, bit = self._cache.lookup(self.rank, work.request)
+            status, bit = self._cache.lookup(self._index_in(work.request.process_set), work.request)
             if status == Lookup.HIT:
                 self._hits[bit] = work
             else:
@@ -197,11 +194,11 @@ class Coordinator:
 
     def _control_words(self) -> np.ndarray:
         """[~flags, hit bits, ~hit bits, ~invalid bits]: one BAND gives all-hit, any-hit, any-invalid."""
-        hits, invalid = _mask(self._hits), _mask(self._invalid)
+        hits, invalid = mask_of(self._hits), mask_of(self._invalid)
         if self._joined:
             for bit in self._cache.bits():
                 response = self._cache.peek(bit)
-                if self.rank in response.members:
+                if self._index_in(response.key[0]) is not None:
                     if response.kind == OpKind.ALLREDUCE:
                         hits |= 1 << bit
                     else:
@@ -235,9 +232,9 @@ class Coordinator:
         if flags & (_SHUTDOWN | _STALL_ABORT):
             self._stop(flags)
             return None
-        for bit in _bits(any_invalid | self._stale_partials(all_hit, any_hit)):
+        for bit in bits(any_invalid | self._stale_partials(all_hit, any_hit)):
             self._evict(bit)
-        ready_bits = list(_bits(all_hit & ~any_invalid))
+        ready_bits = list(bits(all_hit & ~any_invalid))
         responses = [self._cache.get(bit) for bit in ready_bits]
         for bit in ready_bits:
             self._hits.pop(bit, None)
@@ -273,7 +270,7 @@ class Coordinator:
         for bit in list(self._partial_cycles):
             if not partial >> bit & 1:
                 del self._partial_cycles[bit]
-        for bit in _bits(partial):
+        for bit in bits(partial):
             count = self._partial_cycles.get(bit, 0) + 1
             self._partial_cycles[bit] = count
             if count >= limit:
@@ -281,15 +278,15 @@ class Coordinator:
         return stale
 
     def _negotiate(self) -> list[Response]:
-        payload = pickle.dumps([w.request for w in self._to_send], protocol=pickle.HIGHEST_PROTOCOL)
+        requests = [work.request for work in self._to_send]
         self._to_send.clear()
         errors = []
-        for rank, data in enumerate(self._engine.allgather_bytes(payload, self._engine.world)):
-            for request in pickle.loads(data):
-                problem = self._table.add(rank, request)
-                if problem:
-                    errors.append(Response(request.key, request.kind, (request,), error=problem,
-                                           members=self._members(request.process_set)))
+        for request, ranks in exchange_announcements(self._engine, self._engine.world, requests,
+                                                     self._settings.negotiation_doubling_ranks):
+            problem = self._table.add(request, ranks)
+            if problem:
+                errors.append(Response(request.key, request.kind, (request,), error=problem,
+                                       members=self._members(request.process_set)))
         return errors + self._table.take_ready(self._members)
 
     def _execute(self, responses: list[Response]) -> None:
@@ -344,7 +341,8 @@ class Coordinator:
     def _add_process_set(self, ranks: tuple[int, ...]) -> int:
         """Collective over all ranks (it runs in the agreed order): create the set's engine group."""
         set_id = self._next_set_id
-        self._sets[set_id] = _ProcessSet(ranks, self._engine.new_group(ranks))
+        index = ranks.index(self.rank) if self.rank in ranks else None
+        self._sets[set_id] = _ProcessSet(ranks, self._engine.new_group(ranks), index)
         self._next_set_id += 1
         return set_id
 

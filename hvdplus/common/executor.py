@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -148,7 +148,7 @@ class Executor:
             return None
         raise RuntimeError(f"executor cannot run {response.kind.name}")
 
-    def _alltoall(self, requests: tuple[Request | None, ...], work: Work, set_rank: int, group: Any) -> Any:
+    def _alltoall(self, requests: Sequence[Request | None], work: Work, set_rank: int, group: Any) -> Any:
         row = _row_elements(work.request.shape)
         splits = [r.splits or even_splits(r.shape[0], len(requests)) for r in requests]
         recv_rows = [splits[src][set_rank] for src in range(len(requests))]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
 
-__all__ = ["Request", "Response", "Key"]
+__all__ = ["Request", "Response", "Key", "SameRequest"]
 
 Key = tuple[int, str]  # (process set id, tensor name)
 
@@ -48,17 +49,49 @@ class Request(NamedTuple):
         return f"{self.kind.name.lower()} {self.name!r}"
 
 
+class SameRequest(Sequence):
+    """The requests of `count` ranks that all sent the same one: a sequence of constant size, so that a
+    response agreed by 1024 ranks costs no more to build, cache and check than one agreed by 2."""
+
+    __slots__ = ("request", "count")
+
+    def __init__(self, request: Request, count: int) -> None:
+        self.request, self.count = request, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        if not -self.count <= index < self.count:
+            raise IndexError(f"rank index {index} out of range for {self.count} ranks")
+        return self.request
+
+    def __contains__(self, value: object) -> bool:
+        return self.count > 0 and value == self.request
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Sequence) and len(other) == self.count and all(r == self.request for r in other)
+
+    def __hash__(self) -> int:
+        return hash((self.request, self.count))
+
+    def __repr__(self) -> str:
+        return f"SameRequest({self.request!r}, count={self.count})"
+
+
 @dataclass(frozen=True)
 class Response:
     """A collective every participating rank agreed to run now, or the error they all raise.
 
-    `requests` holds one entry per member of the process set, in set-rank order;
-    None marks a rank that has joined and contributes zeros.
+    `requests` holds one entry per member of the process set, in set-rank order (a SameRequest when they all
+    agree); None marks a rank that has joined and contributes zeros.
     """
 
     key: Key
     kind: OpKind
-    requests: tuple[Request | None, ...]
+    requests: Sequence[Request | None]
     error: str | None = None
     join_last_rank: int = -1
     members: tuple[int, ...] = field(default=())

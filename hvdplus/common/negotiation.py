@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
-from hvdplus.common.messages import Key, Request, Response
+from hvdplus.common.bitmask import bits, mask_of
+from hvdplus.common.messages import Key, Request, Response, SameRequest
 from hvdplus.common.ops import OpKind
 
 __all__ = ["MessageTable", "Stall", "validate", "device_kind", "JOIN_KEY"]
@@ -19,6 +20,10 @@ JOIN_KEY: Key = (0, "__hvdplus_join__")
 
 _SAME_SHAPE = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
 _REDUCING = (OpKind.ALLREDUCE, OpKind.REDUCESCATTER)
+
+
+def _ranks_of(mask: int) -> list[int]:
+    return list(bits(mask))
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -40,27 +45,26 @@ def device_kind(device: str) -> str:
     return device.split(":", 1)[0]
 
 
-def validate(requests: Mapping[int, Request], members: tuple[int, ...]) -> str | None:
-    """Return why these per-rank requests for one name cannot run together, or None if they can.
+def validate(variants: Mapping[Request, int], members: tuple[int, ...]) -> str | None:
+    """Return why these announcements of one name cannot run together, or None if they can.
 
-    A broadcast's `root` is a global rank (Horovod's rule, process sets included); it must be in `members`."""
-    first = next(iter(requests.values()))
+    `variants` maps each distinct request to the mask of ranks that announced it; ranks that agree share one
+    entry, so the usual case (one variant) costs the same at any job size. A broadcast's `root` is a global rank
+    (Horovod's rule, process sets included); it must be in `members`."""
+    first = next(iter(variants))
     what = f"{first.name!r}"
 
     def check(label: str, value: Callable[[Request], object]) -> str | None:
-        values = {rank: value(req) for rank, req in requests.items()}
-        if len(set(map(str, values.values()))) > 1:
-            return f"Mismatched {label} for collective {what}: {_disagreement(values)}."
+        values = {request: str(value(request)) for request in variants}
+        if len(set(values.values())) > 1:
+            by_rank = {rank: values[request] for request, mask in variants.items() for rank in _ranks_of(mask)}
+            return f"Mismatched {label} for collective {what}: {_disagreement(dict(sorted(by_rank.items())))}."
         return None
 
-    for label, getter in (("collective operations", lambda r: r.kind.name.lower()),
-                          ("data types", lambda r: r.dtype),
-                          ("devices (CPU or GPU)", lambda r: device_kind(r.device))):
-        problem = check(label, getter)
-        if problem:
-            return problem
+    checks: list[tuple[str, Callable[[Request], object]]] = [
+        ("collective operations", lambda r: r.kind.name.lower()), ("data types", lambda r: r.dtype),
+        ("devices (CPU or GPU)", lambda r: device_kind(r.device))]
     kind = first.kind
-    checks: list[tuple[str, Callable[[Request], object]]] = []
     if kind in _REDUCING:
         checks += [("reduction ops", lambda r: r.op.name), ("prescale factors", lambda r: r.prescale),
                    ("postscale factors", lambda r: r.postscale)]
@@ -71,10 +75,11 @@ def validate(requests: Mapping[int, Request], members: tuple[int, ...]) -> str |
     elif kind in (OpKind.ALLGATHER, OpKind.ALLTOALL):
         checks += [("ranks (number of dimensions)", lambda r: len(r.shape)),
                    ("trailing dimensions (all but the first)", lambda r: r.shape[1:])]
-    for label, getter in checks:
-        problem = check(label, getter)
-        if problem:
-            return problem
+    if len(variants) > 1:
+        for label, getter in checks:
+            problem = check(label, getter)
+            if problem:
+                return problem
     if kind == OpKind.BROADCAST and first.root not in members:
         return (f"Invalid root rank {first.root} for broadcast {what}: it is not a member of the process set, "
                 f"whose global ranks are {list(members)}.")
@@ -93,11 +98,18 @@ class Stall:
 
 
 class MessageTable:
-    """Announcements received so far, keyed by (process set, name), in arrival order."""
+    """Announcements received so far, keyed by (process set, name), in arrival order.
+
+    Each entry maps every distinct request to the bit mask of the ranks that announced it, so an entry that
+    all N ranks agree on is one request and one integer, and readiness is a mask test: the table's cost
+    follows the number of names, not the number of ranks."""
 
     def __init__(self) -> None:
-        self._pending: dict[Key, dict[int, Request]] = {}
+        self._pending: dict[Key, dict[Request, int]] = {}
+        self._announced: dict[Key, int] = {}
+        self._latest: dict[Key, int] = {}  # the ranks of each entry's most recent announcement
         self._since: dict[Key, float] = {}
+        self._member_masks: dict[int, int] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -105,53 +117,80 @@ class MessageTable:
     @property
     def joined(self) -> tuple[int, ...]:
         """Ranks that have called join() and not yet been released."""
-        return tuple(self._pending.get(JOIN_KEY, {}))
+        return tuple(_ranks_of(self._announced.get(JOIN_KEY, 0)))
 
-    def add(self, rank: int, request: Request) -> str | None:
-        """Record one announcement; return an error if `rank` already announced this name."""
-        entry = self._pending.setdefault(request.key, {})
-        self._since.setdefault(request.key, time.monotonic())
-        if rank in entry:
-            return f"rank {rank} submitted {request.describe()} twice before it completed"
-        entry[rank] = request
+    def add(self, request: Request, ranks: int) -> str | None:
+        """Record that the ranks of the bit mask `ranks` announced `request`; return an error if one of them
+        already announced this name."""
+        key = request.key
+        announced = self._announced.get(key, 0)
+        if announced & ranks:
+            again = _ranks_of(announced & ranks)
+            return f"{_ranks_text(again)} submitted {request.describe()} twice before it completed"
+        variants = self._pending.get(key)
+        if variants is None:
+            variants = self._pending[key] = {}
+            self._since[key] = time.monotonic()
+        variants[request] = variants.get(request, 0) | ranks
+        self._announced[key] = announced | ranks
+        self._latest[key] = ranks
         return None
+
+    def _members_mask(self, set_id: int, members: tuple[int, ...]) -> int:
+        """Set ids are never reused, so each set's mask is computed once."""
+        mask = self._member_masks.get(set_id)
+        if mask is None:
+            mask = self._member_masks[set_id] = mask_of(members)
+        return mask
 
     def take_ready(self, members: Callable[[int], tuple[int, ...]]) -> list[Response]:
         """Remove and return every entry all its members announced (or errors), in arrival order."""
-        joined = set(self.joined)
+        joined = self._announced.get(JOIN_KEY, 0)
         ready = []
-        for key, entry in list(self._pending.items()):
-            response = self._decide(key, entry, members(key[0]), joined)
+        for key in list(self._pending):
+            response = self._decide(key, members(key[0]), joined)
             if response is not None:
                 ready.append(response)
         ready += self._deadlocks(members)
         for response in ready:
-            self._pending.pop(response.key, None)
-            self._since.pop(response.key, None)
+            self._forget(response.key)
         return ready
 
-    def _decide(self, key: Key, entry: dict[int, Request], members: tuple[int, ...],
-                joined: set[int]) -> Response | None:
-        first = next(iter(entry.values()))
+    def _forget(self, key: Key) -> None:
+        for entries in (self._pending, self._announced, self._latest, self._since):
+            entries.pop(key, None)
+
+    def _requests(self, key: Key, members: tuple[int, ...]) -> Sequence[Request | None]:
+        """One request per member in set order, None for a member that did not announce (it joined)."""
+        variants = self._pending[key]
+        if len(variants) == 1 and self._announced[key] == self._members_mask(key[0], members):
+            return SameRequest(next(iter(variants)), len(members))
+        by_rank = {rank: request for request, mask in variants.items() for rank in _ranks_of(mask)}
+        return tuple(by_rank.get(rank) for rank in members)
+
+    def _decide(self, key: Key, members: tuple[int, ...], joined: int) -> Response | None:
+        variants, announced = self._pending[key], self._announced[key]
+        first = next(iter(variants))
+        member_mask = self._members_mask(key[0], members)
+        missing = member_mask & ~announced
         if key == JOIN_KEY:
-            if set(entry) != set(members):
+            if missing or announced & ~member_mask:
                 return None
-            return Response(key, first.kind, tuple(entry[r] for r in members), join_last_rank=list(entry)[-1],
-                            members=members)
-        missing = [r for r in members if r not in entry]
-        if missing and not set(missing) <= joined:
+            last = _ranks_of(self._latest[key])[-1]
+            return Response(key, first.kind, self._requests(key, members), join_last_rank=last, members=members)
+        if missing & ~joined:
             return None
-        requests = tuple(entry.get(r) for r in members)
+        requests = self._requests(key, members)
         if missing and first.kind != OpKind.ALLREDUCE:
             return Response(key, first.kind, requests, members=members, error=(
-                f"{first.describe()} cannot run: {_ranks_text(missing)} called join(), "
+                f"{first.describe()} cannot run: {_ranks_text(_ranks_of(missing))} called join(), "
                 f"and only allreduce supports ranks that have joined."))
-        strangers = sorted(set(entry) - set(members))
+        strangers = announced & ~member_mask
         if strangers:
             return Response(key, first.kind, requests, members=members, error=(
-                f"{first.describe()} was submitted by {_ranks_text(strangers)}, which are not in process set "
-                f"{key[0]} (members {list(members)})."))
-        return Response(key, first.kind, requests, error=validate(entry, members), members=members)
+                f"{first.describe()} was submitted by {_ranks_text(_ranks_of(strangers))}, which are not in "
+                f"process set {key[0]} (members {list(members)})."))
+        return Response(key, first.kind, requests, error=validate(variants, members), members=members)
 
     def _deadlocks(self, members: Callable[[int], tuple[int, ...]]) -> list[Response]:
         """Errors for one name submitted on two process sets by ranks that wait on each other.
@@ -166,16 +205,16 @@ class MessageTable:
         for name, keys in by_name.items():
             for i, key_a in enumerate(keys):
                 for key_b in keys[i + 1:]:
-                    a, b = self._pending[key_a], self._pending[key_b]
-                    a_waits_on_b = any(r not in a and r in b for r in members(key_a[0]))
-                    b_waits_on_a = any(r not in b and r in a for r in members(key_b[0]))
-                    if a_waits_on_b and b_waits_on_a:
-                        used = {r: f"process set {key_a[0]}" for r in a}
-                        used.update({r: f"process set {key_b[0]}" for r in b})
-                        message = f"Mismatched process sets for collective {name!r}: {_disagreement(used)}."
-                        for key, entry in ((key_a, a), (key_b, b)):
-                            errors.append(Response(key, next(iter(entry.values())).kind,
-                                                   tuple(entry.get(r) for r in members(key[0])), error=message,
+                    a, b = self._announced[key_a], self._announced[key_b]
+                    set_a, set_b = (self._members_mask(key[0], members(key[0])) for key in (key_a, key_b))
+                    if set_a & ~a & b and set_b & ~b & a:
+                        used = {r: f"process set {key_a[0]}" for r in _ranks_of(a)}
+                        used.update({r: f"process set {key_b[0]}" for r in _ranks_of(b)})
+                        message = (f"Mismatched process sets for collective {name!r}: "
+                                   f"{_disagreement(dict(sorted(used.items())))}.")
+                        for key in (key_a, key_b):
+                            errors.append(Response(key, next(iter(self._pending[key])).kind,
+                                                   self._requests(key, members(key[0])), error=message,
                                                    members=members(key[0])))
         return errors
 
@@ -183,15 +222,11 @@ class MessageTable:
         """Entries waiting longer than `older_than` seconds, with the ranks that are missing."""
         now = time.monotonic()
         found = []
-        for key, entry in self._pending.items():
+        for key, variants in self._pending.items():
             waited = now - self._since[key]
             if waited >= older_than:
-                missing = tuple(r for r in members(key[0]) if r not in entry)
-                found.append(Stall(key, next(iter(entry.values())).describe(), tuple(entry), missing, waited))
+                announced = self._announced[key]
+                missing = tuple(r for r in members(key[0]) if not announced >> r & 1)
+                found.append(Stall(key, next(iter(variants)).describe(), tuple(_ranks_of(announced)), missing,
+                                   waited))
         return found
-
-    def drop(self, keys: list[Key]) -> None:
-        """Forget entries (used when the job shuts down)."""
-        for key in keys:
-            self._pending.pop(key, None)
-            self._since.pop(key, None)

@@ -35,13 +35,14 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._by_bit)
 
-    def lookup(self, rank: int, request: Request) -> tuple[Lookup, int]:
-        """Compare `rank`'s request with what that rank announced when the entry was cached."""
+    def lookup(self, set_rank: int | None, request: Request) -> tuple[Lookup, int]:
+        """Compare a request with what the rank at `set_rank` in its process set announced when the entry was
+        cached (an index, not a search of the members: the cost is the same at any job size). None (not a
+        member, or the set is gone) finds nothing."""
         bit = self._bit_of.get(request.key)
-        if bit is None:
+        if bit is None or set_rank is None:
             return Lookup.MISS, -1
-        response = self._by_bit[bit]
-        cached = response.requests[response.members.index(rank)] if rank in response.members else None
+        cached = self._by_bit[bit].requests[set_rank]
         return (Lookup.HIT if cached == request else Lookup.INVALID), bit
 
     def get(self, bit: int) -> Response:
@@ -59,7 +60,7 @@ class ResponseCache:
     def put(self, response: Response) -> int | None:
         """Remember a successful response; return the bit evicted to make room, if any."""
         if (self.capacity <= 0 or response.error is not None or response.kind not in CACHEABLE
-                or response.key in self._bit_of or any(r is None for r in response.requests)):
+                or response.key in self._bit_of or None in response.requests):
             return None
         evicted = None
         if len(self._by_bit) >= self.capacity:

@@ -60,6 +60,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cache_capacity", int, 1024,
             "Responses remembered so that repeated collectives skip full negotiation; 0 disables.",
             "HVDPLUS_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"),
+    Setting("negotiation_doubling_ranks", int, 16,
+            "From this many ranks on, new (uncached) announcements are exchanged by recursive doubling of merged "
+            "tables (log2 N rounds, O(names) bytes a rank) instead of one allgather (1 round, O(ranks x names)).",
+            "HVDPLUS_NEGOTIATION_DOUBLING_RANKS"),
     Setting("hierarchical_allreduce", _parse_bool, False,
             "Allreduce as local reduce-scatter, cross-node allreduce, local allgather.",
             "HVDPLUS_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
@@ -217,6 +221,7 @@ class Settings:
     bucket_bytes: int = 1024 * 1024
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
+    negotiation_doubling_ranks: int = 16
     hierarchical_allreduce: bool = False
     timeline: str = ""
     timeline_mark_cycles: bool = False

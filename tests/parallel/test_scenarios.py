@@ -91,3 +91,17 @@ def test_timeline_is_a_valid_chrome_trace(tmp_path):
     assert spans == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"] * 3
     begins = sum(1 for e in events if e.get("ph") == "B")
     assert begins == sum(1 for e in events if e.get("ph") == "E")
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+def test_negotiation_by_recursive_doubling(engine):
+    """3 ranks (not a power of two: one rank folds in and out) swap merged tables over the real engine."""
+    if engine == "mpi":
+        pytest.importorskip("mpi4py")
+    code, output = run_job(engine, 3, [str(SCENARIOS / "negotiation_doubling.py")],
+                           {"HVDPLUS_NEGOTIATION_DOUBLING_RANKS": "2"}, timeout=90)
+    assert code == 0, output
+    assert output.count("mismatch raised") == 3, output
+    assert len(re.findall(r"rank \d: doubling ok after \d+ exchanges", output)) == 3, output

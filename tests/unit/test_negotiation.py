@@ -13,6 +13,10 @@ def join_req():
     return Request(name=JOIN_KEY[1], kind=OpKind.JOIN, process_set=JOIN_KEY[0])
 
 
+def announce(table, rank, request):
+    return table.add(request, 1 << rank)
+
+
 def members_of(sets):
     return lambda set_id: sets[set_id]
 
@@ -26,10 +30,10 @@ THREE = members_of({0: (0, 1, 2)})
 
 def test_not_ready_until_all_members_announce():
     table = MessageTable()
-    assert table.add(0, req()) is None
+    assert announce(table, 0, req()) is None
     assert table.take_ready(TWO) == []
     assert len(table) == 1
-    table.add(1, req())
+    announce(table, 1, req())
     [response] = table.take_ready(TWO)
     assert response.error is None
     assert response.key == (0, "t") and response.kind == OpKind.ALLREDUCE
@@ -40,8 +44,8 @@ def test_not_ready_until_all_members_announce():
 
 def test_requests_are_in_member_order_not_arrival_order():
     table = MessageTable()
-    table.add(1, req(prescale=1.0))
-    table.add(0, req())
+    announce(table, 1, req(prescale=1.0))
+    announce(table, 0, req())
     [response] = table.take_ready(TWO)
     assert response.members == (0, 1) and len(response.requests) == 2
 
@@ -49,24 +53,24 @@ def test_requests_are_in_member_order_not_arrival_order():
 def test_ready_responses_come_in_arrival_order():
     table = MessageTable()
     for name in ("b", "a", "c"):
-        table.add(0, req(name))
+        announce(table, 0, req(name))
     for name in ("c", "a", "b"):
-        table.add(1, req(name))
+        announce(table, 1, req(name))
     assert [r.key[1] for r in table.take_ready(TWO)] == ["b", "a", "c"]
 
 
 def test_same_name_on_different_sets_are_separate_entries():
     table = MessageTable()
     sets = members_of({0: (0, 1), 1: (0,)})
-    table.add(0, req(process_set=1))
+    announce(table, 0, req(process_set=1))
     [response] = table.take_ready(sets)
     assert response.key == (1, "t") and response.members == (0,)
 
 
 def test_duplicate_announcement_by_one_rank():
     table = MessageTable()
-    assert table.add(0, req()) is None
-    problem = table.add(0, req())
+    assert announce(table, 0, req()) is None
+    problem = announce(table, 0, req())
     assert problem is not None and "rank 0" in problem and "twice" in problem and "'t'" in problem
 
 
@@ -74,7 +78,7 @@ def test_submission_by_non_member_is_an_error():
     table = MessageTable()
     sets = members_of({0: (0, 1, 2), 1: (0, 1)})
     for rank in (0, 1, 2):
-        table.add(rank, req(process_set=1))
+        announce(table, rank, req(process_set=1))
     [response] = table.take_ready(sets)
     assert response.error is not None and "rank 2" in response.error and "process set 1" in response.error
 
@@ -85,7 +89,7 @@ def test_submission_by_non_member_is_an_error():
 def _error_for(requests_by_rank, members=TWO):
     table = MessageTable()
     for rank, request in requests_by_rank.items():
-        table.add(rank, request)
+        announce(table, rank, request)
     [response] = table.take_ready(members)
     return response.error
 
@@ -151,7 +155,7 @@ def test_broadcast_root_is_a_global_rank_of_the_set():
     for root, problem in ((2, None), (1, None), (0, "Invalid root rank 0")):
         table = MessageTable()
         for rank in (1, 2):
-            table.add(rank, req(kind=OpKind.BROADCAST, root=root, process_set=5))
+            announce(table, rank, req(kind=OpKind.BROADCAST, root=root, process_set=5))
         [response] = table.take_ready(pair)
         assert (response.error is None) if problem is None else (problem in response.error), response.error
 
@@ -181,8 +185,8 @@ def test_reducescatter_requires_same_shape():
 
 
 def test_validate_direct_ok_and_mismatch():
-    assert validate({0: req(), 1: req()}, (0, 1)) is None
-    assert "rank 1" in validate({0: req(), 1: req(shape=(1,))}, (0, 1))
+    assert validate({req(): 0b11}, (0, 1)) is None
+    assert "rank 1" in validate({req(): 0b01, req(shape=(1,)): 0b10}, (0, 1))
 
 
 # ------------------------------------------------------------------ join
@@ -190,8 +194,8 @@ def test_validate_direct_ok_and_mismatch():
 
 def test_joined_rank_lets_allreduce_proceed_with_none():
     table = MessageTable()
-    table.add(1, join_req())
-    table.add(0, req())
+    announce(table, 1, join_req())
+    announce(table, 0, req())
     [response] = table.take_ready(TWO)
     assert response.error is None
     assert response.requests == (req(), None)
@@ -201,18 +205,18 @@ def test_joined_rank_lets_allreduce_proceed_with_none():
 
 def test_joined_rank_makes_allgather_fail_mentioning_join():
     table = MessageTable()
-    table.add(1, join_req())
-    table.add(0, req(kind=OpKind.ALLGATHER))
+    announce(table, 1, join_req())
+    announce(table, 0, req(kind=OpKind.ALLGATHER))
     [response] = table.take_ready(TWO)
     assert response.error is not None and "join" in response.error and "rank 1" in response.error
 
 
 def test_join_completes_with_last_rank_that_announced():
     table = MessageTable()
-    table.add(2, join_req())
-    table.add(0, join_req())
+    announce(table, 2, join_req())
+    announce(table, 0, join_req())
     assert table.take_ready(THREE) == []
-    table.add(1, join_req())
+    announce(table, 1, join_req())
     [response] = table.take_ready(THREE)
     assert response.key == JOIN_KEY and response.kind == OpKind.JOIN and response.error is None
     assert response.join_last_rank == 1
@@ -221,7 +225,7 @@ def test_join_completes_with_last_rank_that_announced():
 
 def test_join_not_complete_blocks_nothing_else():
     table = MessageTable()
-    table.add(0, join_req())
+    announce(table, 0, join_req())
     assert table.take_ready(TWO) == []
     assert table.joined == (0,)
 
@@ -232,8 +236,8 @@ def test_join_not_complete_blocks_nothing_else():
 def test_same_name_on_two_sets_by_different_ranks_is_a_deadlock_error():
     table = MessageTable()
     sets = members_of({0: (0, 1), 1: (0, 1)})
-    table.add(0, req(process_set=0))
-    table.add(1, req(process_set=1))
+    announce(table, 0, req(process_set=0))
+    announce(table, 1, req(process_set=1))
     responses = table.take_ready(sets)
     assert sorted(r.key for r in responses) == [(0, "t"), (1, "t")]
     for response in responses:
@@ -245,14 +249,14 @@ def test_same_name_on_two_sets_by_different_ranks_is_a_deadlock_error():
 def test_overlapping_sets_without_cycle_do_not_error():
     table = MessageTable()
     sets = members_of({0: (0, 1, 2), 1: (0, 1), 2: (1, 2)})
-    table.add(0, req(process_set=1))  # A = (0, 1): waits for rank 1
-    table.add(1, req(process_set=2))  # B = (1, 2): waits for rank 2, not for anyone on A
+    announce(table, 0, req(process_set=1))  # A = (0, 1): waits for rank 1
+    announce(table, 1, req(process_set=2))  # B = (1, 2): waits for rank 2, not for anyone on A
     assert table.take_ready(sets) == []
     assert len(table) == 2
-    table.add(2, req(process_set=2))
+    announce(table, 2, req(process_set=2))
     [response] = table.take_ready(sets)
     assert response.key == (2, "t") and response.error is None
-    table.add(1, req(process_set=1))
+    announce(table, 1, req(process_set=1))
     [response] = table.take_ready(sets)
     assert response.key == (1, "t") and response.error is None
 
@@ -262,8 +266,8 @@ def test_overlapping_sets_without_cycle_do_not_error():
 
 def test_stalls_report_missing_ranks():
     table = MessageTable()
-    table.add(0, req("x"))
-    table.add(2, req("x"))
+    announce(table, 0, req("x"))
+    announce(table, 2, req("x"))
     [stall] = table.stalls(0, THREE)
     assert stall.key == (0, "x")
     assert stall.submitted == (0, 2) and stall.missing == (1,)
@@ -273,12 +277,31 @@ def test_stalls_report_missing_ranks():
 
 def test_stalls_ignore_recent_entries():
     table = MessageTable()
-    table.add(0, req())
+    announce(table, 0, req())
     assert table.stalls(3600, TWO) == []
 
 
-def test_drop_forgets_entries():
+# ------------------------------------------------------------------ merged announcements
+
+
+def test_ranks_that_agree_arrive_as_one_mask():
+    members = members_of({0: tuple(range(1024))})
     table = MessageTable()
-    table.add(0, req("x"))
-    table.drop([(0, "x"), (0, "missing")])
-    assert len(table) == 0 and table.stalls(0, TWO) == []
+    assert table.add(req(), (1 << 1024) - 1) is None
+    [response] = table.take_ready(members)
+    assert response.error is None and response.requests == (req(),) * 1024
+
+
+def test_a_mask_overlapping_earlier_announcements_names_the_repeating_ranks():
+    table = MessageTable()
+    assert table.add(req(), 0b011) is None
+    problem = table.add(req(), 0b110)
+    assert "rank 1 submitted allreduce 't' twice" in problem
+
+
+def test_join_last_rank_is_the_highest_of_the_final_announcement():
+    table = MessageTable()
+    table.add(join_req(), 0b010)
+    table.add(join_req(), 0b101)
+    [response] = table.take_ready(THREE)
+    assert response.join_last_rank == 2
