@@ -1,0 +1,196 @@
+"""An engine whose ranks are threads of one process: N simulated ranks running the real coordinator.
+
+It exists to measure and test the parts of hvdplus whose cost grows with the job (negotiation, the response
+cache, fusion planning) at sizes no test machine has processes for: `scripts/bench_negotiation.py` runs 1024
+ranks in one process. Each engine call is charged to its thread (CPU time spent simulating the transport is
+kept apart, so what remains is hvdplus's own work) and counts the bytes the rank would receive over a real
+transport: everything the others sent for an allgather or a swap, and log2(N) times the buffer for an allreduce
+(recursive doubling, what MPI does for small buffers).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from hvdplus.common.engines.base import Done
+from hvdplus.common.ops import ReduceOp
+
+__all__ = ["ThreadWorld", "ThreadEngine"]
+
+_REDUCERS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+    ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
+
+
+class _Round:
+    """One collective call: every rank's contribution, and the combined value the last arrival computes."""
+
+    def __init__(self, size: int) -> None:
+        self.parts: list[Any] = [None] * size
+        self.arrived = 0
+        self.done = threading.Event()
+        self.result: Any = None
+        self.readers = 0
+
+
+class ThreadWorld:
+    """What the N ranks share: the rounds of their collectives and the mailboxes of their swaps."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._lock = threading.Lock()
+        self._rounds: dict[int, _Round] = {}
+        self._mail: defaultdict[tuple[int, int], queue.SimpleQueue] = defaultdict(queue.SimpleQueue)
+        self.engines = [ThreadEngine(self, rank) for rank in range(size)]
+
+    def join(self, sequence: int, rank: int, part: Any, combine: Callable[[list[Any]], Any]) -> "_Round":
+        """Add `rank`'s part to collective number `sequence`; the last rank to arrive combines the parts."""
+        with self._lock:
+            entry = self._rounds.get(sequence)
+            if entry is None:
+                entry = self._rounds[sequence] = _Round(self.size)
+            entry.parts[rank] = part
+            entry.arrived += 1
+            last = entry.arrived == self.size
+        if last:
+            entry.result = combine(entry.parts)
+            entry.done.set()
+        return entry
+
+    def leave(self, sequence: int, entry: "_Round") -> None:
+        with self._lock:
+            entry.readers += 1
+            if entry.readers == self.size:
+                del self._rounds[sequence]
+
+    def mailbox(self, source: int, destination: int) -> queue.SimpleQueue:
+        with self._lock:
+            return self._mail[(source, destination)]
+
+
+class _ThreadPending:
+    def __init__(self, engine: "ThreadEngine", sequence: int, entry: _Round, nbytes: int) -> None:
+        self._engine, self._sequence, self._entry, self._nbytes = engine, sequence, entry, nbytes
+
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
+        return self._engine._finish(self._sequence, self._entry, self._nbytes).copy()
+
+
+class ThreadEngine:
+    """Rank `rank` of a ThreadWorld. Only the world group exists (process sets are not simulated)."""
+
+    name = "threads"
+    world = "world"
+
+    def __init__(self, world: ThreadWorld, rank: int) -> None:
+        self._world, self.rank, self.size = world, rank, world.size
+        self._sequence = 0
+        self._log_size = math.ceil(math.log2(world.size)) if world.size > 1 else 0
+        self.bytes_received = 0
+        self._engine_cpu: dict[int, float] = defaultdict(float)
+
+    def engine_cpu(self, thread_id: int) -> float:
+        """CPU seconds thread `thread_id` spent inside this engine (simulating the transport)."""
+        return self._engine_cpu[thread_id]
+
+    # --------------------------------------------------------------- plumbing
+    def _start(self, part: Any, combine: Callable[[list[Any]], Any]) -> tuple[int, _Round]:
+        sequence, self._sequence = self._sequence, self._sequence + 1
+        return sequence, self._world.join(sequence, self.rank, part, combine)
+
+    def _finish(self, sequence: int, entry: _Round, nbytes: int) -> Any:
+        started = time.thread_time()
+        entry.done.wait()
+        self._world.leave(sequence, entry)
+        self.bytes_received += nbytes
+        self._engine_cpu[threading.get_ident()] += time.thread_time() - started
+        return entry.result
+
+    def _collective(self, part: Any, combine: Callable[[list[Any]], Any], nbytes: int) -> Any:
+        started = time.thread_time()
+        sequence, entry = self._start(part, combine)
+        self._engine_cpu[threading.get_ident()] += time.thread_time() - started
+        return self._finish(sequence, entry, nbytes)
+
+    def _check(self, group: Any) -> None:
+        if group != self.world:
+            raise ValueError("the thread engine simulates the world group only")
+
+    # --------------------------------------------------------------- Engine
+    def new_group(self, ranks: Sequence[int]) -> Any:
+        raise ValueError("the thread engine simulates the world group only; it has no process sets")
+
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any,
+                  send: np.ndarray | None = None) -> None:
+        self._check(group)
+        reduce = _REDUCERS[op]
+        source = buf if send is None else send
+        result = self._collective(source.copy(), lambda parts: _fold(reduce, parts), self._log_size * buf.nbytes)
+        np.copyto(buf, result)
+
+    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
+        self._check(group)
+        recv[...] = self._collective(send.copy(), np.concatenate, recv.nbytes - send.nbytes)
+
+    def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
+        self._check(group)
+        buf[...] = self._collective(buf.copy(), lambda parts: parts[root], buf.nbytes)
+
+    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
+                 recv_counts: Sequence[int], group: Any) -> None:
+        self._check(group)
+        offsets = np.concatenate([[0], np.cumsum(send_counts)])
+        pieces = [send[offsets[r]:offsets[r + 1]].copy() for r in range(self.size)]
+        everyone = self._collective(pieces, lambda parts: parts, recv.nbytes)
+        recv[...] = np.concatenate([everyone[source][self.rank] for source in range(self.size)])
+
+    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str,
+                      op: ReduceOp, group: Any) -> None:
+        self._check(group)
+        total = self._collective(send.copy(), lambda parts: _fold(_REDUCERS[op], parts), recv.nbytes)
+        start = sum(counts[:self.rank])
+        recv[...] = total[start:start + counts[self.rank]]
+
+    def barrier(self, group: Any) -> None:
+        self._check(group)
+        self._collective(None, lambda parts: None, 0)
+
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any) -> None:
+        self._check(group)
+        started = time.thread_time()
+        self._world.mailbox(self.rank, peer).put(send.copy())
+        received = self._world.mailbox(peer, self.rank).get()
+        recv[...] = received
+        self.bytes_received += received.nbytes
+        self._engine_cpu[threading.get_ident()] += time.thread_time() - started
+
+    def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
+        self._check(group)
+        everyone = self._collective(data, list, 0)
+        self.bytes_received += sum(map(len, everyone)) - len(data)
+        return everyone
+
+    def start_bitwise_and(self, words: np.ndarray, group: Any) -> _ThreadPending | Done:
+        self._check(group)
+        if self.size == 1:
+            return Done(words.copy())
+        started = time.thread_time()
+        sequence, entry = self._start(words.copy(), lambda parts: _fold(np.bitwise_and, parts))
+        self._engine_cpu[threading.get_ident()] += time.thread_time() - started
+        return _ThreadPending(self, sequence, entry, self._log_size * words.nbytes)
+
+    def shutdown(self) -> None:
+        return None
+
+
+def _fold(reduce: Callable[[np.ndarray, np.ndarray], np.ndarray], parts: list[np.ndarray]) -> np.ndarray:
+    result = parts[0].copy()
+    for part in parts[1:]:
+        reduce(result, part, out=result)
+    return result
