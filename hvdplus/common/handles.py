@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["Handle"]
+__all__ = ["Handle", "Completion"]
 
 
 class Handle:
@@ -49,3 +49,40 @@ class Handle:
         if not self._done:  # the first completion wins (a failing job may report an error twice)
             self._done = True
             self._pending.release()
+
+
+class Completion:
+    """What an adapter's asynchronous call returns, and the only handle adapters and optimizers hold: the core
+    handles of its collectives, and how to turn their results into the user's (a tensor, a group's list).
+
+    `result()` waits once and remembers, so a group shared by several gradients is finished once; Horovod's
+    one-shot `synchronize(handle)` is the adapter's rule on top (`synchronized`)."""
+
+    __slots__ = ("_handles", "_finish", "_result", "_finished", "synchronized")
+
+    def __init__(self, handles: list[Handle], finish: Callable[[list[Any]], Any]) -> None:
+        self._handles, self._finish = handles, finish
+        self._result: Any = None
+        self._finished = False
+        self.synchronized = False
+
+    @property
+    def collectives(self) -> int:
+        """How many core requests it waits on (a packed group is one)."""
+        return len(self._handles)
+
+    def done(self) -> bool:
+        """True once every collective behind it finished; never blocks."""
+        return all(handle.done() for handle in self._handles)
+
+    def result(self) -> Any:
+        """Wait for the collectives, then return the finished result (the same object on every call)."""
+        if not self._finished:
+            self._result = self._finish([handle.wait() for handle in self._handles])
+            self._finished = True
+        return self._result
+
+    def then(self, step: Callable[[Any], Any]) -> "Completion":
+        """The same collectives, with `step` applied to the finished result."""
+        finish = self._finish
+        return Completion(self._handles, lambda results: step(finish(results)))

@@ -13,7 +13,6 @@ import torch
 from hvdplus.common.ops import Adasum
 from hvdplus.torch._optimizer import _DistributedOptimizer
 from hvdplus.torch.mpi_ops import allreduce_async_
-from hvdplus.torch.mpi_ops import synchronize as _synchronize_handle
 
 __all__: list[str] = []
 
@@ -60,7 +59,7 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
                     self._handles[p] = self._allreduce_grad_async(p)
             for p, (handle, ctx) in self._handles.items():
                 start = self._starting_models[p]
-                start.add_(self._compression.decompress(_synchronize_handle(handle), ctx))
+                start.add_(self._compression.decompress(handle.result(), ctx))
                 with torch.no_grad():
                     p.copy_(start)
         finally:

@@ -17,7 +17,6 @@ from hvdplus.torch.compression import Compressor
 from hvdplus.common.fusion import ALONE_BYTES
 from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
-from hvdplus.torch.mpi_ops import synchronize as _synchronize_handle
 from hvdplus.torch.sparse import sparse_allreduce_async
 
 __all__ = ["AllreduceInFlightError"]
@@ -35,25 +34,14 @@ class AllreduceInFlightError(RuntimeError, AssertionError):
     so code written against either keeps working."""
 
 
-class _GroupResult:
-    """One grouped allreduce shared by the parameters of a group; synchronized once, on first use."""
-
-    def __init__(self, handle: int) -> None:
-        self._handle, self._outputs = handle, None
-
-    def output(self, index: int) -> torch.Tensor:
-        if self._outputs is None:
-            self._outputs = _synchronize_handle(self._handle)
-        return self._outputs[index]
-
-
 class _DistributedOptimizer(torch.optim.Optimizer):
     """Methods copied into the dynamic subclass of the user's optimizer class; never instantiated itself.
 
     `_hvd_base` (the user's class) and `_hvd_defaults` (its instance's defaults) are set per dynamic class.
     Base methods are called through `self._hvd_base`, never `super(self.__class__, ...)`, so subclassing
-    the wrapped class cannot make them recurse. `_handles[p]` is (handle, compression context): an int
-    handle, a (_GroupResult, index) pair, or None while the parameter waits for more passes or its group."""
+    the wrapped class cannot make them recurse. `_handles[p]` is (handle, compression context): the
+    Completion of its allreduce, a (group's Completion, index) pair, or None while the parameter waits for more
+    passes or its group."""
 
     _hvd_base: type
     _hvd_defaults: dict[str, Any]
@@ -159,9 +147,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         compressed, contexts = zip(*(self._compression.compress(g) for g in gradients))
         prescale, postscale = self._scales()
-        result = _GroupResult(grouped_allreduce_async_(list(compressed), name=self._parameter_names[dense[0]],
-                                                       op=self.op, prescale_factor=prescale,
-                                                       postscale_factor=postscale, process_set=self.process_set))
+        result = grouped_allreduce_async_(list(compressed), name=self._parameter_names[dense[0]], op=self.op,
+                                          prescale_factor=prescale, postscale_factor=postscale,
+                                          process_set=self.process_set)
         for index, (p, ctx) in enumerate(zip(dense, contexts)):
             self._handles[p] = ((result, index), ctx)
 
@@ -187,7 +175,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         try:
             self._start_missing()
             for p, (handle, ctx) in self._handles.items():
-                output = handle[0].output(handle[1]) if isinstance(handle, tuple) else _synchronize_handle(handle)
+                output = handle[0].result()[handle[1]] if isinstance(handle, tuple) else handle.result()
                 result = self._compression.decompress(output, ctx)
                 if p.grad.is_sparse:  # a sparse optimizer (SparseAdam) needs a sparse gradient back
                     p.grad = result if result.is_sparse else result.to_sparse()

@@ -6,8 +6,6 @@ CUDA tensors are staged through host memory.
 
 from __future__ import annotations
 
-import itertools
-import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -15,7 +13,7 @@ import torch
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, rank
-from hvdplus.common.handles import Handle
+from hvdplus.common.handles import Completion, Handle
 from hvdplus.common.naming import member_names
 from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
 from hvdplus.torch.compression import Compression, Compressor
@@ -31,9 +29,6 @@ _DTYPE_NAMES = {torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", 
                 torch.int64: "int64", torch.float16: "float16", torch.bfloat16: "bfloat16",
                 torch.float32: "float32", torch.float64: "float64", torch.bool: "bool"}
 
-_handles: dict[int, tuple[list[Handle], Callable[[list[Any]], Any]]] = {}
-_handle_ids = itertools.count(1)
-_handle_lock = threading.Lock()
 _CPU = torch.device("cpu")
 
 
@@ -81,31 +76,22 @@ def _tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torc
     return tensor if device.type == "cpu" else tensor.to(device)
 
 
-def _register(handles: list[Handle], finish: Callable[[list[Any]], Any]) -> int:
-    with _handle_lock:
-        handle = next(_handle_ids)
-        _handles[handle] = (handles, finish)
-    return handle
-
-
-def poll(handle: int) -> bool:
+def poll(handle: Completion) -> bool:
     """True if the asynchronous operation behind `handle` has finished; never blocks."""
-    return all(h.done() for h in _lookup(handle)[0])
+    return _check(handle).done()
 
 
-def synchronize(handle: int) -> Any:
-    """Wait for the asynchronous operation behind `handle` and return its output."""
-    handles, finish = _lookup(handle)
-    with _handle_lock:
-        _handles.pop(handle, None)
-    return finish([h.wait() for h in handles])
+def synchronize(handle: Completion) -> Any:
+    """Wait for the asynchronous operation behind `handle` and return its output (once: as in Horovod, a
+    handle is released by its synchronize)."""
+    _check(handle).synchronized = True
+    return handle.result()
 
 
-def _lookup(handle: int) -> tuple[list[Handle], Callable[[list[Any]], Any]]:
-    try:
-        return _handles[handle]
-    except KeyError:
-        raise ValueError(f"handle {handle!r} is unknown or was already synchronized") from None
+def _check(handle: Any) -> Completion:
+    if not isinstance(handle, Completion) or handle.synchronized:
+        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
+    return handle
 
 
 # ----------------------------------------------------------------------------- allreduce
@@ -160,30 +146,35 @@ def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, i
 
 def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | None,
                              name: str | None, op: ReduceOp | None, prescale_factor: float,
-                             postscale_factor: float, process_set: ProcessSet) -> int:
+                             postscale_factor: float, process_set: ProcessSet) -> Completion:
     op = core.resolve_op(average, op)
     tensors = list(tensors)
     if _packable(tensors, op):
         handle, result = _start_packed_allreduce(tensors, name, inplace, op, prescale_factor, postscale_factor,
                                                  process_set)
-        return _register([handle], lambda _: result())
+        return Completion([handle], lambda _: result())
     started = [_start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set)
                for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))]
-    return _register([handle for handle, _ in started], lambda _: [result() for _, result in started])
+    return Completion([handle for handle, _ in started], lambda _: [result() for _, result in started])
+
+
+def _first(results: list[Any]) -> Any:
+    """The result of a one-tensor call that went the grouped path."""
+    return results[0]
 
 
 def _allreduce_async(tensor: torch.Tensor, inplace: bool, average: bool | None, name: str | None,
                      op: ReduceOp | None, prescale_factor: float, postscale_factor: float,
-                     process_set: ProcessSet) -> int:
+                     process_set: ProcessSet) -> Completion:
     """One tensor: the grouped path without its lists (this runs once per gradient per step)."""
     handle, result = _start_allreduce(tensor, name, inplace, core.resolve_op(average, op), prescale_factor,
                                       postscale_factor, process_set)
-    return _register([handle], lambda _: result())
+    return Completion([handle], lambda _: result())
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                             op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> int:
+                            process_set: ProcessSet = global_process_set) -> Completion:
     """Start allreduces of several tensors; `synchronize` returns the list of results.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -193,7 +184,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
                              op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> int:
+                             postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Completion:
     """In-place `grouped_allreduce_async`: the inputs receive the results."""
     return _grouped_allreduce_async(tensors, True, average, name, op, prescale_factor, postscale_factor,
                                     process_set)
@@ -201,7 +192,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> int:
+                    process_set: ProcessSet = global_process_set) -> Completion:
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new tensor with the result.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -210,16 +201,9 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> int:
+                     process_set: ProcessSet = global_process_set) -> Completion:
     """In-place `allreduce_async`: `tensor` itself receives the result."""
     return _allreduce_async(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
-
-
-def _single(handle: int) -> int:
-    """Turn a one-element grouped handle into one that returns the element."""
-    handles, finish = _handles[handle]
-    _handles[handle] = (handles, lambda results: finish(results)[0])
-    return handle
 
 
 class HorovodAllreduce(torch.autograd.Function):
@@ -298,19 +282,19 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 
 # ----------------------------------------------------------------------------- allgather
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> int:
+                            process_set: ProcessSet = global_process_set) -> Completion:
     """Start allgathers of several tensors; `synchronize` returns the list of results."""
     handles = [core.submit_allgather(_numpy(_host(t)), _dtype_name(t), n, process_set, str(t.device))
                for t, n in zip(tensors, member_names(name, len(tensors)))]
-    return _register(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+    return Completion(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+                    process_set: ProcessSet = global_process_set) -> Completion:
     """Start concatenating every rank's `tensor` along dimension 0 (first dimensions may differ).
 
     Collective: every rank in the process set must call this, in the same order."""
-    return _single(grouped_allgather_async([tensor], name, process_set))
+    return grouped_allgather_async([tensor], name, process_set).then(_first)
 
 
 class HorovodAllgather(torch.autograd.Function):
@@ -345,7 +329,7 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 
 # ----------------------------------------------------------------------------- broadcast
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
-                     inplace: bool) -> int:
+                     inplace: bool) -> Completion:
     output, in_array, out_array = _buffers(tensor, inplace)
     handle = core.submit_broadcast(in_array, out_array, _dtype_name(tensor), root_rank, name,
                                    process_set, str(tensor.device))
@@ -357,11 +341,11 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, pro
             tensor.data.copy_(output)
         return tensor
 
-    return _register([handle], finish)
+    return Completion([handle], finish)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> int:
+                    process_set: ProcessSet = global_process_set) -> Completion:
     """Start copying root's `tensor` to every rank; `synchronize` returns a new tensor.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -369,7 +353,7 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> int:
+                     process_set: ProcessSet = global_process_set) -> Completion:
     """In-place `broadcast_async`: `tensor` itself receives root's values."""
     return _broadcast_async(tensor, root_rank, name, process_set, inplace=True)
 
@@ -407,7 +391,7 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 # ----------------------------------------------------------------------------- alltoall
 def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
-                   name: str | None = None, process_set: ProcessSet = global_process_set) -> int:
+                   name: str | None = None, process_set: ProcessSet = global_process_set) -> Completion:
     """Start an alltoall: rows splits[r] go to rank r (even split without `splits`).
     `synchronize` returns (output, received_splits).
 
@@ -416,7 +400,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | 
         splits = splits.tolist()
     handle = core.submit_alltoall(_numpy(_host(tensor)), _dtype_name(tensor), splits, name, process_set,
                                   str(tensor.device))
-    return _register([handle], lambda results: (_tensor(results[0][0], tensor.dtype, tensor.device),
+    return Completion([handle], lambda results: (_tensor(results[0][0], tensor.dtype, tensor.device),
                                                 torch.from_numpy(results[0][1])))
 
 
@@ -450,21 +434,21 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
 # ----------------------------------------------------------------------------- reducescatter
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Completion:
     """Start reduce-scatters of several tensors; `synchronize` returns the list of this rank's shards."""
     handles = [core.submit_reducescatter(_numpy(_host(t)), _dtype_name(t), n, core.resolve_op(None, op),
                                          prescale_factor, postscale_factor, process_set, str(t.device))
                for t, n in zip(tensors, member_names(name, len(tensors)))]
-    return _register(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+    return Completion(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE,
                         process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> int:
+                        postscale_factor: float = 1.0) -> Completion:
     """Start a reduce-scatter: rank r receives its rows of the reduction (Horovod's uneven split).
 
     Collective: every rank in the process set must call this, in the same order."""
-    return _single(grouped_reducescatter_async([tensor], name, op, process_set, prescale_factor, postscale_factor))
+    return grouped_reducescatter_async([tensor], name, op, process_set, prescale_factor, postscale_factor).then(_first)
 
 
 class HorovodReducescatter(torch.autograd.Function):

@@ -9,13 +9,16 @@ import torch
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.ops import ReduceOp
-from hvdplus.torch.mpi_ops import _dtype_name, _host, _numpy, _register, _tensor, synchronize
+from hvdplus.common.handles import Completion
+from hvdplus.torch.mpi_ops import _dtype_name, _host, _numpy, _tensor, synchronize
 
 __all__ = ["sparse_allreduce_async"]
 
 
-class SparseHandle(int):
+class SparseHandle(Completion):
     """A handle for `hvd.synchronize`, also callable as Horovod's sparse handle is (`handle()`)."""
+
+    __slots__ = ()
 
     def __call__(self) -> torch.Tensor:
         return synchronize(self)
@@ -49,4 +52,4 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp,
         summed = torch.sparse_coo_tensor(all_indices, all_values, tensor.shape, check_invariants=True).coalesce()
         return summed.to(tensor.device)
 
-    return SparseHandle(_register(handles, finish))
+    return SparseHandle(handles, finish)

@@ -230,7 +230,7 @@ def test_gradients_travel_in_packed_buckets(hvd):
     bucket, started once backward has produced all of its gradients, as one core request. With
     HVDPLUS_BUCKET_BYTES=0 (tests/parallel/test_jobs.py runs this file so) each gradient goes on its own."""
     from hvdplus.common.basics import runtime
-    from hvdplus.torch.mpi_ops import _handles
+    from hvdplus.common.handles import Completion
 
     model = make_model()
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
@@ -239,9 +239,10 @@ def test_gradients_travel_in_packed_buckets(hvd):
     model(torch.randn(3, 4)).sum().backward()
     if runtime().settings.bucket_bytes == 0:
         assert optimizer._p_to_group == {}
-        assert all(isinstance(handle, int) for handle, _ in optimizer._handles.values())
+        assert all(isinstance(handle, Completion) and handle.collectives == 1
+                   for handle, _ in optimizer._handles.values())
     else:
         assert set(optimizer._p_to_group) == set(params) and len(set(optimizer._p_to_group.values())) == 1
         [result] = {id(handle[0]): handle[0] for handle, _ in optimizer._handles.values()}.values()
-        assert len(_handles[result._handle][0]) == 1  # one request for the whole bucket
+        assert result.collectives == 1  # one request for the whole bucket
     optimizer.step()
