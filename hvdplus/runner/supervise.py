@@ -94,14 +94,34 @@ class RankFiles:
 
 def _pump(stream: IO[bytes], console: IO[bytes], prefix: bytes, sink: Callable[[bytes], None] | None,
           tail: collections.deque) -> None:
+    """Relay a child's lines to the console (and its file) until it closes the stream. If the console's reader
+    goes away (`| head`, a full disk under `| tee`), the lines still go to the files and the tail, and the pump
+    keeps draining: a rank blocked on a full pipe would stall the job in its next collective."""
     for line in iter(stream.readline, b""):
         tail.append(line.decode(errors="replace").rstrip())
         if sink:
             sink(line)
         with _console_lock:
-            console.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
-            console.flush()
+            try:
+                console.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+                console.flush()
+            except OSError:
+                _discard(console)
     stream.close()
+
+
+def _discard(console: IO[bytes]) -> None:
+    """Point a console whose reader is gone at /dev/null, for every writer of it (our messages, and Python's
+    flush at exit, which would otherwise fail with BrokenPipeError)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, console.fileno())
+    finally:
+        os.close(devnull)
+    try:
+        console.flush()
+    except OSError:  # what was buffered for the old reader is lost with it
+        pass
 
 
 class Supervisor:
@@ -203,5 +223,8 @@ class Supervisor:
     @staticmethod
     def _say(message: str) -> None:
         with _console_lock:
-            sys.stderr.write(message + "\n")
-            sys.stderr.flush()
+            try:
+                sys.stderr.write(message + "\n")
+                sys.stderr.flush()
+            except OSError:
+                _discard(sys.stderr)

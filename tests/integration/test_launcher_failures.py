@@ -88,3 +88,15 @@ def test_more_ranks_than_slots_is_refused():
     done = run([HVDPLUSRUN, "-np", "5", "-H", "localhost:2", PY, "-c", "pass"])
     assert done.returncode == 2
     assert "-np 5 is more than the 2 slot(s) available (localhost:2)" in done.output
+
+
+@pytest.mark.parametrize("engine", ["--gloo", "--mpi"])
+def test_a_reader_that_goes_away_leaves_the_job_running_to_its_end(engine):
+    """`hvdplusrun ... | head -2`: head exits after two lines while the ranks print thousands; the launcher keeps
+    draining their output (to nowhere), so no rank blocks on a full pipe, and the job ends with status 0."""
+    pipeline = (f"{HVDPLUSRUN} -np 2 {engine} {PY} {MISBEHAVE} spam | head -2; "
+                f"echo \"hvdplusrun status ${{PIPESTATUS[0]}}\"")
+    done = run(["bash", "-c", pipeline], timeout=90)
+    assert "hvdplusrun status 0" in done.output, done.output
+    assert "BrokenPipeError" not in done.output and "Traceback" not in done.output, done.output
+    print(f"\n{engine}: the job ended {done.seconds:.1f} s after it started")

@@ -1,4 +1,5 @@
-"""A job where rank 1 misbehaves after init: `raise` raises, `kill` SIGKILLs itself, `sleep` never ends.
+"""A job where rank 1 misbehaves after init: `raise` raises, `kill` SIGKILLs itself, `sleep` never ends; with
+`spam`, nobody fails: every rank prints 200 lines (40 KB) a step for 100 allreduces, then 'finished <rank>'.
 
 Every rank prints 'pid <rank> <pid>'; rank 1 prints 'failing at <time.time()>' right before it fails."""
 
@@ -7,10 +8,18 @@ import signal
 import sys
 import time
 
+import torch
+
 import hvdplus.torch as hvd
 
 hvd.init()
 print(f"pid {hvd.rank()} {os.getpid()}", flush=True)
+if sys.argv[1] == "spam":  # enough output to fill any pipe nobody reads
+    for _ in range(100):  # the same number of allreduces on every rank
+        print(f"rank {hvd.rank()} step {'x' * 200}\n" * 200, end="", flush=True)
+        hvd.allreduce(torch.ones(1), name="step")
+    print(f"finished {hvd.rank()}", flush=True)
+    sys.exit(0)
 if hvd.rank() == 1 and sys.argv[1] != "sleep":
     time.sleep(0.5)
     print(f"failing at {time.time()}", flush=True)
