@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install hvdplus with PyTorch (CPU), TensorFlow (CPU), mpi4py and the Open MPI wheel: no compiler, no system MPI.
+# Create .venv and install hvdplus with PyTorch (CPU), TensorFlow (CPU), mpi4py and the Open MPI wheel (no compiler, no system MPI), and matplotlib for the benchmark plots.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -9,5 +9,5 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # torch first, pinned, so pip takes the CPU build instead of resolving a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==${HVDPLUS_TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[torch,tensorflow,mpi,dev,examples]"
+.venv/bin/python -m pip install -q -e ".[torch,tensorflow,mpi,dev,examples,bench]"
 echo "hvdplus installed in $(pwd)/.venv"
