@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import re
 import signal
@@ -124,6 +125,20 @@ def _discard(console: IO[bytes]) -> None:
         pass
 
 
+def _end_with_parent() -> Callable[[], None] | None:
+    """A preexec function asking Linux to SIGTERM the child when its parent dies (PR_SET_PDEATHSIG); None
+    where there is no prctl (the lifeline covers agents there, not a bare mpirun)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+
+    def set_death_signal() -> None:
+        libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0)
+
+    return set_death_signal
+
+
 class Supervisor:
     """Starts children, relays their output, and ends the job at the first failure or signal."""
 
@@ -134,9 +149,12 @@ class Supervisor:
 
     def start(self, label: str, argv: Sequence[str], rank: int | None = None, payload: bytes | None = None,
               env: dict[str, str] | None = None) -> Process:
-        """Start `argv` in its own session; with `payload`, its stdin gets it and stays open as a lifeline."""
+        """Start `argv` in its own session; with `payload`, its stdin gets it and stays open as a lifeline (the
+        agent ends its rank when it closes). Without one (mpirun), the kernel sends the child SIGTERM if this
+        process dies, even by SIGKILL, and mpirun then ends its ranks."""
         proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if payload else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
+                                preexec_fn=None if payload else _end_with_parent())
         process = Process(label, proc, lifeline=payload is not None)
         if payload:
             proc.stdin.write(payload)

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -63,6 +64,44 @@ def test_ctrl_c_stops_every_worker():
     assert "got SIGINT; stopping all 3 running worker(s)" in output
     time.sleep(0.2)
     assert not [p for p in _pids(output) if alive(p)], "workers left running after Ctrl-C"
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, by walking /proc's children lists."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += children
+            todo += children
+    return found
+
+
+@pytest.mark.parametrize("engine", ["--gloo", "--mpi"])
+def test_sigkill_of_the_launcher_leaves_no_process_behind(engine):
+    """kill -9 hvdplusrun: its agents (Gloo) or mpirun and its daemon (MPI) end every rank; the check covers
+    the launcher's whole process tree, taken by pid before the kill."""
+    proc = subprocess.Popen([HVDPLUSRUN, "-np", "2", engine, PY, MISBEHAVE, "sleep"], cwd=ROOT, env=job_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    while len(_pids("".join(lines))) < 2:
+        line = proc.stdout.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    tree = _descendants(proc.pid)
+    assert set(_pids("".join(lines))) <= set(tree), (tree, lines)
+    proc.kill()
+    proc.wait()
+    start = time.monotonic()
+    while [p for p in tree if alive(p)] and time.monotonic() - start < 20:
+        time.sleep(0.1)
+    left = [p for p in tree if alive(p)]
+    print(f"\n{engine}: {len(tree)} processes gone {time.monotonic() - start:.2f} s after kill -9 of hvdplusrun")
+    assert not left, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in left]
 
 
 def test_unreachable_host_is_named():
