@@ -12,16 +12,12 @@ from hvdplus.runner.hosts import is_local
 from hvdplus.runner.env import exportable
 from hvdplus.runner.job import JobSpec
 from hvdplus.common.rendezvous import RendezvousServer, new_secret
-from hvdplus.runner.ssh import check_reachable
+from hvdplus.runner.preflight import LaunchError, preflight
 from hvdplus.runner.supervise import Supervisor
 
-__all__ = ["rendezvous_addresses", "run_gloo", "LaunchError"]
+__all__ = ["rendezvous_addresses", "run_gloo"]
 
 AGENT = os.path.abspath(agent.__file__)
-
-
-class LaunchError(RuntimeError):
-    """The job could not start (unreachable host, no route, bad interface); nothing is left running."""
 
 
 def rendezvous_addresses(hostnames: list[str], nics: list[str]) -> dict[str, str]:
@@ -64,11 +60,8 @@ def run_gloo(spec: JobSpec, prepare: Callable[[RendezvousServer], None] | None =
     """Run the job; return the exit code and the (closed) rendezvous server, whose store holds what ranks left.
 
     `prepare(server)` may put values in the store before the first rank starts."""
+    preflight(spec)
     hostnames = [h.name for h in spec.hosts]
-    problems = check_reachable([h for h in hostnames if not is_local(h)], spec.ssh)
-    if problems:
-        raise LaunchError("; ".join(problems) + ". Check the host names, --ssh-port and --ssh-identity-file "
-                          "(hvdplusrun needs password-less ssh to every remote host)")
     addresses = rendezvous_addresses(hostnames, spec.nics)
     secret = new_secret()
     server = RendezvousServer(addresses.values(), secret)

@@ -8,9 +8,10 @@ from typing import Callable, Sequence
 
 from hvdplus.runner.args import parse_args
 from hvdplus.runner.check_build import check_build
-from hvdplus.runner.gloo_run import LaunchError, run_gloo
+from hvdplus.runner.gloo_run import run_gloo
 from hvdplus.runner.job import JobSpec, job_from_args
 from hvdplus.runner.mpi_run import run_mpi
+from hvdplus.runner.preflight import LaunchError
 from hvdplus.common.rendezvous import RendezvousServer
 
 __all__ = ["main", "run_job"]

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hvdplus.runner.env import exportable
+from hvdplus.runner.preflight import preflight
 from hvdplus.runner.supervise import Supervisor
 
 if TYPE_CHECKING:
@@ -112,7 +113,9 @@ def mpirun_command(mpirun: str, flavor: str, spec: "JobSpec", exported: list[str
 
 
 def run_mpi(spec: "JobSpec") -> int:
-    """Run the job under mpirun; mpirun itself ends the job when a rank fails."""
+    """Run the job under mpirun (after the checks both modes make); mpirun itself ends the job when a rank
+    fails."""
+    preflight(spec)
     mpirun = find_mpirun()
     if mpirun is None:
         raise ValueError("no mpirun found: pip install 'hvdplus[mpi]' or use --gloo")

@@ -104,14 +104,33 @@ def test_sigkill_of_the_launcher_leaves_no_process_behind(engine):
     assert not left, [Path(f"/proc/{p}/cmdline").read_text().replace("\0", " ") for p in left]
 
 
-def test_unreachable_host_is_named():
+@pytest.mark.parametrize("engine", ["--gloo", "--mpi"])
+def test_unreachable_host_is_named(engine):
     # 127.0.0.2 is this machine but not "local" to the launcher: ssh to a closed port is refused at once.
     with socket.socket() as sock:
         sock.bind(("127.0.0.2", 0))
         closed_port = sock.getsockname()[1]
-    done = run([HVDPLUSRUN, "-np", "1", "--gloo", "-H", "127.0.0.2:1", "-p", str(closed_port), PY, "-c", "pass"])
-    assert done.returncode == 1
+    done = run([HVDPLUSRUN, "-np", "1", engine, "-H", "127.0.0.2:1", "-p", str(closed_port), PY, "-c", "pass"])
+    assert done.returncode == 1, done.output
     assert "cannot reach 127.0.0.2 over ssh" in done.output
+    assert done.seconds < PROMPT
+
+
+@pytest.mark.parametrize("engine", ["--gloo", "--mpi"])
+@pytest.mark.parametrize("problem,argv,words", [
+    ("host that does not resolve", ["-H", "unreachable-host-xyz:1", PY, "-c", "pass"],
+     "cannot reach unreachable-host-xyz over ssh"),
+    ("bad interface", ["--network-interfaces", "nosuchnic0", PY, "-c", "pass"],
+     "--network-interfaces: this machine has no interface 'nosuchnic0'"),
+    ("missing program", ["no-such-program-xyz"], "cannot run 'no-such-program-xyz': no such executable file"),
+    ("missing script", [PY, "no_such_script.py"], "cannot run 'no_such_script.py': no such Python script"),
+])
+def test_bad_hosts_interfaces_and_programs_fail_before_anything_starts(engine, problem, argv, words):
+    """The same one line and exit status 1 in both modes (mpirun gave 255, 213 and 183 with its own text)."""
+    done = run([HVDPLUSRUN, "-np", "1", engine, *argv])
+    assert done.returncode == 1, done.output
+    assert words in done.output, done.output
+    assert len(done.output.strip().splitlines()) == 1, done.output
     assert done.seconds < PROMPT
 
 
