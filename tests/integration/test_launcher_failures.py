@@ -48,14 +48,20 @@ def test_failed_worker_under_mpi_ends_the_job():
     assert _seconds_after_failure(done.output, time.time()) < PROMPT, done.output
 
 
-def test_ctrl_c_stops_every_worker():
-    proc = subprocess.Popen([HVDPLUSRUN, "-np", "3", "--gloo", PY, MISBEHAVE, "sleep"], cwd=ROOT, env=job_env(),
+def _sleeping_job(np: int, engine: str) -> tuple[subprocess.Popen, list[str]]:
+    """hvdplusrun running `np` ranks that sleep, once every rank printed its pid; (process, lines so far)."""
+    proc = subprocess.Popen([HVDPLUSRUN, "-np", str(np), engine, PY, MISBEHAVE, "sleep"], cwd=ROOT, env=job_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
-    while len(_pids("".join(lines))) < 3:
+    while len(_pids("".join(lines))) < np:
         line = proc.stdout.readline()
         assert line, "".join(lines)
         lines.append(line)
+    return proc, lines
+
+
+def test_ctrl_c_stops_every_worker():
+    proc, lines = _sleeping_job(3, "--gloo")
     proc.send_signal(signal.SIGINT)
     start = time.monotonic()
     output = "".join(lines) + proc.communicate(timeout=30)[0]
@@ -85,13 +91,7 @@ def _descendants(pid: int) -> list[int]:
 def test_sigkill_of_the_launcher_leaves_no_process_behind(engine):
     """kill -9 hvdplusrun: its agents (Gloo) or mpirun and its daemon (MPI) end every rank; the check covers
     the launcher's whole process tree, taken by pid before the kill."""
-    proc = subprocess.Popen([HVDPLUSRUN, "-np", "2", engine, PY, MISBEHAVE, "sleep"], cwd=ROOT, env=job_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    while len(_pids("".join(lines))) < 2:
-        line = proc.stdout.readline()
-        assert line, "".join(lines)
-        lines.append(line)
+    proc, lines = _sleeping_job(2, engine)
     tree = _descendants(proc.pid)
     assert set(_pids("".join(lines))) <= set(tree), (tree, lines)
     proc.kill()
