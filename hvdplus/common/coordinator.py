@@ -375,9 +375,22 @@ class Coordinator:
             reason = ("a collective stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
                       f"{self._settings.stall_shutdown_time_seconds:g}")
         else:
-            reason = "hvdplus was shut down on one or more ranks"
+            reason = f"hvdplus was shut down on {self._shutdown_ranks()}"
         self._fatal = HorovodInternalError(reason)
         self._fail_everything(HorovodInternalError(f"{reason}; the collective cannot complete"))
+
+    def _shutdown_ranks(self) -> str:
+        """'rank 1' (or 'ranks [0, 2]'): who asked to shut down, so that a peer's error names the rank that
+        failed first rather than only its consequence. Every rank saw the same round and is here with it, so
+        the allgather is matched on all of them."""
+        try:
+            asked = self._engine.allgather_bytes(b"1" if self._shutdown_requested else b"", self._engine.world)
+        except Exception as exc:  # a peer is already gone: say what we know
+            log.debug("could not learn which ranks shut down: %s", exc)
+            return "one or more ranks"
+        ranks = [rank for rank, flag in enumerate(asked) if flag]
+        named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+        return named + (" (this rank)" if ranks == [self.rank] else "")
 
     def _fail_everything(self, error: BaseException) -> None:
         list(self._queued())  # move queued work into _inflight so it fails too

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Callable, Sequence
 
+from hvdplus.runner.blame import Blame
+
 __all__ = ["Supervisor", "Process", "RankFiles", "describe_exit"]
 
 POLL_SECONDS = 0.05
@@ -41,8 +43,21 @@ class Process:
     label: str
     proc: subprocess.Popen
     lifeline: bool
+    rank: int | None = None  # None for mpirun, which runs them all
     pumps: list[threading.Thread] = field(default_factory=list)
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=5))
+    exited: threading.Event = field(default_factory=threading.Event)
+    exited_at: float = 0.0
+
+    def watch_exit(self) -> None:
+        """Record when the process ends (a thread blocks in its wait, so exits are ordered by time, not by
+        the supervisor's polling order)."""
+        def wait() -> None:
+            self.proc.wait()
+            self.exited_at = time.monotonic()
+            self.exited.set()
+
+        threading.Thread(target=wait, name=f"hvdplusrun-{self.label}-wait", daemon=True).start()
 
     def stop(self) -> None:
         """Ask it to end: close its lifeline (agents) or SIGTERM it (mpirun)."""
@@ -51,7 +66,7 @@ class Process:
                 self.proc.stdin.close()
             except OSError:
                 pass
-        elif self.proc.poll() is None:
+        elif not self.exited.is_set():
             self.proc.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
@@ -62,6 +77,14 @@ class Process:
 
 
 _MPI_TAG = re.compile(rb"^\[(?:\d+,)?(\d+)\](?:<(stdout|stderr)>)?:? ?")
+
+
+def split_tag(stream: str, line: bytes) -> tuple[int, str, bytes] | None:
+    """(rank, stream, text) of a line of mpirun's tagged output ('[1,3]<stdout>: ...' or MPICH's '[3] ...')."""
+    match = _MPI_TAG.match(line)
+    if not match:
+        return None
+    return int(match.group(1)), (match.group(2) or stream.encode()).decode(), line[match.end():]
 
 
 class RankFiles:
@@ -81,27 +104,20 @@ class RankFiles:
             self._files[rank, stream].write(line)
             self._files[rank, stream].flush()
 
-    def write_tagged(self, stream: str, line: bytes) -> None:
-        """A line of mpirun's tagged output ('[1,3]<stdout>: ...' or MPICH's '[3] ...')."""
-        match = _MPI_TAG.match(line)
-        if match:
-            self.write(int(match.group(1)), (match.group(2) or stream.encode()).decode(), line[match.end():])
-
     def close(self) -> None:
         with self._lock:
             for file in self._files.values():
                 file.close()
 
 
-def _pump(stream: IO[bytes], console: IO[bytes], prefix: bytes, sink: Callable[[bytes], None] | None,
+def _pump(stream: IO[bytes], console: IO[bytes], prefix: bytes, sink: Callable[[bytes], None],
           tail: collections.deque) -> None:
     """Relay a child's lines to the console (and its file) until it closes the stream. If the console's reader
     goes away (`| head`, a full disk under `| tee`), the lines still go to the files and the tail, and the pump
     keeps draining: a rank blocked on a full pipe would stall the job in its next collective."""
     for line in iter(stream.readline, b""):
         tail.append(line.decode(errors="replace").rstrip())
-        if sink:
-            sink(line)
+        sink(line)
         with _console_lock:
             try:
                 console.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
@@ -139,11 +155,16 @@ def _end_with_parent() -> Callable[[], None] | None:
     return set_death_signal
 
 
+def _ranks_text(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
 class Supervisor:
     """Starts children, relays their output, and ends the job at the first failure or signal."""
 
     def __init__(self, output_dir: str | None = None) -> None:
         self.files = RankFiles(output_dir) if output_dir else None
+        self.blame = Blame()
         self.processes: list[Process] = []
         self._signal: int | None = None
 
@@ -155,7 +176,8 @@ class Supervisor:
         proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if payload else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
                                 preexec_fn=None if payload else _end_with_parent())
-        process = Process(label, proc, lifeline=payload is not None)
+        process = Process(label, proc, lifeline=payload is not None, rank=rank)
+        process.watch_exit()
         if payload:
             proc.stdin.write(payload)
             proc.stdin.flush()
@@ -169,14 +191,21 @@ class Supervisor:
         self.processes.append(process)
         return process
 
-    def _sink(self, rank: int | None, stream: str) -> Callable[[bytes], None] | None:
-        """Where a child's lines go besides the console: its rank's file, or split by mpirun's rank tags."""
-        files = self.files
-        if files is None:
-            return None
-        if rank is None:
-            return lambda line: files.write_tagged(stream, line)
-        return lambda line: files.write(rank, stream, line)
+    def _sink(self, rank: int | None, stream: str) -> Callable[[bytes], None]:
+        """Where a child's lines go besides the console: its rank's file (mpirun's lines split by their rank
+        tags), and the blame log for stderr."""
+        files, blame = self.files, self.blame
+
+        def sink(line: bytes) -> None:
+            tagged = (rank, stream, line) if rank is not None else split_tag(stream, line)
+            if tagged is None:
+                return
+            if files is not None:
+                files.write(*tagged)
+            if tagged[1] == "stderr":
+                blame.observe(tagged[0], tagged[2])
+
+        return sink
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signal = signum
@@ -200,24 +229,35 @@ class Supervisor:
                 self._say(f"hvdplusrun: got {name}; stopping all {len(running)} running worker(s)")
                 self.stop_all()
                 return 128 + self._signal
-            for process in list(running):
-                code = process.proc.poll()
-                if code is None:
-                    continue
+            ended = sorted((p for p in running if p.exited.is_set()), key=lambda p: p.exited_at)
+            for process in ended:
                 running.remove(process)
-                if code != 0:
-                    self._report(process, code, len(running))
-                    self.stop_all()
-                    return code if code > 0 else 128 - code
+            failed = [p for p in ended if p.proc.returncode != 0]
+            if failed:  # the first to exit, by time; the report then names the root cause if another rank's
+                code = failed[0].proc.returncode
+                self._report(failed[0], code, len(running))
+                self.stop_all()
+                return code if code > 0 else 128 - code
             time.sleep(POLL_SECONDS)
         self._drain(self.processes)
         return 0
 
     def _report(self, process: Process, code: int, others: int) -> None:
+        """Name the failure: the first process to exit with an error and, from the exceptions the ranks
+        printed, the rank that failed first when that is another one (its peers' errors are consequences)."""
         self._drain([process])
         last = "".join(f"\n    {line}" for line in process.tail)
-        self._say(f"hvdplusrun: {process.label} failed with {describe_exit(code)}; stopping the other {others} "
-                  f"worker(s).{' Last output:' + last if last else ''}")
+        failed = f"{process.label} failed with {describe_exit(code)}"
+        cause = self.blame.root_cause()
+        if cause is not None and cause.rank != process.rank:
+            then = self.blame.consequences(cause)
+            after = f" (then {_ranks_text(then)} failed as a consequence)" if then else ""
+            failed = f"rank {cause.rank} failed first with {cause.line}{after}; {failed}"
+        elif cause is not None:
+            then = self.blame.consequences(cause)
+            failed += f" ({cause.line})" + (f" (then {_ranks_text(then)} failed as a consequence)" if then else "")
+        self._say(f"hvdplusrun: {failed}; stopping the other {others} worker(s)."
+                  f"{' Last output:' + last if last else ''}")
 
     def stop_all(self) -> None:
         """End every child: polite first, then SIGKILL whatever is left after STOP_SECONDS."""
@@ -225,11 +265,9 @@ class Supervisor:
             process.stop()
         deadline = time.monotonic() + STOP_SECONDS
         for process in self.processes:
-            try:
-                process.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if not process.exited.wait(timeout=max(0.0, deadline - time.monotonic())):
                 process.kill()
-                process.proc.wait()
+                process.exited.wait()
         self._drain(self.processes)
 
     @staticmethod

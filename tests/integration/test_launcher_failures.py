@@ -28,7 +28,7 @@ def _seconds_after_failure(output: str, ended: float) -> float:
     return ended - failed_at
 
 
-@pytest.mark.parametrize("how,code,words", [("raise", 1, "exit code 1"),
+@pytest.mark.parametrize("how,code,words", [("raise", 1, "exit code 1 (RuntimeError: rank 1 fails on purpose)"),
                                              ("kill", 137, "exit code 137 (killed by SIGKILL)")])
 def test_failed_worker_ends_the_job(how, code, words):
     done = run([HVDPLUSRUN, "-np", "3", "--gloo", PY, MISBEHAVE, how])
@@ -58,6 +58,20 @@ def _sleeping_job(np: int, engine: str) -> tuple[subprocess.Popen, list[str]]:
         assert line, "".join(lines)
         lines.append(line)
     return proc, lines
+
+
+@pytest.mark.parametrize("engine", ["--gloo", "--mpi"])
+def test_the_rank_that_failed_first_is_blamed_when_all_are_inside_collectives(engine):
+    """Rank 1 raises while every rank is in allreduces: its peers fail within milliseconds (and may exit first)
+    with an error naming rank 1, and the launcher names rank 1 as the root cause, not rank 0."""
+    for _ in range(3):
+        done = run([HVDPLUSRUN, "-np", "3", engine, PY, MISBEHAVE, "raise-in-collectives"])
+        assert done.returncode != 0, done.output
+        # rank 1 may also be the first to exit ("rank 1 on localhost failed with exit code 1 (RuntimeError ...")
+        blamed = re.search(r"^hvdplusrun: rank 1 (on localhost failed with exit code 1 \(|failed first with )"
+                           r"RuntimeError: rank 1 fails on purpose", done.output, re.MULTILINE)
+        assert blamed, done.output
+        assert done.output.count("HorovodInternalError: hvdplus was shut down on rank 1") >= 2, done.output
 
 
 def test_ctrl_c_stops_every_worker():

@@ -1,5 +1,6 @@
 """A job where rank 1 misbehaves after init: `raise` raises, `kill` SIGKILLs itself, `sleep` never ends; with
-`spam`, nobody fails: every rank prints 200 lines (40 KB) a step for 100 allreduces, then 'finished <rank>'.
+`spam`, nobody fails: every rank prints 200 lines (40 KB) a step for 100 allreduces, then 'finished <rank>';
+`raise-in-collectives`: every rank runs allreduces, and rank 1 raises at its 21st.
 
 Every rank prints 'pid <rank> <pid>'; rank 1 prints 'failing at <time.time()>' right before it fails."""
 
@@ -20,6 +21,12 @@ if sys.argv[1] == "spam":  # enough output to fill any pipe nobody reads
         hvd.allreduce(torch.ones(1), name="step")
     print(f"finished {hvd.rank()}", flush=True)
     sys.exit(0)
+if sys.argv[1] == "raise-in-collectives":  # every rank inside allreduces when rank 1 raises
+    for step in range(1000):
+        if hvd.rank() == 1 and step == 20:
+            print(f"failing at {time.time()}", flush=True)
+            raise RuntimeError("rank 1 fails on purpose")
+        hvd.allreduce(torch.ones(1), name="step")
 if hvd.rank() == 1 and sys.argv[1] != "sleep":
     time.sleep(0.5)
     print(f"failing at {time.time()}", flush=True)
