@@ -372,8 +372,13 @@ class Coordinator:
 
     def _stop(self, flags: int) -> None:
         if flags & _STALL_ABORT:
-            reason = ("a collective stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="
-                      f"{self._settings.stall_shutdown_time_seconds:g}")
+            limit = self._settings.stall_shutdown_time_seconds
+            # every rank holds the same table, so every rank can name what stalled and who is missing (at half
+            # the limit: each rank dates an entry by its own clock)
+            stalled = "; ".join(f"{s.description} (missing ranks {list(s.missing)})"
+                                for s in self._table.stalls(limit / 2, self._members) if s.key != JOIN_KEY)
+            reason = (f"a collective stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}"
+                      + (f": {stalled}" if stalled else ""))
         else:
             reason = f"hvdplus was shut down on {self._shutdown_ranks()}"
         self._fatal = HorovodInternalError(reason)

@@ -49,6 +49,20 @@ def test_dead_worker_raises_on_the_others_within_seconds():
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("engine", ["mpi", "gloo"])
+def test_stall_shutdown_names_the_tensor_and_the_missing_rank(engine):
+    if engine == "mpi":
+        pytest.importorskip("mpi4py")
+    code, output = run_job(engine, 2, [str(SCENARIOS / "stall_shutdown.py")],
+                           {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"})
+    assert code == 0, output
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}: raised .*stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=2: "
+                         r"allreduce 'late.tensor' \(missing ranks \[1\]\)", output), output
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine", ["mpi", "gloo"])
 def test_peer_shutdown_leaves_rank_and_size_readable(engine):
     """As in Horovod: after another rank's shutdown, rank() and size() still answer; collectives raise."""
     if engine == "mpi":
