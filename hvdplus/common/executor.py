@@ -7,7 +7,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hvdplus.common import halfops
+from hvdplus.common import halfops, nan
 from hvdplus.common.adasum import adasum_tensors
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import CollectiveMismatchError
@@ -110,10 +110,15 @@ class Executor:
             source = None
         halfops.scale_inplace(buffer, request.dtype, request.prescale)
         op = ReduceOp.SUM if request.op == ReduceOp.AVERAGE else request.op
+        nans = nan.nan_positions(buffer if source is None else source, request.dtype) \
+            if nan.propagates_nan(request.dtype, op) else None
         if hierarchical:
             hierarchical_allreduce(self._engine, self._hierarchical, buffer, request.dtype, op)
         else:
             self._engine.allreduce(buffer, request.dtype, op, group, send=source)
+        if nans is not None:
+            self._engine.allreduce(nans, "uint8", ReduceOp.MAX, group)
+            nan.restore_nan(buffer, request.dtype, nans)
         postscale = request.postscale / set_size if request.op == ReduceOp.AVERAGE else request.postscale
         halfops.scale_inplace(buffer, request.dtype, postscale)
 
@@ -165,7 +170,13 @@ class Executor:
         halfops.scale_inplace(send, request.dtype, request.prescale)
         out = np.empty((rows[set_rank],) + request.shape[1:], dtype=work.input.dtype)
         op = ReduceOp.SUM if request.op == ReduceOp.AVERAGE else request.op
-        self._engine.reducescatter(send, out.reshape(-1), [r * row for r in rows], request.dtype, op, group)
+        counts = [r * row for r in rows]
+        self._engine.reducescatter(send, out.reshape(-1), counts, request.dtype, op, group)
+        if nan.propagates_nan(request.dtype, op):
+            nans = np.empty(out.size, dtype=np.uint8)
+            self._engine.reducescatter(nan.nan_positions(send, request.dtype), nans, counts, "uint8", ReduceOp.MAX,
+                                       group)
+            nan.restore_nan(out.reshape(-1), request.dtype, nans)
         postscale = request.postscale / set_size if request.op == ReduceOp.AVERAGE else request.postscale
         halfops.scale_inplace(out.reshape(-1), request.dtype, postscale)
         return out

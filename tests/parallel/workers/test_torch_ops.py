@@ -95,6 +95,28 @@ def test_grouped_allreduce_is_one_packed_request(hvd):
     assert [t.tolist() for t in hvd.synchronize(mixed)] == [[float(hvd.size())] * 2] * 2
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("op_name", ["Min", "Max"])
+def test_min_and_max_propagate_nan_on_every_engine(hvd, dtype, op_name):
+    """IEEE's rule, as torch.maximum: a NaN on any rank makes that element NaN (MPI's MAX drops it, Gloo's keeps
+    it only from the first rank), in allreduce, fused or not, and in reducescatter."""
+    size = hvd.size()
+    values = rank_tensor(hvd.rank(), shape=(2 * size, 3), dtype=dtype)
+    values[hvd.rank() % 2, hvd.rank()] = float("nan")  # rank r: element (r % 2, r)
+    expected = torch.stack([rank_tensor(r, shape=(2 * size, 3)).double() for r in range(size)])
+    expected = expected.min(0).values if op_name == "Min" else expected.max(0).values
+    for r in range(size):
+        expected[r % 2, r] = float("nan")
+    op = getattr(hvd, op_name)
+    alone = hvd.allreduce(values, op=op, name=f"nan.{op_name}.{dtype}")
+    handles = [hvd.allreduce_async(values, op=op, name=f"nan.fused.{i}.{op_name}.{dtype}") for i in range(3)]
+    fused = [hvd.synchronize(handle) for handle in handles]
+    for result in [alone, *fused]:
+        torch.testing.assert_close(result.double(), expected, equal_nan=True)
+    shard = hvd.reducescatter(values, op=op, name=f"nan.rs.{op_name}.{dtype}")
+    torch.testing.assert_close(shard.double(), expected[2 * hvd.rank():2 * hvd.rank() + 2], equal_nan=True)
+
+
 def test_allreduce_non_contiguous_inplace(hvd):
     x = rank_tensor(hvd.rank(), shape=(4, 3)).t()
     assert not x.is_contiguous()
