@@ -66,9 +66,11 @@ def _request(kind: OpKind, array: np.ndarray, dtype: str, name: str | None, proc
 def submit_allreduce(array: np.ndarray, output: np.ndarray, dtype: str, name: str | None, op: ReduceOp,
                      prescale: float = 1.0, postscale: float = 1.0,
                      process_set: ProcessSet = global_process_set, device: str = "cpu",
-                     parts: tuple[tuple[int, ...], ...] | None = None) -> Handle:
+                     parts: tuple[tuple[int, ...], ...] | None = None, group: int = 0) -> Handle:
     """Reduce `array` into `output`. `parts`: `array` packs a group of tensors of these shapes (checked against
-    the other ranks' like the shape; Adasum, which reduces tensor by tensor, cannot be packed).
+    the other ranks' like the shape; Adasum, which reduces tensor by tensor, cannot be packed). `group`: the
+    number of tensors of the grouped call this belongs to, so that ranks grouping different numbers of tensors
+    get an error instead of waiting for members that never come (0: not part of a group of several).
 
     Collective: every rank in the process set must call this, in the same order."""
     check_reducible(dtype, op, "allreduce")
@@ -77,7 +79,7 @@ def submit_allreduce(array: np.ndarray, output: np.ndarray, dtype: str, name: st
             raise ValueError("Adasum reduces each tensor on its own: submit the tensors of a group separately")
         check_adasum_size(process_set_size(_set_id(process_set)))
     request = _request(OpKind.ALLREDUCE, array, dtype, name, process_set, device, op=op,
-                       prescale=float(prescale), postscale=float(postscale), parts=parts)
+                       prescale=float(prescale), postscale=float(postscale), parts=parts, group=group)
     return runtime().coordinator.submit(request, array, output)
 
 
@@ -87,10 +89,12 @@ def _need_dims(array: np.ndarray, what: str) -> None:
 
 
 def submit_allgather(array: np.ndarray, dtype: str, name: str | None,
-                     process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
-    """Collective: every rank in the process set must call this, in the same order."""
+                     process_set: ProcessSet = global_process_set, device: str = "cpu", group: int = 0) -> Handle:
+    """`group` as in `submit_allreduce`. Collective: every rank in the process set must call this, in the same
+    order."""
     _need_dims(array, "allgather")
-    return runtime().coordinator.submit(_request(OpKind.ALLGATHER, array, dtype, name, process_set, device), array)
+    request = _request(OpKind.ALLGATHER, array, dtype, name, process_set, device, group=group)
+    return runtime().coordinator.submit(request, array)
 
 
 def check_root(root_rank: int, process_set: ProcessSet = global_process_set) -> int:
@@ -113,12 +117,13 @@ def _ranks_text(ranks: Sequence[int]) -> str:
 
 
 def submit_broadcast(array: np.ndarray, output: np.ndarray, dtype: str, root_rank: int, name: str | None,
-                     process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
-    """Copy the root's `array` into every member's `output`; `root_rank` is a global rank (see `check_root`).
+                     process_set: ProcessSet = global_process_set, device: str = "cpu", group: int = 0) -> Handle:
+    """Copy the root's `array` into every member's `output`; `root_rank` is a global rank (see `check_root`);
+    `group` as in `submit_allreduce`.
 
     Collective: every rank in the process set must call this, in the same order."""
     root = check_root(root_rank, process_set)
-    request = _request(OpKind.BROADCAST, array, dtype, name, process_set, device, root=root)
+    request = _request(OpKind.BROADCAST, array, dtype, name, process_set, device, root=root, group=group)
     return runtime().coordinator.submit(request, array, output)
 
 
@@ -149,13 +154,15 @@ def check_reducescatter_op(op: ReduceOp) -> None:
 
 def submit_reducescatter(array: np.ndarray, dtype: str, name: str | None, op: ReduceOp,
                          prescale: float = 1.0, postscale: float = 1.0,
-                         process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
-    """Collective: every rank in the process set must call this, in the same order."""
+                         process_set: ProcessSet = global_process_set, device: str = "cpu",
+                         group: int = 0) -> Handle:
+    """`group` as in `submit_allreduce`. Collective: every rank in the process set must call this, in the same
+    order."""
     _need_dims(array, "reducescatter")
     check_reducescatter_op(op)
     check_reducible(dtype, op, "reducescatter")
     request = _request(OpKind.REDUCESCATTER, array, dtype, name, process_set, device, op=op,
-                       prescale=float(prescale), postscale=float(postscale))
+                       prescale=float(prescale), postscale=float(postscale), group=group)
     return runtime().coordinator.submit(request, array)
 
 

@@ -33,6 +33,7 @@ class Request(NamedTuple):
     postscale: float = 1.0
     ranks: tuple[int, ...] | None = None  # for ADD_PROCESS_SET
     parts: tuple[tuple[int, ...], ...] | None = None  # a grouped allreduce packed into one flat buffer: its shapes
+    group: int = 0  # the number of tensors of the grouped call this request belongs to (0: not a group of several)
 
     @property
     def key(self) -> Key:

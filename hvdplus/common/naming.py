@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["member_names", "normalize_name"]
+__all__ = ["member_names", "group_size", "normalize_name"]
 
 _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -12,6 +12,12 @@ _INVALID = re.compile(r"[^a-zA-Z0-9_]")
 def member_names(name: str | None, count: int) -> list[str | None]:
     """Names of the `count` members of a grouped collective named `name` (None leaves each to the core)."""
     return [None if name is None else f"{name}.{i}" for i in range(count)] if count > 1 else [name]
+
+
+def group_size(count: int) -> int:
+    """What members of a grouped call of `count` tensors announce as their group (0 for a lone tensor, named
+    like a plain call), so that ranks grouping different numbers of tensors get a mismatch error."""
+    return count if count > 1 else 0
 
 
 def normalize_name(name: str) -> str:

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, rank
+from hvdplus.common.naming import group_size
 from hvdplus.common.ops import ReduceOp, linear_scale, reducescatter_grad_scale
 from hvdplus.tensorflow._graph import Finish, collective_names, dtype_name, execute, finishing, storage, values
 from hvdplus.tensorflow.compression import Compression, Compressor
@@ -35,13 +36,14 @@ def _tensors(tensors: Sequence[Any]) -> list[tf.Tensor]:
 def _same_shape_op(tensors: list[tf.Tensor], names: Names, submit: Callable[..., Any],
                    gradient: Callable[[list[tf.Tensor]], list[tf.Tensor]], chain: str = "") -> list[tf.Tensor]:
     """One collective whose outputs have the inputs' shapes (allreduce, broadcast); `submit(source, output, dtype,
-    name)` starts one member, `gradient(output_grads)` differentiates it; `chain` as in `execute`."""
+    name, group)` starts one member, `gradient(output_grads)` differentiates it; `chain` as in `execute`."""
     dtypes = [dtype_name(t.dtype) for t in tensors]
+    group = group_size(len(tensors))
 
     def start(*arrays: np.ndarray) -> Finish:
         sources = [storage(a) for a in arrays]
         outputs = [np.empty_like(s) for s in sources]
-        handles = [submit(s, o, d, n) for s, o, d, n in zip(sources, outputs, dtypes, names)]
+        handles = [submit(s, o, d, n, group) for s, o, d, n in zip(sources, outputs, dtypes, names)]
         return finishing(handles, lambda _: [values(o, d) for o, d in zip(outputs, dtypes)])
 
     @tf.custom_gradient
@@ -61,8 +63,8 @@ def _allreduce_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale
             raise NotImplementedError(f"the gradient of allreduce is defined for Average and Sum, not {op!r}")
         return _allreduce_op(dys, collective_names("Allreduce", dys, None), op, prescale, postscale, process_set)
 
-    return _same_shape_op(tensors, names, lambda s, o, d, n: core.submit_allreduce(s, o, d, n, op, prescale,
-                                                                                  postscale, process_set), gradient)
+    return _same_shape_op(tensors, names, lambda s, o, d, n, g: core.submit_allreduce(
+        s, o, d, n, op, prescale, postscale, process_set, group=g), gradient)
 
 
 def _sparse_allreduce(tensor: tf.IndexedSlices, name: str | None, op: ReduceOp, prescale: float,
@@ -122,14 +124,15 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
 def _resizing_op(kind: str, tensors: list[tf.Tensor], names: Names, submit: Callable[..., Any],
                  gradient: Callable[[Sequence[tf.Tensor], list[tf.Tensor]], list[tf.Tensor]]) -> list[tf.Tensor]:
     """One op whose outputs keep each input's trailing dimensions but not its row count (allgather,
-    reducescatter); `submit(array, dtype, name)` starts one member, `gradient(inputs, output_grads)`."""
+    reducescatter); `submit(array, dtype, name, group)` starts one member, `gradient(inputs, output_grads)`."""
     dtypes = [dtype_name(t.dtype) for t in tensors]
+    group = group_size(len(tensors))
     for t in tensors:
         if t.shape.rank == 0:
             raise ValueError(f"{kind} needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
 
     def start(*arrays: np.ndarray) -> Finish:
-        handles = [submit(storage(a), d, n) for a, d, n in zip(arrays, dtypes, names)]
+        handles = [submit(storage(a), d, n, group) for a, d, n in zip(arrays, dtypes, names)]
         return finishing(handles, lambda results: [values(r, d) for r, d in zip(results, dtypes)])
 
     @tf.custom_gradient
@@ -153,7 +156,7 @@ def _allgather_op(tensors: list[tf.Tensor], names: Names, process_set: ProcessSe
         return [g[tf.reduce_sum(r[:me]):tf.reduce_sum(r[:me + 1])] for g, r in zip(averaged, all_rows)]
 
     return _resizing_op("allgather", tensors, names,
-                        lambda a, d, n: core.submit_allgather(a, d, n, process_set), gradient)
+                        lambda a, d, n, g: core.submit_allgather(a, d, n, process_set, group=g), gradient)
 
 
 def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
@@ -187,8 +190,8 @@ def broadcast_op(tensors: list[tf.Tensor], names: Names, root_rank: int, process
                                  process_set)
         return averaged if rank() == root_rank else [tf.zeros_like(g) for g in averaged]
 
-    return _same_shape_op(tensors, names, lambda s, o, d, n: core.submit_broadcast(s, o, d, root_rank, n,
-                                                                                  process_set), gradient, chain)
+    return _same_shape_op(tensors, names, lambda s, o, d, n, g: core.submit_broadcast(
+        s, o, d, root_rank, n, process_set, group=g), gradient, chain)
 
 
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
@@ -254,7 +257,8 @@ def _reducescatter_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, pres
         return [g * tf.cast(scale, g.dtype) for g in gathered]
 
     return _resizing_op("reducescatter", tensors, names,
-                        lambda a, d, n: core.submit_reducescatter(a, d, n, op, prescale, postscale, process_set),
+                        lambda a, d, n, g: core.submit_reducescatter(a, d, n, op, prescale, postscale, process_set,
+                                                                     group=g),
                         gradient)
 
 

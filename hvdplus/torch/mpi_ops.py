@@ -14,7 +14,7 @@ import torch
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, rank
 from hvdplus.common.handles import Completion, Handle
-from hvdplus.common.naming import member_names
+from hvdplus.common.naming import group_size, member_names
 from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
 from hvdplus.torch.compression import Compression, Compressor
 
@@ -96,12 +96,14 @@ def _check(handle: Any) -> Completion:
 
 # ----------------------------------------------------------------------------- allreduce
 def _start_allreduce(tensor: torch.Tensor, name: str | None, inplace: bool, op: ReduceOp, prescale: float,
-                     postscale: float, process_set: ProcessSet) -> tuple[Handle, Callable[[], torch.Tensor]]:
-    """Submit one allreduce; return its handle and the function that gives the result once it is done."""
+                     postscale: float, process_set: ProcessSet,
+                     group: int = 0) -> tuple[Handle, Callable[[], torch.Tensor]]:
+    """Submit one allreduce (a member of a grouped call of `group` tensors, if not 0); return its handle and the
+    function that gives the result once it is done."""
     output, in_array, out_array = _buffers(tensor, inplace)
     device = tensor.device
     handle = core.submit_allreduce(in_array, out_array, _dtype_name(tensor), name, op, prescale, postscale,
-                                   process_set, "cpu" if device.type == "cpu" else str(device))
+                                   process_set, "cpu" if device.type == "cpu" else str(device), group=group)
 
     def result() -> torch.Tensor:
         if inplace:
@@ -131,7 +133,7 @@ def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, i
         flat = torch._utils._flatten_dense_tensors(tensors)
     array = _numpy(flat)
     handle = core.submit_allreduce(array, array, _dtype_name(flat), name, op, prescale, postscale, process_set,
-                                   parts=tuple(tuple(t.shape) for t in tensors))
+                                   parts=tuple(tuple(t.shape) for t in tensors), group=len(tensors))
 
     def result() -> list[torch.Tensor]:
         outputs = torch._utils._unflatten_dense_tensors(flat, tensors)
@@ -153,8 +155,9 @@ def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, ave
         handle, result = _start_packed_allreduce(tensors, name, inplace, op, prescale_factor, postscale_factor,
                                                  process_set)
         return Completion([handle], lambda _: result())
-    started = [_start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set)
-               for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))]
+    group = group_size(len(tensors))
+    started = [_start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set,
+                                group) for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))]
     return Completion([handle for handle, _ in started], lambda _: [result() for _, result in started])
 
 
@@ -281,12 +284,18 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 
 
 # ----------------------------------------------------------------------------- allgather
+def _allgather_members(tensors: Sequence[torch.Tensor], names: Sequence[str | None], process_set: ProcessSet,
+                       group: int) -> Completion:
+    """Start one allgather per tensor, each announcing the size of the grouped call it belongs to."""
+    handles = [core.submit_allgather(_numpy(_host(t)), _dtype_name(t), n, process_set, str(t.device), group)
+               for t, n in zip(tensors, names)]
+    return Completion(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+
+
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> Completion:
     """Start allgathers of several tensors; `synchronize` returns the list of results."""
-    handles = [core.submit_allgather(_numpy(_host(t)), _dtype_name(t), n, process_set, str(t.device))
-               for t, n in zip(tensors, member_names(name, len(tensors)))]
-    return Completion(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+    return _allgather_members(tensors, member_names(name, len(tensors)), process_set, group_size(len(tensors)))
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -294,23 +303,24 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     """Start concatenating every rank's `tensor` along dimension 0 (first dimensions may differ).
 
     Collective: every rank in the process set must call this, in the same order."""
-    return grouped_allgather_async([tensor], name, process_set).then(_first)
+    return _allgather_members([tensor], [name], process_set, 0).then(_first)
 
 
 class HorovodAllgather(torch.autograd.Function):
     """Allgather whose gradient is this rank's slice of the averaged gradient (as Horovod)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
+                group: int) -> torch.Tensor:
         ctx.rows, ctx.process_set = tensor.shape[0], process_set
-        return synchronize(allgather_async(tensor, name, process_set))
+        return synchronize(_allgather_members([tensor], [name], process_set, group).then(_first))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         reduced = synchronize(allreduce_async(grad, op=ReduceOp.AVERAGE, process_set=ctx.process_set))
         rows = synchronize(allgather_async(torch.tensor([ctx.rows]), process_set=ctx.process_set))
         offset = int(rows[:ctx.process_set.rank()].sum())
-        return reduced.narrow(0, offset, ctx.rows), None, None
+        return reduced.narrow(0, offset, ctx.rows), None, None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
@@ -318,13 +328,14 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     """Concatenate every rank's `tensor` along dimension 0; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    return HorovodAllgather.apply(tensor, name, process_set)
+    return HorovodAllgather.apply(tensor, name, process_set, 0)
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
     """Allgather a list of tensors; differentiable."""
-    return [allgather(t, n, process_set) for t, n in zip(tensors, member_names(name, len(tensors)))]
+    group = group_size(len(tensors))
+    return [HorovodAllgather.apply(t, n, process_set, group) for t, n in zip(tensors, member_names(name, len(tensors)))]
 
 
 # ----------------------------------------------------------------------------- broadcast
@@ -432,14 +443,21 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
 
 
 # ----------------------------------------------------------------------------- reducescatter
+def _reducescatter_members(tensors: Sequence[torch.Tensor], names: Sequence[str | None], op: ReduceOp,
+                           process_set: ProcessSet, prescale: float, postscale: float, group: int) -> Completion:
+    """Start one reduce-scatter per tensor, each announcing the size of the grouped call it belongs to."""
+    handles = [core.submit_reducescatter(_numpy(_host(t)), _dtype_name(t), n, core.resolve_op(None, op), prescale,
+                                         postscale, process_set, str(t.device), group)
+               for t, n in zip(tensors, names)]
+    return Completion(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+
+
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                                 op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Completion:
     """Start reduce-scatters of several tensors; `synchronize` returns the list of this rank's shards."""
-    handles = [core.submit_reducescatter(_numpy(_host(t)), _dtype_name(t), n, core.resolve_op(None, op),
-                                         prescale_factor, postscale_factor, process_set, str(t.device))
-               for t, n in zip(tensors, member_names(name, len(tensors)))]
-    return Completion(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+    return _reducescatter_members(tensors, member_names(name, len(tensors)), op, process_set, prescale_factor,
+                                  postscale_factor, group_size(len(tensors)))
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE,
@@ -448,7 +466,8 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Reduc
     """Start a reduce-scatter: rank r receives its rows of the reduction (Horovod's uneven split).
 
     Collective: every rank in the process set must call this, in the same order."""
-    return grouped_reducescatter_async([tensor], name, op, process_set, prescale_factor, postscale_factor).then(_first)
+    return _reducescatter_members([tensor], [name], op, process_set, prescale_factor, postscale_factor,
+                                  0).then(_first)
 
 
 class HorovodReducescatter(torch.autograd.Function):
@@ -457,15 +476,23 @@ class HorovodReducescatter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet,
-                prescale: float, postscale: float) -> torch.Tensor:
+                prescale: float, postscale: float, group: int) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale, postscale))
+        return synchronize(_reducescatter_members([tensor], [name], op, process_set, prescale, postscale,
+                                                  group).then(_first))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         scale = reducescatter_grad_scale(ctx.op, ctx.prescale, ctx.postscale, ctx.process_set.size())
         gathered = synchronize(allgather_async(grad.contiguous(), process_set=ctx.process_set))
-        return gathered * scale, None, None, None, None, None
+        return gathered * scale, None, None, None, None, None, None
+
+
+def _reducescatter(tensor: torch.Tensor, name: str | None, compression: Compressor, op: ReduceOp,
+                   process_set: ProcessSet, prescale: float, postscale: float, group: int) -> torch.Tensor:
+    compressed, ctx = compression.compress(tensor)
+    shard = HorovodReducescatter.apply(compressed, name, op, process_set, prescale, postscale, group)
+    return compression.decompress(shard, ctx)
 
 
 def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,
@@ -474,9 +501,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Co
     """Reduce `tensor` over all ranks and return this rank's rows of the result; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    compressed, ctx = compression.compress(tensor)
-    shard = HorovodReducescatter.apply(compressed, name, op, process_set, prescale_factor, postscale_factor)
-    return compression.decompress(shard, ctx)
+    return _reducescatter(tensor, name, compression, op, process_set, prescale_factor, postscale_factor, 0)
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -484,7 +509,8 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> list[torch.Tensor]:
     """Reduce-scatter a list of tensors; differentiable."""
-    return [reducescatter(t, n, compression, op, process_set, prescale_factor, postscale_factor)
+    group = group_size(len(tensors))
+    return [_reducescatter(t, n, compression, op, process_set, prescale_factor, postscale_factor, group)
             for t, n in zip(tensors, member_names(name, len(tensors)))]
 
 

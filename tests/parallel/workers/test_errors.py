@@ -45,6 +45,23 @@ def test_mismatched_member_shapes_of_a_packed_group(hvd):
     _after_error_job_still_works(hvd)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_grouped_calls_with_different_numbers_of_tensors(hvd, packed):
+    """Rank r groups 2 + r % 2 tensors: an error naming the counts on every rank, not a wait for members the
+    other ranks never send; packed (one dtype) or tensor by tensor (mixed dtypes), allreduce and allgather."""
+    extra = hvd.rank() % 2
+    tensors = [torch.ones(2), torch.ones(2) if packed else torch.ones(2, dtype=torch.float64)] + [torch.ones(1)] * extra
+    expected = r"Mismatched numbers of tensors in the grouped call for collective .*ha(s|ve) 2; rank 1 has 3\."
+    with pytest.raises(CollectiveMismatchError, match=expected):
+        hvd.grouped_allreduce(tensors, name=f"count.mismatch.{packed}")
+    with pytest.raises(CollectiveMismatchError, match=expected):
+        hvd.grouped_allgather(tensors, name=f"count.mismatch.gather.{packed}")
+    with pytest.raises(CollectiveMismatchError, match=expected):
+        hvd.synchronize(hvd.grouped_reducescatter_async([t.repeat(6) for t in tensors],
+                                                        name=f"count.mismatch.rs.{packed}"))
+    _after_error_job_still_works(hvd)
+
+
 def test_mismatched_kinds(hvd):
     tensor = torch.ones(2)
     with pytest.raises(CollectiveMismatchError, match="Mismatched collective operations"):

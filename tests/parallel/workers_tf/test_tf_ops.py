@@ -230,6 +230,19 @@ def test_mismatched_shapes_raise_on_every_rank(hvd):
     assert hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy().tolist() == [float(hvd.size())] * 2
 
 
+def test_grouped_calls_with_different_numbers_of_tensors_raise(hvd):
+    """Rank r groups 2 + r % 2 tensors: a mismatch error naming the counts on every rank instead of a stall.
+    In tf.function, so that the members take graph names: the unmatched third member of rank 1 must not take an
+    automatic name that a later eager call on the other ranks would reuse."""
+    tensors = [tf.ones([2]), tf.ones([2], dtype=tf.float64)] + [tf.ones([1])] * (hvd.rank() % 2)
+    expected = r"Mismatched numbers of tensors in the grouped call .*ha(s|ve) 2; rank 1 has 3\."
+    with pytest.raises(tf.errors.OpError, match=expected):
+        tf.function(lambda *ts: hvd.grouped_allreduce(list(ts)))(*tensors)
+    with pytest.raises(tf.errors.OpError, match=expected):
+        tf.function(lambda *ts: hvd.grouped_allgather(list(ts)))(*tensors)
+    assert hvd.allreduce(tf.ones([2]), op=hvd.Sum).numpy().tolist() == [float(hvd.size())] * 2
+
+
 def test_bad_input_raises_before_any_collective(hvd):
     with pytest.raises(TypeError, match="do not support dtype"):
         hvd.allreduce(tf.constant(["a"]))
