@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 import secrets
 import socket
 import socketserver
@@ -26,7 +27,8 @@ import threading
 import time
 from typing import Iterable
 
-__all__ = ["RendezvousServer", "RendezvousClient", "RendezvousTimeout", "new_secret"]
+__all__ = ["RendezvousServer", "RendezvousClient", "RendezvousTimeout", "new_secret", "publish_secret",
+           "await_secret"]
 
 log = logging.getLogger("hvdplus.runner")
 
@@ -46,6 +48,36 @@ class RendezvousTimeout(TimeoutError):
 def new_secret() -> str:
     """A fresh random per-job secret (hex text, 256 bits)."""
     return secrets.token_hex(32)
+
+
+def publish_secret(path: str, secret: str) -> None:
+    """Write `secret` to `path` readable by this user only (0600, in a 0700 directory it creates), atomically:
+    a reader sees no file or the whole secret. Under plain srun, rank 0 shares the job's secret this way
+    through a filesystem the job's nodes share."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    partial = f"{path}.{os.getpid()}.partial"
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secret)
+    os.replace(partial, path)
+
+
+def await_secret(path: str, timeout: float) -> str:
+    """The secret rank 0 published at `path`, waiting up to `timeout` seconds for the file."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as source:
+                return source.read()
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise RendezvousTimeout(
+                    f"rank 0's rendezvous secret {path} did not appear within {timeout:g} s. Under plain srun "
+                    f"hvdplus shares the job's secret through a file: set HVDPLUS_SECRET_DIR to a directory "
+                    f"that every node of the job sees (default ~/.hvdplus), or launch with hvdplusrun, or "
+                    f"with srun --mpi=pmix for the MPI engine") from None
+            time.sleep(0.05)
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:
@@ -207,18 +239,20 @@ class _Listener(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: str, secret: bytes, store: _Store) -> None:
+    def __init__(self, address: str, secret: bytes, store: _Store, port: int = 0) -> None:
         self.address_family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self.secret, self.store = secret, store
-        super().__init__((address, 0), _Handler)
+        super().__init__((address, port), _Handler)
 
 
 class RendezvousServer:
     """Serves one shared key-value store on each given address (ephemeral ports) until `close()`."""
 
-    def __init__(self, addresses: Iterable[str], secret: str) -> None:
+    def __init__(self, addresses: Iterable[str], secret: str, port: int = 0) -> None:
+        """Listen on each address, at `port` (0: an ephemeral port each)."""
         self.store = _Store()
-        self._listeners = {addr: _Listener(addr, secret.encode(), self.store) for addr in dict.fromkeys(addresses)}
+        self._listeners = {addr: _Listener(addr, secret.encode(), self.store, port)
+                           for addr in dict.fromkeys(addresses)}
         self._threads = [threading.Thread(target=listener.serve_forever, kwargs={"poll_interval": 0.1},
                                           name=f"hvdplus-rendezvous-{addr}", daemon=True)
                          for addr, listener in self._listeners.items()]

@@ -179,6 +179,7 @@ class LaunchEnv:
     under_mpi: bool = False
     slurm_nodelist: str | None = None
     slurm_tasks_per_node: str | None = None
+    srun_secret_file: str | None = None  # under plain srun: where rank 0 publishes the rendezvous secret
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "LaunchEnv":
@@ -205,12 +206,16 @@ class LaunchEnv:
         return env._with_srun_rendezvous(environ)
 
     def _with_srun_rendezvous(self, environ: Mapping[str, str]) -> "LaunchEnv":
-        """Under plain srun (a job step, no launcher): rank 0's TCP store on the step's first node."""
+        """Under plain srun (a job step, no launcher): rank 0's authenticated store on the step's first node, its
+        secret published in a 0600 file under HVDPLUS_SECRET_DIR (default ~/.hvdplus), which the nodes share."""
         job, step = _launch_int(environ, "SLURM_JOB_ID"), _launch_int(environ, "SLURM_STEP_ID")
         if self.rendezvous_file or self.rendezvous_addr or job is None or step is None or not self.slurm_nodelist:
             return self
+        home = environ.get("HOME") or os.path.expanduser("~")
+        secret_dir = environ.get("HVDPLUS_SECRET_DIR") or os.path.join(home, ".hvdplus")
         return dataclasses.replace(self, rendezvous_addr=expand_nodelist(self.slurm_nodelist)[0],
-                                   rendezvous_port=self.rendezvous_port or slurm_port(job, step))
+                                   rendezvous_port=self.rendezvous_port or slurm_port(job, step),
+                                   srun_secret_file=os.path.join(secret_dir, f"srun-{job}.{step}.secret"))
 
 
 @dataclass(frozen=True)

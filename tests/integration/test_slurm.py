@@ -26,6 +26,17 @@ def test_srun_without_launcher(slurm, n):
     assert [r["local_rank"] for r in ranks] == list(range(n)) and {r["engine"] for r in ranks} == {"gloo"}
 
 
+def test_srun_rendezvous_admits_only_the_job(slurm, tmp_path):
+    """Plain srun: rank 0 serves an HMAC-authenticated store and publishes its secret in a 0600 file under
+    HVDPLUS_SECRET_DIR; a wrong secret and torch's plain TCPStore client are refused; the file goes with the job."""
+    env = {**_env(slurm), "HVDPLUS_SECRET_DIR": str(tmp_path / "secrets")}
+    done = run(["srun", "-n", "2", PY, str(SCRIPTS / "srun_secret.py")], env=env)
+    assert done.returncode == 0, done.output
+    assert done.output.count("secret ok") == 2, done.output
+    assert list((tmp_path / "secrets").iterdir()) == []
+    assert (tmp_path / "secrets").stat().st_mode & 0o777 == 0o700
+
+
 def test_srun_with_pmix_uses_mpi(slurm):
     plugins = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, env=_env(slurm))
     if "pmix" not in plugins.stdout + plugins.stderr:

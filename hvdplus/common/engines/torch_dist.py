@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -29,6 +32,8 @@ class TorchDistEngine:
             raise ImportError("the gloo engine needs PyTorch: pip install 'hvdplus[torch]' "
                               "(or launch with mpirun and install 'hvdplus[mpi]')") from exc
         self._torch, self._dist = torch, dist
+        self._srun_server: Any = None  # rank 0 under plain srun serves the step's rendezvous (see _srun_secret)
+        self._srun_secret_file = ""
         if launch.rank is None or launch.size is None:
             raise RuntimeError("hvd.init() found no rank environment: start the job with hvdplusrun, mpirun or "
                                "srun, or set HOROVOD_RANK, HOROVOD_SIZE and a rendezvous address")
@@ -49,6 +54,8 @@ class TorchDistEngine:
     def _make_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
         if launch.rendezvous_file:
             return self._dist.FileStore(launch.rendezvous_file, self.size)
+        if launch.srun_secret_file and not launch.secret_key:
+            launch = self._srun_secret(launch, timeout.total_seconds())
         if launch.secret_key and launch.rendezvous_addr and launch.rendezvous_port:
             # hvdplusrun's authenticated rendezvous. torch only keeps the C++ half of a Python store:
             # hold the Python object for the engine's lifetime or its methods vanish.
@@ -59,6 +66,20 @@ class TorchDistEngine:
                                        is_master=self.rank == 0, timeout=timeout, wait_for_workers=False)
         raise RuntimeError("the gloo engine needs a rendezvous: set HVDPLUS_RENDEZVOUS_ADDR and "
                            "HVDPLUS_RENDEZVOUS_PORT (rank 0 listens there) or HVDPLUS_RENDEZVOUS_FILE")
+
+    def _srun_secret(self, launch: LaunchEnv, timeout_seconds: float) -> LaunchEnv:
+        """Plain srun has no launcher to hand out a secret: rank 0 serves the authenticated store on the step's
+        first node and publishes a fresh secret in a file only this user can read; the others wait for it."""
+        from hvdplus.common.rendezvous import RendezvousServer, await_secret, new_secret, publish_secret
+
+        if self.rank == 0:
+            secret = new_secret()
+            self._srun_server = RendezvousServer([launch.rendezvous_addr], secret, port=launch.rendezvous_port)
+            publish_secret(launch.srun_secret_file, secret)
+            self._srun_secret_file = launch.srun_secret_file
+        else:
+            secret = await_secret(launch.srun_secret_file, timeout_seconds)
+        return dataclasses.replace(launch, secret_key=secret)
 
     def _tensor(self, buf: np.ndarray, dtype: str | None = None) -> Any:
         tensor = self._torch.from_numpy(buf)
@@ -147,6 +168,10 @@ class TorchDistEngine:
         if self._dist.is_initialized():
             self._dist.destroy_process_group(None if self._owns_group else self.world)
         self.world = None
+        if self._srun_server is not None:  # rank 0 under plain srun: the step's rendezvous ends with it
+            self._srun_server.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._srun_secret_file)
 
 
 def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -> Any:
