@@ -27,6 +27,7 @@ from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
+from hvdplus.common.frozen import FrozenPeerInspector
 from hvdplus.common.fusion import plan_batches
 from hvdplus.common.handles import Handle
 from hvdplus.common.hierarchical import HierarchicalGroups
@@ -49,6 +50,7 @@ _IDLE_WAIT_S = 0.04
 # How a rank waits for the control round (see _exchange): spin while peers are expected at once; otherwise
 # sleep between tests, up to 1 ms while work is in flight and 4 ms between idle rounds.
 _SPIN_S, _BUSY_SLEEP_S, _IDLE_SLEEP_S = 2e-3, 1e-3, 4e-3
+_FAILED_JOIN_S = 2.0
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Coordinator:
         self._sets: dict[int, _ProcessSet] = {0: _ProcessSet(tuple(range(self.size)), engine.world, self.rank)}
         self._next_set_id = 1
         self._executor = Executor(engine, lambda set_id: self._sets[set_id].group, hierarchical)
+        self._frozen = FrozenPeerInspector(engine, settings)
         self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._lock = threading.Lock()
@@ -124,7 +127,9 @@ class Coordinator:
         self._shutdown_requested = True
         self._wake.set()
         if threading.current_thread() is not self._thread:
-            self._thread.join()
+            # After a failure the thread only releases the engine, which can wait on a frozen peer until the
+            # transport's own timeout: do not hold the process's exit for it (the thread is a daemon).
+            self._thread.join(_FAILED_JOIN_S if self._fatal is not None else None)
 
     @property
     def running(self) -> bool:
@@ -146,10 +151,11 @@ class Coordinator:
                 idle_rounds = 0 if busy else idle_rounds + 1
                 self._wake.wait(cycle if busy else min(_IDLE_WAIT_S, cycle * 2 ** min(idle_rounds, 16)))
                 self._wake.clear()
-        except BaseException as exc:  # engine failure: every pending and future call must fail
+        except BaseException as exc:  # engine failure or a frozen peer: every pending and future call must fail
             log.error("hvdplus background thread failed: %s", exc)
             self._fatal = exc
-            self._fail_everything(HorovodInternalError(f"collective failed on rank {self.rank}: {exc}"))
+            self._fail_everything(exc if isinstance(exc, HorovodInternalError)
+                                  else HorovodInternalError(f"collective failed on rank {self.rank}: {exc}"))
         finally:
             if self.timeline:
                 self.timeline.close()
@@ -251,9 +257,14 @@ class Coordinator:
     def _exchange(self, words: np.ndarray, busy: bool) -> np.ndarray:
         """The control round. While work is in flight the peers usually join within microseconds: spin for up
         to 2 ms (a sleep would add its length to every collective), then sleep. Idle ranks join at their next
-        wake-up: no spin, and longer sleeps."""
+        wake-up: no spin, and longer sleeps. A wait longer than a second is inspected for frozen peers."""
         pending = self._engine.start_bitwise_and(words, self._engine.world)
-        return pending.wait(_SPIN_S, _BUSY_SLEEP_S) if busy else pending.wait(0.0, _IDLE_SLEEP_S)
+        spin, sleep = (_SPIN_S, _BUSY_SLEEP_S) if busy else (0.0, _IDLE_SLEEP_S)
+        started = time.monotonic()
+        while (result := pending.wait(spin, sleep, self._frozen.timeout_s)) is None:
+            self._frozen.waiting(self.rounds, time.monotonic() - started)  # raises once a peer is silent too long
+            spin = 0.0
+        return result
 
     def _evict(self, bit: int) -> None:
         self._cache.erase(bit)

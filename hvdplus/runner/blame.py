@@ -18,7 +18,10 @@ __all__ = ["Blame", "Failure"]
 # The last line of a Python traceback: "RuntimeError: ...", "hvdplus.common.exceptions.HorovodInternalError: ..."
 _EXCEPTION = re.compile(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)\b.*)$")
 # Errors a rank raises because a peer failed: the peer shut down, or the transport to it broke.
-_CONSEQUENCE = re.compile(r"HorovodInternalError: .*(was shut down on rank|collective failed on rank)")
+_CONSEQUENCE = re.compile(r"HorovodInternalError: .*(was shut down on rank|collective failed on rank|"
+                          r"did not answer a control round)")
+# A peer's error that names a frozen or hung rank, which prints nothing itself.
+_SILENT = re.compile(r"(?:rank (\d+)|ranks \[(\d+)[^\]]*\]) did not answer a control round")
 
 
 @dataclass(frozen=True)
@@ -51,11 +54,19 @@ class Blame:
                 self._first.setdefault(rank, Failure(rank, match.group(1)[:300], time.monotonic()))
 
     def root_cause(self) -> Failure | None:
-        """The first failure that is not a consequence of another's, else the first failure, else None."""
+        """The first failure that is not a consequence of another's; else a rank the others name as frozen;
+        else the first failure; else None."""
         with self._lock:
             failures = sorted(self._first.values(), key=lambda failure: failure.seen_at)
         causes = [failure for failure in failures if not failure.consequence]
-        return (causes or failures or [None])[0]
+        if causes:
+            return causes[0]
+        for failure in failures:
+            silent = _SILENT.search(failure.line)
+            if silent:
+                rank = int(silent.group(1) or silent.group(2))
+                return Failure(rank, "no answer to the control rounds (frozen or hung)", failure.seen_at)
+        return failures[0] if failures else None
 
     def consequences(self, cause: Failure) -> list[int]:
         """The other ranks that printed an exception."""

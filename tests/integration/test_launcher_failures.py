@@ -48,6 +48,30 @@ def test_failed_worker_under_mpi_ends_the_job():
     assert _seconds_after_failure(done.output, time.time()) < PROMPT, done.output
 
 
+@pytest.mark.parametrize("engine", ["--gloo", "--mpi"])
+def test_a_frozen_rank_is_named_and_ends_the_job(engine):
+    """Rank 1 stops (SIGSTOP) while every rank is in allreduces: the live ranks warn naming it after the stall
+    check time, fail naming it at the shutdown time, and the job ends with nothing left running."""
+    proc = subprocess.Popen([HVDPLUSRUN, "-np", "3", engine, "--stall-check-warning-time-seconds", "2",
+                             "--stall-check-shutdown-time-seconds", "5", PY, MISBEHAVE, "freeze"],
+                            cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    while len(_pids("".join(lines))) < 3:
+        line = proc.stdout.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    tree = _descendants(proc.pid)
+    output = "".join(lines) + proc.communicate(timeout=90)[0]
+    frozen_at = float(re.search(r"failing at ([\d.]+)", output).group(1))
+    print(f"\n{engine}: job ended {time.time() - frozen_at:.1f} s after rank 1 froze (shutdown time 5 s)")
+    assert proc.returncode != 0, output
+    assert "rank 1 has not answered a control round" in output, output
+    assert output.count("HorovodInternalError: rank 1 did not answer a control round") >= 2, output
+    assert "hvdplusrun: rank 1 failed first with no answer to the control rounds (frozen or hung)" in output, output
+    time.sleep(0.5)
+    assert not [p for p in tree if alive(p)], "processes left running"
+
+
 def _sleeping_job(np: int, engine: str) -> tuple[subprocess.Popen, list[str]]:
     """hvdplusrun running `np` ranks that sleep, once every rank printed its pid; (process, lines so far)."""
     proc = subprocess.Popen([HVDPLUSRUN, "-np", str(np), engine, PY, MISBEHAVE, "sleep"], cwd=ROOT, env=job_env(),

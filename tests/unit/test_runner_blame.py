@@ -32,3 +32,13 @@ def test_each_rank_keeps_its_first_exception():
     assert blame.root_cause().line.startswith("RuntimeError")
     blame.observe(3, b"ordinary output that mentions an Error in passing\n")
     assert blame.consequences(blame.root_cause()) == []
+
+
+def test_a_rank_the_others_name_as_frozen_is_blamed():
+    blame = Blame()
+    frozen = b"HorovodInternalError: rank 1 did not answer a control round for 5 s (frozen or hung)\n"
+    blame.observe(0, frozen)
+    blame.observe(2, frozen)
+    cause = blame.root_cause()
+    assert (cause.rank, cause.line) == (1, "no answer to the control rounds (frozen or hung)")
+    assert blame.consequences(cause) == [0, 2]

@@ -20,9 +20,10 @@ Group = Any  # an engine-specific communicator handle
 class Pending(Protocol):
     """A control collective in progress (see `Engine.start_bitwise_and`)."""
 
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
-        """The result. Engines whose waits poll may test back to back for `spin_s` (when the peers are expected
-        at once), then sleep between tests, at most `max_sleep_s`, so that a late peer costs no core."""
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
+        """The result, or None if it is not there after `timeout_s` (the collective stays in flight; wait again).
+        Engines whose waits poll may test back to back for `spin_s` (when the peers are expected at once), then
+        sleep between tests, at most `max_sleep_s`, so that a late peer costs no core."""
 
 
 class Done:
@@ -31,7 +32,7 @@ class Done:
     def __init__(self, result: np.ndarray) -> None:
         self._result = result
 
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray:
         return self._result
 
 
@@ -77,6 +78,13 @@ class Engine(Protocol):
     def start_bitwise_and(self, words: np.ndarray, group: Group) -> Pending:
         """Control plane: start the bitwise AND of an int64 vector across `group`; non-blocking, so the
         coordinator waits for a late peer without polling a core (MPI's blocking calls spin)."""
+
+    def send_beacon(self, round_number: int) -> None:
+        """Stall path: tell every other rank, without blocking, that this one is alive and waiting in control
+        round `round_number` (a frozen or hung rank sends none, which is how the others name it)."""
+
+    def beacons(self) -> dict[int, int]:
+        """Stall path: the latest round each other rank has announced with `send_beacon` (never blocks long)."""
 
     def shutdown(self) -> None:
         """Release the engine's resources (process groups, communicators)."""

@@ -54,5 +54,11 @@ class LocalEngine:
     def start_bitwise_and(self, words: np.ndarray, group: str) -> Done:
         return Done(words.copy())
 
+    def send_beacon(self, round_number: int) -> None:
+        return None
+
+    def beacons(self) -> dict[int, int]:
+        return {}
+
     def shutdown(self) -> None:
         return None

@@ -15,6 +15,7 @@ __all__ = ["MPIEngine", "check_launcher_size"]
 
 # What MPI launchers declare as the job size: Open MPI's mpirun, and Hydra (MPICH, Intel MPI) or Slurm's PMI.
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+_BEACON_TAG = 0x68766470  # point-to-point on the world communicator: collectives never match it
 
 
 def check_launcher_size(world_size: int, environ: Mapping[str, str], library: str) -> None:
@@ -55,6 +56,9 @@ class MPIEngine:
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
                      ReduceOp.PRODUCT: MPI.PROD}
         self._half_ops: dict[tuple[str, ReduceOp], Any] = {}
+        self._beacon_sends: list[tuple[Any, np.ndarray]] = []
+        self._beacon_recvs: dict[int, tuple[Any, np.ndarray]] = {}
+        self._heard: dict[int, int] = {}
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         member = self.rank in ranks
@@ -108,7 +112,30 @@ class MPIEngine:
         out = np.empty_like(words)
         return _MPIPending(group.Iallreduce(words, out, op=self._MPI.BAND), words, out)
 
+    def send_beacon(self, round_number: int) -> None:
+        buf = np.array([round_number], dtype=np.int64)
+        self._beacon_sends = [(r, b) for r, b in self._beacon_sends if not r.Test()]
+        self._beacon_sends += [(self.world.Isend(buf, dest=peer, tag=_BEACON_TAG), buf)
+                               for peer in range(self.size) if peer != self.rank]
+
+    def beacons(self) -> dict[int, int]:
+        if not self._beacon_recvs:  # posted on the first stall only: a healthy job never has them pending
+            self._beacon_recvs = {peer: self._post_beacon_recv(peer) for peer in range(self.size) if peer != self.rank}
+        for peer, (request, buf) in list(self._beacon_recvs.items()):
+            while request.Test():
+                self._heard[peer] = int(buf[0])
+                request, buf = self._beacon_recvs[peer] = self._post_beacon_recv(peer)
+        return dict(self._heard)
+
+    def _post_beacon_recv(self, peer: int) -> tuple[Any, np.ndarray]:
+        buf = np.empty(1, dtype=np.int64)
+        return self.world.Irecv(buf, source=peer, tag=_BEACON_TAG), buf
+
     def shutdown(self) -> None:
+        for request, _ in self._beacon_recvs.values():  # a frozen peer never sends: cancel what waits for it
+            request.Cancel()
+            request.Wait()
+        self._beacon_recvs.clear()
         for op in self._half_ops.values():
             op.Free()
         self._half_ops.clear()
@@ -124,10 +151,15 @@ class _MPIPending:
     def __init__(self, request: Any, send: np.ndarray, out: np.ndarray) -> None:
         self._request, self._send, self._out = request, send, out  # `send` stays alive until completion
 
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
-        spin_until, delay = time.perf_counter() + spin_s, 0.0
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
+        now = time.perf_counter()
+        spin_until, delay = now + spin_s, 0.0
+        deadline = None if timeout_s is None else now + timeout_s
         while not self._request.Test():
-            if time.perf_counter() >= spin_until:
+            now = time.perf_counter()
+            if deadline is not None and now >= deadline:
+                return None
+            if now >= spin_until:
                 delay = min(max(2 * delay, self._FIRST_SLEEP_S), max_sleep_s)
                 time.sleep(delay)
         return self._out

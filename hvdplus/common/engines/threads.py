@@ -47,6 +47,7 @@ class ThreadWorld:
         self._lock = threading.Lock()
         self._rounds: dict[int, _Round] = {}
         self._mail: defaultdict[tuple[int, int], queue.SimpleQueue] = defaultdict(queue.SimpleQueue)
+        self.beacons: dict[int, int] = {}  # rank -> the control round it last said it waits in
         self.engines = [ThreadEngine(self, rank) for rank in range(size)]
 
     def join(self, sequence: int, rank: int, part: Any, combine: Callable[[list[Any]], Any]) -> "_Round":
@@ -78,7 +79,9 @@ class _ThreadPending:
     def __init__(self, engine: "ThreadEngine", sequence: int, entry: _Round, nbytes: int) -> None:
         self._engine, self._sequence, self._entry, self._nbytes = engine, sequence, entry, nbytes
 
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
+        if timeout_s is not None and not self._entry.done.wait(timeout_s):
+            return None
         return self._engine._finish(self._sequence, self._entry, self._nbytes).copy()
 
 
@@ -184,6 +187,12 @@ class ThreadEngine:
         sequence, entry = self._start(words.copy(), lambda parts: _fold(np.bitwise_and, parts))
         self._engine_cpu[threading.get_ident()] += time.thread_time() - started
         return _ThreadPending(self, sequence, entry, self._log_size * words.nbytes)
+
+    def send_beacon(self, round_number: int) -> None:
+        self._world.beacons[self.rank] = round_number
+
+    def beacons(self) -> dict[int, int]:
+        return {peer: round_number for peer, round_number in dict(self._world.beacons).items() if peer != self.rank}
 
     def shutdown(self) -> None:
         return None

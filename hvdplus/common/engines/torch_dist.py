@@ -32,6 +32,7 @@ class TorchDistEngine:
             raise ImportError("the gloo engine needs PyTorch: pip install 'hvdplus[torch]' "
                               "(or launch with mpirun and install 'hvdplus[mpi]')") from exc
         self._torch, self._dist = torch, dist
+        self._beacon_store: Any = None  # the rendezvous store, when hvdplus made it
         self._srun_server: Any = None  # rank 0 under plain srun serves the step's rendezvous (see _srun_secret)
         self._srun_secret_file = ""
         if launch.rank is None or launch.size is None:
@@ -52,6 +53,11 @@ class TorchDistEngine:
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
 
     def _make_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
+        """The job's store; also kept for stall beacons (`send_beacon`)."""
+        self._beacon_store = self._new_store(launch, timeout)
+        return self._beacon_store
+
+    def _new_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
         if launch.rendezvous_file:
             return self._dist.FileStore(launch.rendezvous_file, self.size)
         if launch.srun_secret_file and not launch.secret_key:
@@ -161,6 +167,17 @@ class TorchDistEngine:
                                      async_op=True)
         return _GlooPending(work, out)
 
+    def send_beacon(self, round_number: int) -> None:
+        if self._beacon_store is not None:  # the store's server outlives a frozen rank (hvdplusrun holds it)
+            self._beacon_store.set(f"hvdplus/beacon/{self.rank}", str(round_number))
+
+    def beacons(self) -> dict[int, int]:
+        if self._beacon_store is None:
+            return {}
+        keys = {peer: f"hvdplus/beacon/{peer}" for peer in range(self.size) if peer != self.rank}
+        return {peer: int(self._beacon_store.get(key)) for peer, key in keys.items()
+                if self._beacon_store.check([key])}
+
     def shutdown(self) -> None:
         """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
         every reference: a Gloo group that outlives this call is torn down at interpreter exit, which
@@ -224,6 +241,14 @@ class _GlooPending:
     def __init__(self, work: Any, out: np.ndarray) -> None:
         self._work, self._out = work, out
 
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3) -> np.ndarray:
-        self._work.wait()
+    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
+        if timeout_s is None:
+            self._work.wait()
+            return self._out
+        try:  # Gloo's timed wait raises when the time is up, and leaves the collective running
+            self._work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            if not self._work.is_completed():
+                return None
+            raise
         return self._out

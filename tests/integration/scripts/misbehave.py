@@ -1,6 +1,7 @@
 """A job where rank 1 misbehaves after init: `raise` raises, `kill` SIGKILLs itself, `sleep` never ends; with
 `spam`, nobody fails: every rank prints 200 lines (40 KB) a step for 100 allreduces, then 'finished <rank>';
-`raise-in-collectives`: every rank runs allreduces, and rank 1 raises at its 21st.
+`raise-in-collectives`: every rank runs allreduces, and rank 1 raises at its 21st; `freeze`: rank 1 stops itself
+(SIGSTOP) there instead.
 
 Every rank prints 'pid <rank> <pid>'; rank 1 prints 'failing at <time.time()>' right before it fails."""
 
@@ -21,10 +22,13 @@ if sys.argv[1] == "spam":  # enough output to fill any pipe nobody reads
         hvd.allreduce(torch.ones(1), name="step")
     print(f"finished {hvd.rank()}", flush=True)
     sys.exit(0)
-if sys.argv[1] == "raise-in-collectives":  # every rank inside allreduces when rank 1 raises
-    for step in range(1000):
+if sys.argv[1] in ("raise-in-collectives", "freeze"):  # every rank inside allreduces when rank 1 fails
+    for step in range(100000):
         if hvd.rank() == 1 and step == 20:
             print(f"failing at {time.time()}", flush=True)
+            if sys.argv[1] == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)
+                time.sleep(600)  # if continued, still silent
             raise RuntimeError("rank 1 fails on purpose")
         hvd.allreduce(torch.ones(1), name="step")
 if hvd.rank() == 1 and sys.argv[1] != "sleep":

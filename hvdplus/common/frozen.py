@@ -1,0 +1,77 @@
+"""Frozen or hung ranks: a peer that stops answering the control rounds is named, warned about, and, after
+HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, fails every live rank.
+
+The control round is a collective, so while one rank is frozen (SIGSTOP, a hung driver call, a dead NFS mount)
+the others wait in it and learn nothing from it. So a rank that has waited HOROVOD_STALL_CHECK_TIME_SECONDS
+sends a beacon to every other rank (the engine's `send_beacon`, point to point, never blocking), and the ranks
+that have not sent one for this round after a grace second are the silent ones. The lowest live rank logs the
+warning; at the shutdown time every live rank raises, naming them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from hvdplus.common.engines.base import Engine
+from hvdplus.common.exceptions import HorovodInternalError
+from hvdplus.common.settings import Settings
+
+__all__ = ["FrozenPeerInspector", "INSPECT_EVERY_S"]
+
+log = logging.getLogger("hvdplus")
+
+INSPECT_EVERY_S = 1.0  # how often a long wait for the control round is interrupted to inspect it
+_GRACE_S = 1.0  # how long after its own beacon a rank waits for the others' before naming the silent ones
+
+
+class FrozenPeerInspector:
+    """Watches one rank's waits for control rounds; `waiting` raises once a peer has been silent too long."""
+
+    def __init__(self, engine: Engine, settings: Settings) -> None:
+        self._engine, self._settings = engine, settings
+        self._beaconed_round = -1
+        self._warned_round = -1
+
+    @property
+    def timeout_s(self) -> float | None:
+        """How long to wait for a round before calling `waiting` (None: never, stall checks are off)."""
+        enabled = not self._settings.stall_check_disable or self._settings.stall_shutdown_time_seconds > 0
+        return INSPECT_EVERY_S if enabled and self._engine.size > 1 else None
+
+    def waiting(self, round_number: int, waited_s: float) -> None:
+        """Called while this rank has waited `waited_s` for control round `round_number`."""
+        check = self._settings.stall_check_time_seconds
+        shutdown = self._settings.stall_shutdown_time_seconds
+        first_limit = min(check, shutdown) if shutdown > 0 else check
+        if waited_s < first_limit:
+            return
+        if self._beaconed_round != round_number:
+            self._engine.send_beacon(round_number)
+            self._beaconed_round = round_number
+            return  # the peers' beacons need a moment
+        silent = self._silent(round_number)
+        if shutdown > 0 and waited_s >= shutdown:
+            raise HorovodInternalError(
+                f"{_names(silent)} did not answer a control round for {waited_s:.0f} s (frozen or hung; "
+                f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}); the collective cannot complete")
+        if (not self._settings.stall_check_disable and waited_s >= check + _GRACE_S
+                and self._warned_round != round_number and self._engine.rank == self._lowest_live(silent)):
+            self._warned_round = round_number
+            log.warning("%s has not answered a control round for %.0f s: it may be frozen or hung (every "
+                        "collective waits for it)%s", _names(silent), waited_s,
+                        f"; the job fails after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}" if shutdown > 0
+                        else "")
+
+    def _silent(self, round_number: int) -> list[int]:
+        heard = self._engine.beacons()
+        return [peer for peer in range(self._engine.size)
+                if peer != self._engine.rank and heard.get(peer, -1) < round_number]
+
+    def _lowest_live(self, silent: list[int]) -> int:
+        return min(set(range(self._engine.size)) - set(silent))
+
+
+def _names(ranks: list[int]) -> str:
+    if not ranks:
+        return "a rank (every rank sent a beacon, yet the round is incomplete)"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
