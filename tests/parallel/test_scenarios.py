@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from pathlib import Path
 
@@ -11,6 +12,13 @@ from tests.parallel.jobs import run_job
 
 pytest.importorskip("torch")
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
+HAS_MPI4PY = importlib.util.find_spec("mpi4py") is not None
+
+
+def on_both_engines(test):
+    """A whole-job scenario run over MPI (when mpi4py is installed) and over Gloo."""
+    engines = [pytest.param("mpi", marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")), "gloo"]
+    return pytest.mark.parallel(pytest.mark.timeout(200)(pytest.mark.parametrize("engine", engines)(test)))
 
 
 @pytest.mark.parallel
@@ -24,12 +32,8 @@ def test_hierarchical_allreduce_on_two_hosts():
     assert output.count("hierarchical ok") == 4
 
 
-@pytest.mark.parallel
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+@on_both_engines
 def test_stall_warning_names_missing_rank(engine):
-    if engine == "mpi":
-        pytest.importorskip("mpi4py")
     code, output = run_job(engine, 2, [str(SCENARIOS / "stall.py")], {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1"})
     assert code == 0, output
     assert re.search(r"allreduce 'late.tensor'.*submitted by ranks \[0\], missing ranks \[1\]", output), output
@@ -46,12 +50,8 @@ def test_dead_worker_raises_on_the_others_within_seconds():
     assert max(times) < 10, output
 
 
-@pytest.mark.parallel
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+@on_both_engines
 def test_stall_shutdown_names_the_tensor_and_the_missing_rank(engine):
-    if engine == "mpi":
-        pytest.importorskip("mpi4py")
     code, output = run_job(engine, 2, [str(SCENARIOS / "stall_shutdown.py")],
                            {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"})
     assert code == 0, output
@@ -60,13 +60,9 @@ def test_stall_shutdown_names_the_tensor_and_the_missing_rank(engine):
                          r"allreduce 'late.tensor' \(missing ranks \[1\]\)", output), output
 
 
-@pytest.mark.parallel
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+@on_both_engines
 def test_peer_shutdown_leaves_rank_and_size_readable(engine):
     """As in Horovod: after another rank's shutdown, rank() and size() still answer; collectives raise."""
-    if engine == "mpi":
-        pytest.importorskip("mpi4py")
     code, output = run_job(engine, 3, [str(SCENARIOS / "peer_shutdown.py")], timeout=60)
     assert code == 0, output
     for rank in (1, 2):
@@ -107,13 +103,9 @@ def test_timeline_is_a_valid_chrome_trace(tmp_path):
     assert begins == sum(1 for e in events if e.get("ph") == "E")
 
 
-@pytest.mark.parallel
-@pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+@on_both_engines
 def test_negotiation_by_recursive_doubling(engine):
     """3 ranks (not a power of two: one rank folds in and out) swap merged tables over the real engine."""
-    if engine == "mpi":
-        pytest.importorskip("mpi4py")
     code, output = run_job(engine, 3, [str(SCENARIOS / "negotiation_doubling.py")],
                            {"HVDPLUS_NEGOTIATION_DOUBLING_RANKS": "2"}, timeout=90)
     assert code == 0, output
