@@ -88,13 +88,41 @@ def _need_dims(array: np.ndarray, what: str) -> None:
         raise ValueError(f"{what} needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
 
 
+def _check_counts(counts: Sequence[int] | None, array: np.ndarray, process_set: ProcessSet,
+                  what: str) -> tuple[int, ...] | None:
+    """Explicit per-rank element counts of a flat collective: one non-negative entry per member of the set."""
+    if counts is None:
+        return None
+    counts = tuple(int(c) for c in counts)
+    set_size = process_set_size(_set_id(process_set))
+    if array.ndim != 1 or len(counts) != set_size or any(c < 0 for c in counts):
+        raise ValueError(f"{what} with counts needs a flat (1-D) tensor and one non-negative count per rank of the "
+                         f"process set ({set_size}); got a tensor of shape {tuple(array.shape)} and counts "
+                         f"{list(counts)}")
+    return counts
+
+
+def _check_output(output: np.ndarray | None, elements: int | None, what: str) -> None:
+    if output is not None and elements is not None and output.size != elements:
+        raise ValueError(f"{what}: the output must hold {elements} elements, got {output.size}")
+
+
 def submit_allgather(array: np.ndarray, dtype: str, name: str | None,
-                     process_set: ProcessSet = global_process_set, device: str = "cpu", group: int = 0) -> Handle:
-    """`group` as in `submit_allreduce`. Collective: every rank in the process set must call this, in the same
-    order."""
+                     process_set: ProcessSet = global_process_set, device: str = "cpu", group: int = 0,
+                     counts: Sequence[int] | None = None, output: np.ndarray | None = None) -> Handle:
+    """Concatenate every member's `array` along the first dimension. `counts`: the elements each member sends,
+    for flat tensors (checked across ranks, so that a member's output can be sized before the call). `output`:
+    where the result goes (needs `counts`); in place when `array` is this rank's own part of it. `group` as in
+    `submit_allreduce`.
+
+    Collective: every rank in the process set must call this, in the same order."""
     _need_dims(array, "allgather")
-    request = _request(OpKind.ALLGATHER, array, dtype, name, process_set, device, group=group)
-    return runtime().coordinator.submit(request, array)
+    counts = _check_counts(counts, array, process_set, "allgather")
+    if output is not None and counts is None:
+        raise ValueError("allgather into a given output needs counts=, the number of elements of every rank")
+    _check_output(output, None if counts is None else sum(counts), "allgather")
+    request = _request(OpKind.ALLGATHER, array, dtype, name, process_set, device, group=group, splits=counts)
+    return runtime().coordinator.submit(request, array, output)
 
 
 def check_root(root_rank: int, process_set: ProcessSet = global_process_set) -> int:
@@ -155,15 +183,27 @@ def check_reducescatter_op(op: ReduceOp) -> None:
 def submit_reducescatter(array: np.ndarray, dtype: str, name: str | None, op: ReduceOp,
                          prescale: float = 1.0, postscale: float = 1.0,
                          process_set: ProcessSet = global_process_set, device: str = "cpu",
-                         group: int = 0) -> Handle:
-    """`group` as in `submit_allreduce`. Collective: every rank in the process set must call this, in the same
-    order."""
+                         group: int = 0, counts: Sequence[int] | None = None,
+                         output: np.ndarray | None = None) -> Handle:
+    """Reduce `array` over the set; each member keeps its slice: Horovod's split of the first dimension, or, for
+    a flat tensor, `counts[r]` elements for member r (checked across ranks). `output`: where this rank's slice
+    goes; in place (no copy of the input) when it is this rank's own slice of `array`. `group` as in
+    `submit_allreduce`.
+
+    Collective: every rank in the process set must call this, in the same order."""
     _need_dims(array, "reducescatter")
     check_reducescatter_op(op)
     check_reducible(dtype, op, "reducescatter")
+    counts = _check_counts(counts, array, process_set, "reducescatter")
+    if counts is not None:
+        if sum(counts) != array.size:
+            raise ValueError(f"reducescatter counts must add up to the tensor's {array.size} elements, got "
+                             f"{list(counts)}")
+        set_rank = runtime().coordinator.process_set_ranks(_set_id(process_set)).index(runtime().rank)
+        _check_output(output, counts[set_rank], "reducescatter")
     request = _request(OpKind.REDUCESCATTER, array, dtype, name, process_set, device, op=op,
-                       prescale=float(prescale), postscale=float(postscale), group=group)
-    return runtime().coordinator.submit(request, array)
+                       prescale=float(prescale), postscale=float(postscale), group=group, splits=counts)
+    return runtime().coordinator.submit(request, array, output)
 
 
 def submit_barrier(process_set: ProcessSet = global_process_set) -> Handle:

@@ -132,6 +132,11 @@ class Coordinator:
             self._thread.join(_FAILED_JOIN_S if self._fatal is not None else None)
 
     @property
+    def largest_batch(self) -> dict[OpKind, int]:
+        """The most collectives of each kind that one engine call carried so far (fusion tests read it)."""
+        return dict(self._executor.largest_batch)
+
+    @property
     def running(self) -> bool:
         return self._thread.is_alive()
 
@@ -321,6 +326,10 @@ class Coordinator:
                 self._executor.fail(response, work)
         elif head.kind == OpKind.ALLREDUCE:
             self._executor.run_allreduce(pairs)
+        elif head.kind == OpKind.REDUCESCATTER:
+            self._executor.run_reducescatter(pairs)
+        elif head.kind == OpKind.ALLGATHER:
+            self._executor.run_allgather(pairs)
         elif work is not None:
             work.handle.set_result(self._run_control(head, work))
 

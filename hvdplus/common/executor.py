@@ -13,6 +13,7 @@ from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.handles import Handle
 from hvdplus.common.hierarchical import HierarchicalGroups, hierarchical_allreduce
+from hvdplus.common.layout import Layout
 from hvdplus.common.messages import Request, Response
 from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
 
@@ -58,6 +59,11 @@ class Executor:
         self._group_of = group_of
         self._hierarchical = hierarchical
         self._fusion_buffers: dict[np.dtype, np.ndarray] = {}
+        self.largest_batch: dict[OpKind, int] = {}  # the most collectives one engine call carried, by kind (tests)
+
+    def _count(self, kind: OpKind, batch: list) -> None:
+        if len(batch) > self.largest_batch.get(kind, 0):
+            self.largest_batch[kind] = len(batch)
 
     def drop_groups(self) -> None:
         """Forget the hierarchical groups once the engine has destroyed them."""
@@ -70,6 +76,7 @@ class Executor:
     def run_allreduce(self, batch: list[tuple[Response, Work]]) -> None:
         """Reduce a batch of agreed allreduces in one engine call (one buffer when fused)."""
         first = batch[0][0].first
+        self._count(OpKind.ALLREDUCE, batch)
         if first.op == ReduceOp.ADASUM:
             return self._run_adasum(batch)
         members = batch[0][0].members
@@ -79,16 +86,13 @@ class Executor:
             buffer = works[0].output.reshape(-1)
             source = None if works[0].input is works[0].output else works[0].input.reshape(-1)
         else:
-            buffer = self._fusion_buffer(storage_dtype(first.dtype), sum(w.input.size for w in works))
-            np.concatenate([w.input.reshape(-1) for w in works], out=buffer)
+            layout = Layout.end_to_end([w.input.size for w in works])
+            buffer = self._fusion_buffer(storage_dtype(first.dtype), layout.total)
+            layout.pack([w.input.reshape(-1) for w in works], buffer)
         self._reduce(buffer, first, len(members), self._group_of(batch[0][0].key[0]), batch[0][0].key[0] == 0,
                      source)
         if len(works) > 1:
-            offset = 0
-            for work in works:
-                end = offset + work.output.size
-                np.copyto(work.output.reshape(-1), buffer[offset:end])
-                offset = end
+            layout.unpack(buffer, [w.output.reshape(-1) for w in works])
         for work in works:
             work.handle.set_result(work.output)
 
@@ -133,11 +137,6 @@ class Executor:
         """Run one non-allreduce response; return the handle's result."""
         group = self._group_of(response.key[0])
         request, requests = work.request, response.requests
-        if response.kind == OpKind.ALLGATHER:
-            counts = [r.nelements for r in requests]
-            out = np.empty((sum(r.shape[0] for r in requests),) + request.shape[1:], dtype=work.input.dtype)
-            self._engine.allgather(work.input.reshape(-1), out.reshape(-1), counts, group)
-            return out
         if response.kind == OpKind.BROADCAST:
             root = response.members.index(request.root)  # the request names a global rank; the group, its index
             if set_rank == root and work.input is not work.output:
@@ -146,8 +145,6 @@ class Executor:
             return work.output
         if response.kind == OpKind.ALLTOALL:
             return self._alltoall(requests, work, set_rank, group)
-        if response.kind == OpKind.REDUCESCATTER:
-            return self._reducescatter(work, len(requests), set_rank, group)
         if response.kind == OpKind.BARRIER:
             self._engine.barrier(group)
             return None
@@ -162,21 +159,96 @@ class Executor:
                               [r * row for r in recv_rows], group)
         return out, np.asarray(recv_rows, dtype=np.int32)
 
-    def _reducescatter(self, work: Work, set_size: int, set_rank: int, group: Any) -> np.ndarray:
-        request = work.request
-        rows = reducescatter_rows(request.shape[0], set_size)
-        row = _row_elements(request.shape)
-        send = work.input.reshape(-1).copy()
-        halfops.scale_inplace(send, request.dtype, request.prescale)
-        out = np.empty((rows[set_rank],) + request.shape[1:], dtype=work.input.dtype)
+    def run_allgather(self, batch: list[tuple[Response, Work]]) -> None:
+        """Gather a batch of agreed allgathers in one engine call: each rank's parts of every tensor travel as one
+        block (common/layout.py). A lone allgather writes straight into its output (the caller's, if given), in
+        place when this rank's input already sits at its offset there."""
+        head = batch[0][0]
+        self._count(OpKind.ALLGATHER, batch)
+        set_rank, group = head.members.index(self._engine.rank), self._group_of(head.key[0])
+        layout = Layout([[r.nelements for r in response.requests] for response, _ in batch])
+        outputs = [_gather_output(response, work) for response, work in batch]
+        if len(batch) == 1:
+            work, out, counts = batch[0][1], outputs[0].reshape(-1), layout.counts[0]
+            inplace = counts[set_rank] > 0 and work.input.ctypes.data == out[sum(counts[:set_rank]):].ctypes.data
+            self._engine.allgather(None if inplace else work.input.reshape(-1), out, counts, group)
+        else:
+            mine = np.concatenate([work.input.reshape(-1) for _, work in batch])
+            buffer = self._fusion_buffer(mine.dtype, layout.total)
+            self._engine.allgather(mine, buffer, layout.rank_totals, group)
+            layout.unpack(buffer, [out.reshape(-1) for out in outputs])
+        for (_, work), out in zip(batch, outputs):
+            work.handle.set_result(out)
+
+    def run_reducescatter(self, batch: list[tuple[Response, Work]]) -> None:
+        """Reduce-scatter a batch of agreed requests in one engine call: the inputs are packed rank-major
+        (common/layout.py), so each rank receives its slices of every tensor as one block."""
+        head = batch[0][0]
+        self._count(OpKind.REDUCESCATTER, batch)
+        set_rank, group = head.members.index(self._engine.rank), self._group_of(head.key[0])
+        request = head.first
+        layout = Layout([_scatter_counts(response) for response, _ in batch])
+        outputs = [_scatter_output(response, work, set_rank) for response, work in batch]
         op = ReduceOp.SUM if request.op == ReduceOp.AVERAGE else request.op
-        counts = [r * row for r in rows]
-        self._engine.reducescatter(send, out.reshape(-1), counts, request.dtype, op, group)
-        if nan.propagates_nan(request.dtype, op):
-            nans = np.empty(out.size, dtype=np.uint8)
-            self._engine.reducescatter(nan.nan_positions(send, request.dtype), nans, counts, "uint8", ReduceOp.MAX,
-                                       group)
-            nan.restore_nan(out.reshape(-1), request.dtype, nans)
-        postscale = request.postscale / set_size if request.op == ReduceOp.AVERAGE else request.postscale
-        halfops.scale_inplace(out.reshape(-1), request.dtype, postscale)
-        return out
+        if len(batch) == 1:
+            self._reducescatter_alone(batch[0][1], outputs[0].reshape(-1), layout.counts[0], set_rank, op, group)
+        else:
+            buffer = self._fusion_buffer(storage_dtype(request.dtype), layout.total)
+            layout.pack([work.input.reshape(-1) for _, work in batch], buffer)
+            halfops.scale_inplace(buffer, request.dtype, request.prescale)
+            mine = np.empty(layout.rank_totals[set_rank], dtype=buffer.dtype)
+            self._engine.reducescatter(buffer, mine, layout.rank_totals, request.dtype, op, group)
+            Layout.end_to_end([out.size for out in outputs]).unpack(mine, [out.reshape(-1) for out in outputs])
+        postscale = request.postscale / len(head.members) if request.op == ReduceOp.AVERAGE else request.postscale
+        for (_, work), out in zip(batch, outputs):
+            halfops.scale_inplace(out.reshape(-1), request.dtype, postscale)
+            work.handle.set_result(out)
+
+    def _reducescatter_alone(self, work: Work, out: np.ndarray, counts: list[int], set_rank: int, op: ReduceOp,
+                             group: Any) -> None:
+        """One reduce-scatter, with no copy of its input unless it must be prescaled out of place: in place when
+        the output is this rank's slice of the input itself."""
+        request, send = work.request, work.input.reshape(-1)
+        start = sum(counts[:set_rank])
+        inplace = out.size > 0 and np.shares_memory(send, out)
+        if inplace and out.ctypes.data != send[start:].ctypes.data:
+            raise ValueError(f"reducescatter {request.name!r}: an output inside the input must be this rank's own "
+                             f"slice of it (elements {start}..{start + out.size})")
+        if request.prescale != 1.0 and not inplace:
+            send = send.copy()
+        halfops.scale_inplace(send, request.dtype, request.prescale)
+        nans = nan.nan_positions(send, request.dtype) if nan.propagates_nan(request.dtype, op) else None
+        self._engine.reducescatter(None if inplace else send, send if inplace else out, counts, request.dtype, op,
+                                   group)
+        if nans is not None:
+            flags = np.empty(out.size, dtype=np.uint8)
+            self._engine.reducescatter(nans, flags, counts, "uint8", ReduceOp.MAX, group)
+            nan.restore_nan(out, request.dtype, flags)
+
+
+def _scatter_counts(response: Response) -> list[int]:
+    """Elements of each rank's slice: the request's explicit counts, or Horovod's split of the first dimension."""
+    request = response.first
+    if request.splits is not None:
+        return list(request.splits)
+    row = _row_elements(request.shape)
+    return [rows * row for rows in reducescatter_rows(request.shape[0], len(response.members))]
+
+
+def _scatter_output(response: Response, work: Work, set_rank: int) -> np.ndarray:
+    """Where this rank's slice goes: the caller's output, or a new array of the slice's shape."""
+    if work.output is not None:
+        return work.output
+    request = work.request
+    if request.splits is not None:
+        return np.empty(request.splits[set_rank], dtype=work.input.dtype)
+    rows = reducescatter_rows(request.shape[0], len(response.members))[set_rank]
+    return np.empty((rows,) + request.shape[1:], dtype=work.input.dtype)
+
+
+def _gather_output(response: Response, work: Work) -> np.ndarray:
+    """The caller's output, or a new array holding every rank's rows."""
+    if work.output is not None:
+        return work.output
+    rows = sum(r.shape[0] for r in response.requests)
+    return np.empty((rows,) + work.request.shape[1:], dtype=work.input.dtype)

@@ -1,9 +1,12 @@
-"""Tensor fusion: which agreed allreduces share one buffer (a pure, deterministic plan)."""
+"""Tensor fusion: which agreed collectives share one buffer (a pure, deterministic plan).
+
+Allreduces, reduce-scatters and allgathers fuse (common/layout.py lays each kind's batch out); every other kind
+runs alone."""
 
 from __future__ import annotations
 
 from hvdplus.common.messages import Response
-from hvdplus.common.ops import OpKind
+from hvdplus.common.ops import OpKind, ReduceOp
 
 __all__ = ["plan_batches", "ALONE_BYTES"]
 
@@ -12,21 +15,29 @@ __all__ = ["plan_batches", "ALONE_BYTES"]
 # machines against ~50 us for a call).
 ALONE_BYTES = 1 << 20
 
+# Reduce-scatters fuse for the linear ops only: Min and Max need a NaN pass of their own (common/nan.py).
+_FUSED_SCATTER_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
+
+
+def _fusable(response: Response) -> bool:
+    if response.error is not None or response.kind not in (OpKind.ALLREDUCE, OpKind.REDUCESCATTER, OpKind.ALLGATHER):
+        return False
+    return response.kind != OpKind.REDUCESCATTER or response.first.op in _FUSED_SCATTER_OPS
+
 
 def plan_batches(responses: list[Response], threshold: int) -> list[list[Response]]:
-    """Group successful allreduces with the same set, dtype, device, op and scales, up to `threshold`
-    bytes each; every other response, and any of ALONE_BYTES or more, runs alone. Batches keep the order of
-    their first response."""
+    """Group successful responses of one kind with the same set, dtype, device, op and scales, up to `threshold`
+    bytes each (an allgather counts the bytes it gathers); every other response, and any of ALONE_BYTES or more,
+    runs alone. Batches keep the order of their first response."""
     batches: list[list[Response]] = []
     open_batch: dict[tuple, tuple[list[Response], int]] = {}
     for response in responses:
-        if response.error is not None or response.kind != OpKind.ALLREDUCE or threshold <= 0 \
-                or response.nbytes >= ALONE_BYTES:
+        size = response.fused_nbytes
+        if threshold <= 0 or size >= ALONE_BYTES or not _fusable(response):
             batches.append([response])
             continue
         first = response.first
-        key = (response.key[0], first.dtype, first.device, first.op, first.prescale, first.postscale)
-        size = response.nbytes
+        key = (response.kind, response.key[0], first.dtype, first.device, first.op, first.prescale, first.postscale)
         current = open_batch.get(key)
         if current is not None and current[1] + size <= threshold:
             current[0].append(response)

@@ -106,3 +106,10 @@ class Response:
     def nbytes(self) -> int:
         """Bytes of one rank's tensor (remembered: fusion asks every cycle of a cached response)."""
         return self.first.nelements * storage_dtype(self.first.dtype).itemsize
+
+    @cached_property
+    def fused_nbytes(self) -> int:
+        """Bytes this response adds to a fusion buffer: one rank's tensor, or everything an allgather gathers."""
+        if self.kind != OpKind.ALLGATHER:
+            return self.nbytes
+        return sum(r.nelements for r in self.requests) * storage_dtype(self.first.dtype).itemsize

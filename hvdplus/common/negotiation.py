@@ -76,11 +76,19 @@ def validate(variants: Mapping[Request, int], members: tuple[int, ...]) -> str |
     elif kind in (OpKind.ALLGATHER, OpKind.ALLTOALL):
         checks += [("ranks (number of dimensions)", lambda r: len(r.shape)),
                    ("trailing dimensions (all but the first)", lambda r: r.shape[1:])]
+    if kind in (OpKind.REDUCESCATTER, OpKind.ALLGATHER):
+        checks.append(("per-rank counts", lambda r: r.splits))
     if len(variants) > 1:
         for label, getter in checks:
             problem = check(label, getter)
             if problem:
                 return problem
+    if kind == OpKind.ALLGATHER and first.splits is not None:
+        sent = {rank: request.nelements for request, mask in variants.items() for rank in _ranks_of(mask)}
+        wrong = {rank: n for rank, n in sorted(sent.items()) if n != first.splits[members.index(rank)]}
+        if wrong:
+            return (f"Mismatched counts for allgather {what}: the counts are {list(first.splits)}, but "
+                    + "; ".join(f"rank {rank} sent {n} elements" for rank, n in wrong.items()) + ".")
     if kind == OpKind.BROADCAST and first.root not in members:
         return (f"Invalid root rank {first.root} for broadcast {what}: it is not a member of the process set, "
                 f"whose global ranks are {list(members)}.")

@@ -52,8 +52,9 @@ class Engine(Protocol):
                   send: np.ndarray | None = None) -> None:
         """Reduce `send` (default: `buf` itself) across `group` into `buf` (op is SUM, MIN, MAX or PRODUCT)."""
 
-    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: Group) -> None:
-        """Concatenate every rank's `send` (counts[r] elements from rank r) into `recv`."""
+    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Group) -> None:
+        """Concatenate every rank's `send` (counts[r] elements from rank r) into `recv`; in place when `send` is
+        None: this rank's part already sits at its offset in `recv`."""
 
     def broadcast(self, buf: np.ndarray, root: int, group: Group) -> None:
         """Copy root's `buf` into `buf` on every rank."""
@@ -62,9 +63,11 @@ class Engine(Protocol):
                  recv_counts: Sequence[int], group: Group) -> None:
         """Send send_counts[r] elements to rank r and receive recv_counts[r] from it."""
 
-    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str,
+    def reducescatter(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str,
                       op: ReduceOp, group: Group) -> None:
-        """Reduce `send` across `group`; rank r keeps the counts[r] elements of its slice in `recv`."""
+        """Reduce `send` across `group`; rank r keeps the counts[r] elements of its slice in `recv`. In place when
+        `send` is None: `recv` holds the whole input, and this rank's slice of the result lands at its own offset
+        in `recv` (the rest of `recv` is left undefined)."""
 
     def barrier(self, group: Group) -> None:
         """Return once every rank of `group` has entered."""

@@ -78,8 +78,9 @@ class MPIEngine:
                   send: np.ndarray | None = None) -> None:
         group.Allreduce(self._MPI.IN_PLACE if send is None else send, buf, op=self._op(dtype, op))
 
-    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
-        group.Allgatherv(send, [recv, list(counts), _displacements(counts), _mpi_type(self._MPI, recv)])
+    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
+        group.Allgatherv(self._MPI.IN_PLACE if send is None else send,
+                         [recv, list(counts), _displacements(counts), _mpi_type(self._MPI, recv)])
 
     def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
         group.Bcast(buf, root=root)
@@ -90,10 +91,15 @@ class MPIEngine:
         group.Alltoallv([send, list(send_counts), _displacements(send_counts), mpi_type],
                         [recv, list(recv_counts), _displacements(recv_counts), mpi_type])
 
-    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str,
+    def reducescatter(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str,
                       op: ReduceOp, group: Any) -> None:
-        group.Reduce_scatter([send, _mpi_type(self._MPI, send)], [recv, _mpi_type(self._MPI, recv)],
-                             recvcounts=list(counts), op=self._op(dtype, op))
+        group.Reduce_scatter(self._MPI.IN_PLACE if send is None else [send, _mpi_type(self._MPI, send)],
+                             [recv, _mpi_type(self._MPI, recv)], recvcounts=list(counts), op=self._op(dtype, op))
+        if send is None:  # MPI leaves an in-place result at the start of the buffer: move it to this rank's offset
+            index, count = group.Get_rank(), counts[group.Get_rank()]
+            start = sum(counts[:index])
+            if start and count:
+                recv[start:start + count] = recv[:count].copy()
 
     def barrier(self, group: Any) -> None:
         group.Barrier()

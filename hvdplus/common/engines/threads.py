@@ -137,8 +137,11 @@ class ThreadEngine:
         result = self._collective(source.copy(), lambda parts: _fold(reduce, parts), self._log_size * buf.nbytes)
         np.copyto(buf, result)
 
-    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
+    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
         self._check(group)
+        if send is None:
+            start = sum(counts[:self.rank])
+            send = recv[start:start + counts[self.rank]]
         recv[...] = self._collective(send.copy(), np.concatenate, recv.nbytes - send.nbytes)
 
     def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
@@ -153,12 +156,14 @@ class ThreadEngine:
         everyone = self._collective(pieces, lambda parts: parts, recv.nbytes)
         recv[...] = np.concatenate([everyone[source][self.rank] for source in range(self.size)])
 
-    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str,
+    def reducescatter(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str,
                       op: ReduceOp, group: Any) -> None:
         self._check(group)
-        total = self._collective(send.copy(), lambda parts: _fold(_REDUCERS[op], parts), recv.nbytes)
         start = sum(counts[:self.rank])
-        recv[...] = total[start:start + counts[self.rank]]
+        total = self._collective((recv if send is None else send).copy(), lambda parts: _fold(_REDUCERS[op], parts),
+                                 recv.nbytes)
+        target = recv[start:start + counts[self.rank]] if send is None else recv
+        target[...] = total[start:start + counts[self.rank]]
 
     def barrier(self, group: Any) -> None:
         self._check(group)

@@ -109,7 +109,11 @@ class TorchDistEngine:
             return
         self._dist.all_reduce(self._tensor(buf, dtype), op=self._ops[op], group=group)
 
-    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
+    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
+        if send is None:
+            index = self._dist.get_group_rank(group, self.rank)
+            start = int(sum(counts[:index]))
+            send = recv[start:start + counts[index]].copy()
         itemsize = send.dtype.itemsize
         byte_counts = [c * itemsize for c in counts]
         width = max(byte_counts)
@@ -134,9 +138,13 @@ class TorchDistEngine:
                                      output_split_sizes=[c * itemsize for c in recv_counts],
                                      input_split_sizes=[c * itemsize for c in send_counts], group=group)
 
-    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str,
+    def reducescatter(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str,
                       op: ReduceOp, group: Any) -> None:
-        # Gloo has no uneven reduce-scatter: reduce everything, keep this rank's slice.
+        # Gloo's own reduce_scatter exists but measured about 3x slower than its allreduce here (64 MiB, 2 ranks:
+        # 254 ms against 82 ms; README), so reduce everything and keep this rank's slice.
+        if send is None:  # in place: this rank's slice of the reduced buffer is already at its offset
+            self.allreduce(recv, dtype, op, group)
+            return
         reduced = send.copy()
         self.allreduce(reduced, dtype, op, group)
         index = self._dist.get_group_rank(group, self.rank)
