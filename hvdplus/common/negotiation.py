@@ -14,7 +14,7 @@ from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.messages import Key, Request, Response, SameRequest
 from hvdplus.common.ops import OpKind
 
-__all__ = ["MessageTable", "Stall", "validate", "device_kind", "JOIN_KEY"]
+__all__ = ["MessageTable", "Stall", "validate", "device_kind", "disagreement", "JOIN_KEY"]
 
 JOIN_KEY: Key = (0, "__hvdplus_join__")
 
@@ -30,7 +30,7 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
-def _disagreement(values: Mapping[int, object]) -> str:
+def disagreement(values: Mapping[int, object]) -> str:
     """'rank 0 has X; ranks [1, 2] have Y', grouping ranks by value."""
     groups: dict[str, list[int]] = {}
     for rank, value in values.items():
@@ -58,7 +58,7 @@ def validate(variants: Mapping[Request, int], members: tuple[int, ...]) -> str |
         values = {request: str(value(request)) for request in variants}
         if len(set(values.values())) > 1:
             by_rank = {rank: values[request] for request, mask in variants.items() for rank in _ranks_of(mask)}
-            return f"Mismatched {label} for collective {what}: {_disagreement(dict(sorted(by_rank.items())))}."
+            return f"Mismatched {label} for collective {what}: {disagreement(dict(sorted(by_rank.items())))}."
         return None
 
     checks: list[tuple[str, Callable[[Request], object]]] = [
@@ -220,7 +220,7 @@ class MessageTable:
                         used = {r: f"process set {key_a[0]}" for r in _ranks_of(a)}
                         used.update({r: f"process set {key_b[0]}" for r in _ranks_of(b)})
                         message = (f"Mismatched process sets for collective {name!r}: "
-                                   f"{_disagreement(dict(sorted(used.items())))}.")
+                                   f"{disagreement(dict(sorted(used.items())))}.")
                         for key in (key_a, key_b):
                             errors.append(Response(key, next(iter(self._pending[key])).kind,
                                                    self._requests(key, members(key[0])), error=message,

@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-__all__ = ["Piece", "DtypePartition", "partition", "balanced_bounds", "counts_within", "bucket_ranges"]
+from hvdplus.common.negotiation import disagreement
+
+__all__ = ["Piece", "DtypePartition", "partition", "balanced_bounds", "counts_within", "bucket_ranges",
+           "parameter_mismatch"]
 
 
 def balanced_bounds(total: int, size: int) -> tuple[int, ...]:
@@ -109,3 +112,18 @@ def bucket_ranges(plan: DtypePartition, element_bytes: int, bucket_bytes: int) -
         buckets.append((start, end, tuple(reversed(members))))
     return buckets
 
+
+
+def parameter_mismatch(described: Sequence[Sequence[tuple]], ranks: Sequence[int]) -> str | None:
+    """Why the ranks' parameter lists cannot be sharded together, or None. `described[i]` is rank `ranks[i]`'s
+    list of (name, shape, dtype); every rank must list the same parameters in the same order."""
+    numbers = {rank: len(listed) for rank, listed in zip(ranks, described)}
+    if len(set(numbers.values())) > 1:
+        return f"Mismatched numbers of parameters to shard: {disagreement(numbers)}."
+    for position in range(len(described[0]) if described else 0):
+        entries = {rank: listed[position] for rank, listed in zip(ranks, described)}
+        if len(set(entries.values())) > 1:
+            shown = {rank: f"{name!r} of shape {tuple(shape)} and dtype {dtype}"
+                     for rank, (name, shape, dtype) in entries.items()}
+            return f"Mismatched parameter {position} to shard: {disagreement(shown)}."
+    return None

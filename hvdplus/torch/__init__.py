@@ -19,6 +19,7 @@ from hvdplus.torch.mpi_ops import (allgather, allgather_async, allreduce, allred
 from hvdplus.torch.optimizer import DistributedOptimizer
 from hvdplus.torch.sparse import sparse_allreduce_async
 from hvdplus.torch.sync_batch_norm import SyncBatchNorm
+from hvdplus.torch.zero import ZeroOptimizer
 from hvdplus.torch import _half_kernels
 
 _half_kernels.register()

@@ -1,0 +1,195 @@
+"""ZeroOptimizer, checked against single-process AdamW on the combined batch, and its checkpoints.
+
+Written to pass at any world size; run by tests/parallel/test_jobs.py on 2 and 3 ranks. Tolerances: float32
+sums of N partial gradients in another order than the one-process backward differ by a few ulps, and Adam's
+update divides by sqrt(v), so 5 steps agree to rtol 1e-5 / atol 1e-6 (measured: ~1e-7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvdplus.common.basics import runtime
+from hvdplus.common.exceptions import CollectiveMismatchError
+from hvdplus.common.ops import OpKind
+
+STEPS, PER_RANK = 5, 4
+
+
+def make_model(seed: int = 0, frozen: bool = False) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    if frozen:
+        model[0].bias.requires_grad_(False)
+    return model
+
+
+def batches(size: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(99)
+    return [(torch.randn(size * PER_RANK, 6, generator=generator), torch.randn(size * PER_RANK, 3, generator=generator))
+            for _ in range(steps)]
+
+
+def make_optimizer(model: torch.nn.Module, groups: bool) -> torch.optim.Optimizer:
+    if not groups:
+        return torch.optim.AdamW([p for p in model.parameters()], lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW([{"params": list(model[0].parameters()), "lr": 3e-2},
+                              {"params": list(model[2].parameters())}], lr=1e-2, weight_decay=0.1)
+
+
+def reference(size: int, steps: int = STEPS, groups: bool = False, frozen: bool = False, clip: float | None = None):
+    """One process, the whole batch of all ranks, plain AdamW."""
+    model = make_model(frozen=frozen)
+    optimizer = make_optimizer(model, groups)
+    norms = []
+    for x, y in batches(size, steps):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+    return model, optimizer, norms
+
+
+def train(hvd, steps: int = STEPS, passes: int = 1, groups: bool = False, frozen: bool = False,
+          clip: float | None = None, model=None, optimizer=None, first_step: int = 0, **kwargs):
+    """Rank r trains on its rows of each global batch, in `passes` micro-batches."""
+    if model is None:
+        model = make_model(seed=hvd.rank(), frozen=frozen)
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.ZeroOptimizer(make_optimizer(model, groups), named_parameters=model.named_parameters(),
+                                      backward_passes_per_step=passes, **kwargs)
+    rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
+    norms = []
+    for x, y in batches(hvd.size(), steps)[first_step:]:
+        optimizer.zero_grad()
+        for xm, ym in zip(x[rows].chunk(passes), y[rows].chunk(passes)):
+            (torch.nn.functional.mse_loss(model(xm), ym) / passes).backward()
+        if clip is not None:
+            norms.append(float(optimizer.clip_grad_norm_(clip)))
+        optimizer.step()
+    return model, optimizer, norms
+
+
+def assert_same_parameters(model, expected, **tolerance):
+    for got, want in zip(model.parameters(), expected.parameters()):
+        torch.testing.assert_close(got.detach(), want.detach(), **(tolerance or {"rtol": 1e-5, "atol": 1e-6}))
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_matches_single_process_adamw_and_holds_one_nth_of_the_state(hvd, passes):
+    model, optimizer, _ = train(hvd, passes=passes)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert_same_parameters(model, reference(hvd.size())[0])
+    total = sum(p.numel() for p in model.parameters())
+    moments = sum(state["exp_avg"].numel() for state in optimizer.state.values())
+    assert moments in (total // hvd.size(), total // hvd.size() + 1)  # this rank's shard, not the model
+    assert all(p.grad is None for p in model.parameters())  # the gradients live in the flat buffer
+    assert runtime().coordinator.largest_batch.get(OpKind.REDUCESCATTER, 0) >= 1
+
+
+def test_two_param_groups_with_their_own_lr_and_a_frozen_parameter(hvd):
+    model, optimizer, _ = train(hvd, groups=True, frozen=True)
+    expected, _, _ = reference(hvd.size(), groups=True, frozen=True)
+    assert_same_parameters(model, expected)
+    assert [group["lr"] for group in optimizer.param_groups] == [3e-2, 1e-2]
+    assert torch.equal(model[0].bias, make_model()[0].bias)  # frozen: never stepped
+
+
+def test_lr_scheduler_steps_the_wrapped_optimizer(hvd):
+    model = make_model(seed=hvd.rank())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.ZeroOptimizer(make_optimizer(model, False), named_parameters=model.named_parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    reference_model = make_model()
+    reference_optimizer = make_optimizer(reference_model, False)
+    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, step_size=2, gamma=0.5)
+    rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
+    for x, y in batches(hvd.size()):
+        for m, opt, sched, data in ((model, optimizer, scheduler, (x[rows], y[rows])),
+                                    (reference_model, reference_optimizer, reference_scheduler, (x, y))):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(data[0]), data[1]).backward()
+            opt.step()
+            sched.step()
+    assert optimizer.param_groups[0]["lr"] == reference_optimizer.param_groups[0]["lr"] == 1e-2 * 0.25
+    assert_same_parameters(model, reference_model)
+
+
+def test_clip_grad_norm_uses_the_global_norm(hvd):
+    model, _, norms = train(hvd, clip=0.05)
+    expected, _, expected_norms = reference(hvd.size(), clip=0.05)
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
+    assert all(norm > 0.05 for norm in norms)  # the clipping really scaled the gradients
+    assert_same_parameters(model, expected)
+
+
+def test_bf16_compression_rounds_the_gradients_within_its_tolerance(hvd):
+    model, _, _ = train(hvd, compression=hvd.Compression.bf16)
+    exact = reference(hvd.size())[0]
+    # bf16 keeps 8 bits of mantissa (relative error 2^-9 per gradient); Adam's update is lr * m / sqrt(v), so
+    # 5 steps of lr 1e-2 move a parameter by at most 5e-2 and the rounding changes that by well under 1e-3.
+    assert_same_parameters(model, exact, rtol=0, atol=1e-3)
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), exact.parameters()))  # it did round
+
+
+def test_consolidated_state_loads_into_plain_adamw_and_resumes_bit_for_bit(hvd, tmp_path_factory):
+    _, optimizer, _ = train(hvd, steps=3)
+    full = optimizer.consolidated_state_dict(to=0)
+    assert (full is None) == (hvd.rank() != 0)
+    full = hvd.broadcast_object(full, root_rank=0)
+    _, expected_optimizer, _ = reference(hvd.size(), steps=3)
+    plain = expected_optimizer.state_dict()
+    assert full["param_groups"] == plain["param_groups"]
+    for index, state in plain["state"].items():
+        torch.testing.assert_close(full["state"][index]["exp_avg_sq"], state["exp_avg_sq"], rtol=1e-5, atol=1e-9)
+        assert float(full["state"][index]["step"]) == float(state["step"]) == 3
+    reloaded = make_model()
+    torch.optim.AdamW(reloaded.parameters()).load_state_dict(full)  # a plain optimizer takes the file
+    uninterrupted, _, _ = train(hvd, steps=STEPS)
+    resumed_model, resumed, _ = train(hvd, steps=3)
+    fresh_model = make_model()
+    fresh_model.load_state_dict(resumed_model.state_dict())
+    fresh = hvd.ZeroOptimizer(make_optimizer(fresh_model, False), named_parameters=fresh_model.named_parameters())
+    fresh.load_state_dict(full)
+    train(hvd, model=fresh_model, optimizer=fresh, first_step=3)
+    for a, b in zip(fresh_model.parameters(), uninterrupted.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_sharded_state_round_trip_resumes_bit_for_bit(hvd):
+    uninterrupted, _, _ = train(hvd, steps=STEPS)
+    model, optimizer, _ = train(hvd, steps=2)
+    shard = optimizer.sharded_state_dict()
+    fresh_model = make_model()
+    fresh_model.load_state_dict(model.state_dict())
+    fresh = hvd.ZeroOptimizer(make_optimizer(fresh_model, False), named_parameters=fresh_model.named_parameters())
+    fresh.load_sharded_state_dict(shard)
+    train(hvd, model=fresh_model, optimizer=fresh, first_step=2)
+    for a, b in zip(fresh_model.parameters(), uninterrupted.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_misuse_and_bad_state_are_refused(hvd):
+    model, optimizer, _ = train(hvd, steps=1)
+    with pytest.raises(RuntimeError, match="consolidated_state_dict"):
+        optimizer.state_dict()
+    full = hvd.broadcast_object(optimizer.consolidated_state_dict(to=0), root_rank=0)
+    before = {k: v["exp_avg"].clone() for k, v in optimizer.state.items()}
+    bad = {"state": dict(full["state"]), "param_groups": full["param_groups"]}
+    bad["state"][0] = dict(full["state"][0], exp_avg=torch.zeros(5))
+    with pytest.raises(ValueError, match="has shape"):
+        optimizer.load_state_dict(bad)
+    with pytest.raises(ValueError, match="param groups"):
+        optimizer.load_state_dict({"state": {}, "param_groups": [{"params": [0]}]})
+    assert all(torch.equal(optimizer.state[k]["exp_avg"], v) for k, v in before.items())  # nothing changed
+    wrong = dict(optimizer.sharded_state_dict(), zero={"size": hvd.size() + 1})
+    with pytest.raises(ValueError, match="number of ranks"):
+        optimizer.load_sharded_state_dict(wrong)
+
+
+def test_parameters_that_differ_between_ranks_raise_on_every_rank(hvd):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3 + (1 if hvd.rank() == hvd.size() - 1 else 0))
+    with pytest.raises(CollectiveMismatchError, match="'weight' of shape"):
+        hvd.ZeroOptimizer(torch.optim.AdamW(model.parameters()), named_parameters=model.named_parameters())
