@@ -81,6 +81,9 @@ class Coordinator:
         self._words = self._cache.capacity // 64
         self._full = (1 << self._cache.capacity) - 1
         self._hits: dict[int, Work] = {}
+        # Cache bits of responses on process sets this rank is not in: it raises them in the all-hit word every
+        # round (it has nothing to announce there), or the members' cached collectives would never be ready.
+        self._foreign = 0
         self._partial_cycles: dict[int, int] = {}
         self._to_send: list[Work] = []
         self._invalid: set[int] = set()
@@ -219,7 +222,8 @@ class Coordinator:
         flags |= _STALL_ABORT if self._stall_abort_due() else 0
         words = np.empty(1 + 3 * self._words, dtype=np.int64)
         words[0] = ~flags
-        words[1:] = np.frombuffer(b"".join(self._bytes(m) for m in (hits, self._full ^ hits, self._full ^ invalid)),
+        words[1:] = np.frombuffer(b"".join(self._bytes(m) for m in (hits | self._foreign, self._full ^ hits,
+                                                                    self._full ^ invalid)),
                                   dtype=np.int64)
         return words
 
@@ -255,6 +259,9 @@ class Coordinator:
             evicted = self._cache.put(response)
             if evicted is not None:
                 self._evict(evicted)
+            bit = self._cache.bit_of(response.key)
+            if bit is not None and self._index_in(response.key[0]) is None:
+                self._foreign |= 1 << bit
         self._execute(responses)
         self._warn_stalls()
         return bool(flags & _BUSY)
@@ -273,6 +280,7 @@ class Coordinator:
 
     def _evict(self, bit: int) -> None:
         self._cache.erase(bit)
+        self._foreign &= ~(1 << bit)
         self._partial_cycles.pop(bit, None)
         work = self._hits.pop(bit, None)
         if work is not None:

@@ -45,6 +45,10 @@ class ResponseCache:
         cached = self._by_bit[bit].requests[set_rank]
         return (Lookup.HIT if cached == request else Lookup.INVALID), bit
 
+    def bit_of(self, key: Key) -> int | None:
+        """The bit of the cached response of `key`, if there is one."""
+        return self._bit_of.get(key)
+
     def get(self, bit: int) -> Response:
         """The response of `bit`, marked as recently used."""
         self._by_bit.move_to_end(bit)

@@ -112,3 +112,14 @@ def test_bad_counts_and_outputs_are_refused_before_anything_is_sent(hvd):
         core.submit_allgather(np.ones(4, dtype=np.float32), "float32", "x", output=np.ones(4 * n, dtype=np.float32))
     with pytest.raises(ValueError, match="must hold"):
         core.submit_allgather(np.ones(1, dtype=np.float32), "float32", "x", counts=[1] * n, output=np.ones(n + 1))
+
+
+def test_a_cached_collective_on_a_set_without_rank_0_runs_again(hvd, rest):
+    """The second use of a name is a response-cache hit; ranks outside the set must not hold it back (they
+    once never raised its bit, and the members waited until the stale-entry eviction)."""
+    if not rest.included():
+        return
+    for _ in range(3):
+        x = np.ones(4, dtype=np.float32)
+        core.submit_allreduce(x, x, "float32", "cached.on.rest", ReduceOp.SUM, process_set=rest).wait()
+        assert x.tolist() == [float(len(rest.ranks))] * 4
