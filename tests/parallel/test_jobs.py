@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.parallel.jobs import WORKERS, assert_every_rank_ran, mpich_mpiexec, mpirun, pytest_argv, run_job
+from tests.parallel.jobs import ROOT, WORKERS, assert_every_rank_ran, mpich_mpiexec, mpirun, pytest_argv, run_job
 
 ENGINES = ["mpi", "mpich", "gloo"]
 
@@ -40,3 +40,18 @@ def test_optimizer_without_buckets():
                            extra_env={"HVDPLUS_BUCKET_BYTES": "0"})
     assert code == 0, f"job failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran("mpi", 3, output, at_least=10)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+def test_zero_checkpoint_from_2_ranks_resumes_on_3(engine, tmp_path):
+    """ZeroOptimizer's consolidated state saved by a 2-rank job is resharded by a 3-rank job, which then trains on
+    to the parameters of an uninterrupted one-process run."""
+    _skip_if_missing(engine)
+    script, path = str(ROOT / "tests" / "parallel" / "scenarios" / "zero_reshard.py"), str(tmp_path / "zero.pt")
+    code, output = run_job(engine, 2, [script, "save", path], timeout=120)
+    assert code == 0, f"save job failed (exit {code}):\n{output[-10000:]}"
+    code, output = run_job(engine, 3, [script, "resume", path], timeout=120)
+    assert code == 0, f"resume job failed (exit {code}):\n{output[-10000:]}"
+    assert output.count("resumed state matches the uninterrupted reference") == 3, output[-5000:]

@@ -12,6 +12,7 @@ import torch
 from hvdplus.common.basics import runtime
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.ops import OpKind
+from tests.parallel.process_sets import rest  # noqa: F401 (fixture)
 
 STEPS, PER_RANK = 5, 4
 
@@ -193,3 +194,21 @@ def test_parameters_that_differ_between_ranks_raise_on_every_rank(hvd):
     model = torch.nn.Linear(4, 3 + (1 if hvd.rank() == hvd.size() - 1 else 0))
     with pytest.raises(CollectiveMismatchError, match="'weight' of shape"):
         hvd.ZeroOptimizer(torch.optim.AdamW(model.parameters()), named_parameters=model.named_parameters())
+
+
+def test_shards_over_a_process_set_without_rank_0(hvd, rest):
+    model = make_model()
+    if not rest.included():
+        with pytest.raises(ValueError, match="not in"):
+            hvd.ZeroOptimizer(make_optimizer(model, False), process_set=rest)
+        return
+    members = list(rest.ranks)
+    optimizer = hvd.ZeroOptimizer(make_optimizer(model, False), named_parameters=model.named_parameters(),
+                                  process_set=rest)
+    rows = slice(members.index(hvd.rank()) * PER_RANK, (members.index(hvd.rank()) + 1) * PER_RANK)
+    for x, y in batches(len(members)):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+    assert_same_parameters(model, reference(len(members))[0])
+    assert optimizer.consolidated_state_dict(to=members[0]) is None or hvd.rank() == members[0]
