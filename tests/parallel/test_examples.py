@@ -69,3 +69,22 @@ def test_synthetic_benchmark_prints_horovods_summary():
     # Both figures are printed to one decimal: doubling the rounded per-CPU figure can be off by 0.1, and
     # the total's own rounding adds up to 0.05, so the two agree to within 0.15.
     assert float(total[0][0]) == pytest.approx(2 * float(per_cpu[0][0]), abs=0.16)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+def test_zero_example_halves_the_state_and_learns_as_distributed_optimizer_does():
+    _need_mpi()
+    found = {}
+    for flag in ("--zero", None):
+        code, output = run_job("mpi", 2, ["examples/pytorch_zero.py", "--epochs", "3", *([flag] if flag else [])],
+                               timeout=150)
+        assert code == 0, output[-5000:]
+        lines = re.findall(r"rank (\d): (\w+), \d+ parameters, optimizer state (\d+) KiB on this rank, "
+                           r"test accuracy ([\d.]+)", output)
+        assert len(lines) == 2, output[-3000:]
+        found[flag] = lines
+    zero_state, full_state = int(found["--zero"][0][2]), int(found[None][0][2])
+    assert abs(zero_state - full_state / 2) <= 1  # each of 2 ranks holds half of AdamW's state
+    assert float(found["--zero"][0][3]) == pytest.approx(float(found[None][0][3]), abs=0.02)
+    assert float(found["--zero"][0][3]) > 0.8
