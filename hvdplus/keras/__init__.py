@@ -11,5 +11,6 @@ from hvdplus.keras import callbacks
 from hvdplus.keras.functions import (allgather, allreduce, broadcast, broadcast_global_variables, broadcast_model,
                                      load_model)
 from hvdplus.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from hvdplus.keras.zero import ZeroOptimizer
 from hvdplus.tensorflow.compression import Compression, Compressor
 from hvdplus.tensorflow.functions import allgather_object, broadcast_object

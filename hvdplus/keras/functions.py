@@ -27,7 +27,9 @@ def broadcast_model(model: keras.Model, root_rank: int, process_set: ProcessSet 
     if optimizer is not None:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
-        _broadcast_assign(optimizer.variables, root_rank, process_set, "broadcast_model.optimizer")
+        # A ZeroOptimizer's slots are this rank's shard: only its replicated variables (iterations, ...) travel.
+        variables = getattr(optimizer, "replicated_variables", optimizer.variables)
+        _broadcast_assign(variables, root_rank, process_set, "broadcast_model.optimizer")
 
 
 def broadcast_global_variables(root_rank: int, model: keras.Model | None = None) -> None:
