@@ -171,7 +171,8 @@ class Executor:
         if len(batch) == 1:
             work, out, counts = batch[0][1], outputs[0].reshape(-1), layout.counts[0]
             inplace = counts[set_rank] > 0 and work.input.ctypes.data == out[sum(counts[:set_rank]):].ctypes.data
-            self._engine.allgather(None if inplace else work.input.reshape(-1), out, counts, group)
+            send = work.input.reshape(-1) if counts[set_rank] else _EMPTY  # an empty view may alias `out` (MPICH)
+            self._engine.allgather(None if inplace else send, out, counts, group)
         else:
             mine = np.concatenate([work.input.reshape(-1) for _, work in batch])
             buffer = self._fusion_buffer(mine.dtype, layout.total)
@@ -218,12 +219,15 @@ class Executor:
             send = send.copy()
         halfops.scale_inplace(send, request.dtype, request.prescale)
         nans = nan.nan_positions(send, request.dtype) if nan.propagates_nan(request.dtype, op) else None
-        self._engine.reducescatter(None if inplace else send, send if inplace else out, counts, request.dtype, op,
-                                   group)
+        recv = send if inplace else (out if out.size else np.empty(0, dtype=send.dtype))  # empty views may alias
+        self._engine.reducescatter(None if inplace else send, recv, counts, request.dtype, op, group)
         if nans is not None:
             flags = np.empty(out.size, dtype=np.uint8)
             self._engine.reducescatter(nans, flags, counts, "uint8", ReduceOp.MAX, group)
             nan.restore_nan(out, request.dtype, flags)
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)  # what a rank with nothing to contribute sends (a buffer of its own)
 
 
 def _scatter_counts(response: Response) -> list[int]:
