@@ -171,7 +171,8 @@ class Executor:
         if len(batch) == 1:
             work, out, counts = batch[0][1], outputs[0].reshape(-1), layout.counts[0]
             inplace = counts[set_rank] > 0 and work.input.ctypes.data == out[sum(counts[:set_rank]):].ctypes.data
-            send = work.input.reshape(-1) if counts[set_rank] else _EMPTY  # an empty view may alias `out` (MPICH)
+            # A rank with nothing to send passes a buffer of its own: an empty view may alias `out` (MPICH refuses).
+            send = work.input.reshape(-1) if counts[set_rank] else np.empty(0, dtype=out.dtype)
             self._engine.allgather(None if inplace else send, out, counts, group)
         else:
             mine = np.concatenate([work.input.reshape(-1) for _, work in batch])
@@ -225,9 +226,6 @@ class Executor:
             flags = np.empty(out.size, dtype=np.uint8)
             self._engine.reducescatter(nans, flags, counts, "uint8", ReduceOp.MAX, group)
             nan.restore_nan(out, request.dtype, flags)
-
-
-_EMPTY = np.empty(0, dtype=np.uint8)  # what a rank with nothing to contribute sends (a buffer of its own)
 
 
 def _scatter_counts(response: Response) -> list[int]:
