@@ -19,7 +19,7 @@ from hvdplus.common.handles import Handle
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind, ReduceOp, check_reducible, storage_dtype
 
-__all__ = ["resolve_op", "process_set_size", "check_root", "check_reducescatter_op", "submit_allreduce",
+__all__ = ["resolve_op", "process_set_size", "check_root", "check_counts", "check_reducescatter_op", "submit_allreduce",
            "submit_allgather", "submit_broadcast", "submit_alltoall", "submit_reducescatter", "submit_barrier",
            "submit_join", "broadcast_object", "allgather_object"]
 
@@ -88,16 +88,17 @@ def _need_dims(array: np.ndarray, what: str) -> None:
         raise ValueError(f"{what} needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
 
 
-def _check_counts(counts: Sequence[int] | None, array: np.ndarray, process_set: ProcessSet,
-                  what: str) -> tuple[int, ...] | None:
-    """Explicit per-rank element counts of a flat collective: one non-negative entry per member of the set."""
+def check_counts(counts: Sequence[int] | None, shape: Sequence[int | None], process_set: ProcessSet,
+                 what: str) -> tuple[int, ...] | None:
+    """Explicit per-rank element counts of a flat collective: a tensor of `shape` (1-D) and one non-negative
+    entry per member of the set. Adapters call it when they build an op, the core again at submit."""
     if counts is None:
         return None
     counts = tuple(int(c) for c in counts)
     set_size = process_set_size(_set_id(process_set))
-    if array.ndim != 1 or len(counts) != set_size or any(c < 0 for c in counts):
+    if len(shape) != 1 or len(counts) != set_size or any(c < 0 for c in counts):
         raise ValueError(f"{what} with counts needs a flat (1-D) tensor and one non-negative count per rank of the "
-                         f"process set ({set_size}); got a tensor of shape {tuple(array.shape)} and counts "
+                         f"process set ({set_size}); got a tensor of shape {tuple(shape)} and counts "
                          f"{list(counts)}")
     return counts
 
@@ -117,7 +118,7 @@ def submit_allgather(array: np.ndarray, dtype: str, name: str | None,
 
     Collective: every rank in the process set must call this, in the same order."""
     _need_dims(array, "allgather")
-    counts = _check_counts(counts, array, process_set, "allgather")
+    counts = check_counts(counts, array.shape, process_set, "allgather")
     if output is not None and counts is None:
         raise ValueError("allgather into a given output needs counts=, the number of elements of every rank")
     _check_output(output, None if counts is None else sum(counts), "allgather")
@@ -194,7 +195,7 @@ def submit_reducescatter(array: np.ndarray, dtype: str, name: str | None, op: Re
     _need_dims(array, "reducescatter")
     check_reducescatter_op(op)
     check_reducible(dtype, op, "reducescatter")
-    counts = _check_counts(counts, array, process_set, "reducescatter")
+    counts = check_counts(counts, array.shape, process_set, "reducescatter")
     if counts is not None:
         if sum(counts) != array.size:
             raise ValueError(f"reducescatter counts must add up to the tensor's {array.size} elements, got "

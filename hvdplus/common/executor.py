@@ -113,7 +113,7 @@ class Executor:
             np.copyto(buffer, source)
             source = None
         halfops.scale_inplace(buffer, request.dtype, request.prescale)
-        op = ReduceOp.SUM if request.op == ReduceOp.AVERAGE else request.op
+        op = _engine_op(request)
         nans = nan.nan_positions(buffer if source is None else source, request.dtype) \
             if nan.propagates_nan(request.dtype, op) else None
         if hierarchical:
@@ -123,8 +123,7 @@ class Executor:
         if nans is not None:
             self._engine.allreduce(nans, "uint8", ReduceOp.MAX, group)
             nan.restore_nan(buffer, request.dtype, nans)
-        postscale = request.postscale / set_size if request.op == ReduceOp.AVERAGE else request.postscale
-        halfops.scale_inplace(buffer, request.dtype, postscale)
+        halfops.scale_inplace(buffer, request.dtype, _postscale(request, set_size))
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buffer = self._fusion_buffers.get(dtype)
@@ -191,7 +190,7 @@ class Executor:
         request = head.first
         layout = Layout([_scatter_counts(response) for response, _ in batch])
         outputs = [_scatter_output(response, work, set_rank) for response, work in batch]
-        op = ReduceOp.SUM if request.op == ReduceOp.AVERAGE else request.op
+        op = _engine_op(request)
         if len(batch) == 1:
             self._reducescatter_alone(batch[0][1], outputs[0].reshape(-1), layout.counts[0], set_rank, op, group)
         else:
@@ -201,7 +200,7 @@ class Executor:
             mine = np.empty(layout.rank_totals[set_rank], dtype=buffer.dtype)
             self._engine.reducescatter(buffer, mine, layout.rank_totals, request.dtype, op, group)
             Layout.end_to_end([out.size for out in outputs]).unpack(mine, [out.reshape(-1) for out in outputs])
-        postscale = request.postscale / len(head.members) if request.op == ReduceOp.AVERAGE else request.postscale
+        postscale = _postscale(request, len(head.members))
         for (_, work), out in zip(batch, outputs):
             halfops.scale_inplace(out.reshape(-1), request.dtype, postscale)
             work.handle.set_result(out)
@@ -226,6 +225,16 @@ class Executor:
             flags = np.empty(out.size, dtype=np.uint8)
             self._engine.reducescatter(nans, flags, counts, "uint8", ReduceOp.MAX, group)
             nan.restore_nan(out, request.dtype, flags)
+
+
+def _engine_op(request: Request) -> ReduceOp:
+    """The op the engine runs: Average is a Sum followed by `_postscale`."""
+    return ReduceOp.SUM if request.op == ReduceOp.AVERAGE else request.op
+
+
+def _postscale(request: Request, set_size: int) -> float:
+    """The factor applied after the engine's reduction (Average divides by the set's size)."""
+    return request.postscale / set_size if request.op == ReduceOp.AVERAGE else request.postscale
 
 
 def _scatter_counts(response: Response) -> list[int]:

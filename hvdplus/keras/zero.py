@@ -270,7 +270,7 @@ class _ZeroStep:
             gathered[(plan_index, name)] = np.asarray(allgather_flat(
                 tf.reshape(tf.convert_to_tensor(slot.value), [-1]), plan.counts,
                 f"{self._hvd_reducer.prefix}.consolidate{number}", process_set))
-        if root is not None and _global_rank() != root:
+        if root is not None and basics.rank() != root:
             return None
         result = []
         for kind, what in layout:
@@ -385,10 +385,6 @@ def _own_slice(plan: DtypePartition, variables: Sequence[Any], rank: int, dtype:
     parts = [tf.reshape(tf.convert_to_tensor(variables[p.param]), [-1])[p.start:p.start + p.length]
              for p in plan.pieces(start, end)]
     return tf.concat(parts, 0) if parts else tf.zeros([0], dtype)
-
-
-def _global_rank() -> int:
-    return basics.rank()
 
 
 def _check_same_variables(variables: Sequence[Any], process_set: ProcessSet, prefix: str) -> None:

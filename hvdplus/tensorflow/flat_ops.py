@@ -25,15 +25,11 @@ __all__ = ["reducescatter_flat", "allgather_flat"]
 
 
 def _flat(tensor: Any, counts: Sequence[int], process_set: ProcessSet, what: str) -> tuple[tf.Tensor, list[int]]:
+    """Checked when the op is built (the core's own check, so a tf.function fails at trace time)."""
     tensor = tf.convert_to_tensor(tensor)
     dtype_name(tensor.dtype)
-    counts = [int(c) for c in counts]
-    if tensor.shape.rank != 1:
-        raise ValueError(f"{what} needs a flat (1-D) tensor, got shape {tensor.shape}")
-    if len(counts) != process_set.size() or any(c < 0 for c in counts):
-        raise ValueError(f"{what} needs one non-negative count per rank of the process set ({process_set.size()}), "
-                         f"got {counts}")
-    return tensor, counts
+    shape = tensor.shape.as_list() if tensor.shape.rank is not None else ["unknown rank"]
+    return tensor, list(core.check_counts(counts, shape, process_set, what))
 
 
 def reducescatter_flat(tensor: Any, counts: Sequence[int], name: str | None, op: ReduceOp = ReduceOp.AVERAGE,

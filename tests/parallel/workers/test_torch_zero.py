@@ -148,25 +148,25 @@ def test_consolidated_state_loads_into_plain_adamw_and_resumes_bit_for_bit(hvd, 
     reloaded = make_model()
     torch.optim.AdamW(reloaded.parameters()).load_state_dict(full)  # a plain optimizer takes the file
     uninterrupted, _, _ = train(hvd, steps=STEPS)
-    resumed_model, resumed, _ = train(hvd, steps=3)
-    fresh_model = make_model()
-    fresh_model.load_state_dict(resumed_model.state_dict())
-    fresh = hvd.ZeroOptimizer(make_optimizer(fresh_model, False), named_parameters=fresh_model.named_parameters())
-    fresh.load_state_dict(full)
-    train(hvd, model=fresh_model, optimizer=fresh, first_step=3)
-    for a, b in zip(fresh_model.parameters(), uninterrupted.parameters()):
-        assert torch.equal(a, b)
+    resumed_model, _, _ = train(hvd, steps=3)
+    assert_resumes_bit_for_bit(hvd, resumed_model, lambda fresh: fresh.load_state_dict(full), 3, uninterrupted)
 
 
 def test_sharded_state_round_trip_resumes_bit_for_bit(hvd):
     uninterrupted, _, _ = train(hvd, steps=STEPS)
     model, optimizer, _ = train(hvd, steps=2)
     shard = optimizer.sharded_state_dict()
+    assert_resumes_bit_for_bit(hvd, model, lambda fresh: fresh.load_sharded_state_dict(shard), 2, uninterrupted)
+
+
+def assert_resumes_bit_for_bit(hvd, model, load, first_step: int, uninterrupted) -> None:
+    """A fresh model with `model`'s weights and a fresh ZeroOptimizer given the saved state by `load` trains the
+    remaining steps to exactly the parameters of the uninterrupted run."""
     fresh_model = make_model()
     fresh_model.load_state_dict(model.state_dict())
     fresh = hvd.ZeroOptimizer(make_optimizer(fresh_model, False), named_parameters=fresh_model.named_parameters())
-    fresh.load_sharded_state_dict(shard)
-    train(hvd, model=fresh_model, optimizer=fresh, first_step=2)
+    load(fresh)
+    train(hvd, model=fresh_model, optimizer=fresh, first_step=first_step)
     for a, b in zip(fresh_model.parameters(), uninterrupted.parameters()):
         assert torch.equal(a, b)
 
