@@ -77,17 +77,24 @@ class _Shards:
         self.bucket_of = {i: bucket for bucket in self.buckets for i in bucket.params}
         self.left = [passes] * len(params)
         self.written = [False] * len(params)
-        # The shard parameters: this rank's range of each partition, cut where the param group changes.
+        # The shard parameters: one per parameter piece in this rank's range, shaped like the parameter when the
+        # piece is all of it (a 0-d one stays 1-D: 0-d state means one value per shard, like Adam's step). The
+        # wrapped optimizer then sees the tensors it would see unsharded (per-tensor rules such as LAMB's trust
+        # ratio hold, and its temporaries are no bigger than one parameter), except for the parameters that
+        # straddle a rank boundary, which it sees as 1-D pieces.
         self.shards: list[tuple[int, int, int, int]] = []  # (partition, group, start, end)
+        self.shard_shapes: list[torch.Size] = []
         for k, part in enumerate(self.plan):
             for piece in part.pieces(*part.shard(self.index)):
-                group = group_of[piece.param]
-                if self.shards and self.shards[-1][:2] == (k, group) and self.shards[-1][3] == piece.offset:
-                    self.shards[-1] = (k, group, self.shards[-1][2], piece.offset + piece.length)
-                else:
-                    self.shards.append((k, group, piece.offset, piece.offset + piece.length))
-        self.shard_params = [torch.nn.Parameter(self.flat_params[k][start:end]) for k, _, start, end in self.shards]
+                whole = piece.length == params[piece.param].numel() and params[piece.param].dim() > 0
+                self.shards.append((k, group_of[piece.param], piece.offset, piece.offset + piece.length))
+                self.shard_shapes.append(params[piece.param].shape if whole else torch.Size([piece.length]))
+        self.shard_params = [torch.nn.Parameter(view) for view in self.shard_views(self.flat_params)]
         self.synchronized = False
+
+    def shard_views(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's shard pieces of the flat buffers `flats` (parameters or gradients), in shard order."""
+        return [flats[k][start:end].view(shape) for (k, _, start, end), shape in zip(self.shards, self.shard_shapes)]
 
     # ------------------------------------------------------------------ backward
     def gradient_ready(self, i: int) -> None:
@@ -151,8 +158,8 @@ class _Shards:
                 bucket.pending, bucket.ready = None, 0
             self.left = [self.passes] * len(self.params)
             self.written = [False] * len(self.params)
-        for shard, (k, _, start, end) in zip(self.shard_params, self.shards):
-            shard.grad = self.flat_grads[k][start:end]
+        for shard, grad in zip(self.shard_params, self.shard_views(self.flat_grads)):
+            shard.grad = grad
         self.synchronized = True
 
     def gather(self) -> None:

@@ -7,7 +7,7 @@
 - `sharded_state_dict()` / `load_sharded_state_dict()`: this rank's shard only, for the same number of ranks.
 - `state_dict()` raises: on one rank it could only return a shard, which would silently lose the rest.
 
-A state value is per element when it is a 1-D tensor with the shard's length (Adam's moments); anything else
+A state value is per element when it is a tensor of the shard parameter's shape (Adam's moments); anything else
 (Adam's `step`) is taken as one value for the whole shard, equal on every rank."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from hvdplus.torch.mpi_ops import _dtype_name, _numpy
 __all__ = ["ZeroStateDicts"]
 
 
-def _per_element(value: Any, length: int) -> bool:
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == length
+def _per_element(value: Any, shard: torch.Tensor) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0 and value.shape == shard.shape
 
 
 class ZeroStateDicts:
@@ -63,8 +63,9 @@ class ZeroStateDicts:
         to = core.check_root(to, z.process_set)
         shards = [(k, group, start, end, self.state.get(param, {}))  # type: ignore[attr-defined]
                   for (k, group, start, end), param in zip(z.shards, z.shard_params)]
-        described = [(k, start, end, {key: (str(v.dtype) if _per_element(v, end - start) else v)
-                                      for key, v in state.items()}) for k, _, start, end, state in shards]
+        described = [(k, start, end, {key: (str(v.dtype) if _per_element(v, param) else v)
+                                      for key, v in state.items()})
+                     for (k, _, start, end, state), param in zip(shards, z.shard_params)]
         everyone = core.allgather_object(described, name=f"ZeroOptimizer.state.{z.names[0]}",
                                          process_set=z.process_set)
         full = self._gather_flat_state(shards, everyone)
@@ -95,7 +96,7 @@ class ZeroStateDicts:
         full = {}
         for (k, key), dtype in sorted(kinds.items()):
             dtype = getattr(torch, dtype.replace("torch.", ""))
-            parts = [state[key] if key in state else torch.zeros(end - start, dtype=dtype)
+            parts = [state[key].reshape(-1) if key in state else torch.zeros(end - start, dtype=dtype)
                      for kk, _, start, end, state in shards if kk == k]
             mine = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
             out = torch.empty(z.plan[k].total, dtype=dtype)
@@ -146,7 +147,7 @@ class ZeroStateDicts:
             entry = {key: v for key, v in first.items() if not (torch.is_tensor(v) and v.dim() > 0)}
             for key in (key for key, v in first.items() if torch.is_tensor(v) and v.dim() > 0):
                 entry[key] = torch.cat([by_param[z.params[p.param]][key].reshape(-1)[p.start:p.start + p.length]
-                                        for p in pieces])
+                                        for p in pieces]).view(shard.shape)
             if entry:
                 sharded[position[shard]] = entry
         groups = [dict({k: v for k, v in saved.items() if k != "params"},

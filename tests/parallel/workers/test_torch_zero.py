@@ -97,6 +97,43 @@ def test_two_param_groups_with_their_own_lr_and_a_frozen_parameter(hvd):
     assert torch.equal(model[0].bias, make_model()[0].bias)  # frozen: never stepped
 
 
+class WithScale(torch.nn.Module):
+    """make_model's network times a learnable 0-d parameter."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        self.net = make_model(seed)
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.scale
+
+
+def test_the_wrapped_optimizer_sees_whole_parameters_with_their_shapes_and_a_0d_one_trains(hvd):
+    model = WithScale(seed=hvd.rank())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer = hvd.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
+                                  named_parameters=model.named_parameters())
+    shapes = {tuple(p.shape) for p in model.parameters() if p.dim() > 0}
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    assert sum(tuple(p.shape) in shapes for p in stepped) >= len(stepped) - 2  # whole, shaped like the model's
+    assert all(p.dim() == 1 for p in stepped if tuple(p.shape) not in shapes)  # only boundary pieces are flat
+    reference_model = WithScale()
+    reference_optimizer = torch.optim.AdamW(reference_model.parameters(), lr=1e-2)
+    rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
+    for x, y in batches(hvd.size()):
+        for m, opt, data in ((model, optimizer, (x[rows], y[rows])), (reference_model, reference_optimizer, (x, y))):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(m(data[0]), data[1]).backward()
+            opt.step()
+    assert_same_parameters(model, reference_model)
+    full = optimizer.consolidated_state_dict(to=0)
+    if full is not None:
+        index = [name for name, _ in model.named_parameters()].index("scale")
+        expected = reference_optimizer.state[reference_model.scale]["exp_avg"]  # 0-d, like the parameter
+        torch.testing.assert_close(full["state"][index]["exp_avg"], expected, rtol=1e-5, atol=1e-9)
+
+
 def test_lr_scheduler_steps_the_wrapped_optimizer(hvd):
     model = make_model(seed=hvd.rank())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
