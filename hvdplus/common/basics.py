@@ -210,6 +210,13 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     return _add(process_set)
 
 
+def open_channel() -> Any:
+    """A point-to-point channel among all ranks (engines/base.py `Channel`), closed at shutdown. Collective: every
+    rank of the job must call this, in the same order relative to its other collectives."""
+    rt = runtime()
+    return rt.coordinator.submit(Request(rt.auto_name("open_channel", 0), OpKind.OPEN_CHANNEL)).wait()
+
+
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set. Collective: every rank of the job must call this, in the same order."""
     rt = runtime()

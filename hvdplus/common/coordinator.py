@@ -90,6 +90,7 @@ class Coordinator:
         self._joined = False
         self._shutdown_requested = False
         self._fatal: BaseException | None = None
+        self._channels: list[Any] = []  # point-to-point channels opened for the user (closed at shutdown)
         self._last_stall_warning = 0.0
         self.rounds = 0  # control rounds run so far (a test checks that idle ranks slow down)
         self.timeline: Timeline | None = None
@@ -168,6 +169,8 @@ class Coordinator:
             if self.timeline:
                 self.timeline.close()
             try:
+                for channel in self._channels:
+                    channel.close()
                 self._engine.shutdown()
             except Exception as exc:  # pragma: no cover - best effort at exit
                 log.debug("engine shutdown failed: %s", exc)
@@ -360,6 +363,9 @@ class Coordinator:
             return response.join_last_rank
         if response.kind == OpKind.ADD_PROCESS_SET:
             return self._add_process_set(tuple(sorted(work.request.ranks or ())))
+        if response.kind == OpKind.OPEN_CHANNEL:
+            self._channels.append(self._engine.open_channel())
+            return self._channels[-1]
         if response.kind == OpKind.REMOVE_PROCESS_SET:
             removed = work.request.root  # the id of the set to remove travels in `root`
             self._sets.pop(removed, None)

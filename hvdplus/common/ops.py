@@ -38,6 +38,7 @@ class OpKind(enum.IntEnum):
     JOIN = 6
     ADD_PROCESS_SET = 7
     REMOVE_PROCESS_SET = 8
+    OPEN_CHANNEL = 9
 
 
 # Logical dtype name -> numpy dtype used to hold the bytes in host memory.

@@ -6,13 +6,13 @@ Buffers are flat, C-contiguous numpy arrays in host memory; `dtype` names the lo
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["Engine", "Group", "Pending", "Done"]
+__all__ = ["Engine", "Group", "Pending", "Done", "Channel", "Transfer"]
 
 Group = Any  # an engine-specific communicator handle
 
@@ -34,6 +34,31 @@ class Done:
 
     def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray:
         return self._result
+
+
+class Transfer(Protocol):
+    """A point-to-point send or receive in flight (see `Channel`)."""
+
+    def wait(self, alive: Callable[[], None]) -> None:
+        """Return once the transfer has completed (raise the engine's error if it failed). Engines that poll call
+        `alive()` between polls, which may raise to give up; the others block without using a core."""
+
+
+class Channel(Protocol):
+    """Point to point among all ranks of the job on a communicator of its own, apart from the collectives:
+    no negotiation, no control round. Ranks are global; messages between two ranks with the same tag arrive
+    in the order they were sent."""
+
+    max_tag: int
+
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Transfer:
+        """Start sending `buf` (kept alive and unchanged until the transfer completes) to rank `peer`."""
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Transfer:
+        """Start receiving a message of exactly `buf`'s size from rank `peer` into `buf`."""
+
+    def close(self) -> None:
+        """Release the channel's communicator."""
 
 
 @runtime_checkable
@@ -88,6 +113,10 @@ class Engine(Protocol):
 
     def beacons(self) -> dict[int, int]:
         """Stall path: the latest round each other rank has announced with `send_beacon` (never blocks long)."""
+
+    def open_channel(self) -> Channel:
+        """Collective over all ranks (run on the coordinator's thread, in the agreed order): a new point-to-point
+        channel among all ranks."""
 
     def shutdown(self) -> None:
         """Release the engine's resources (process groups, communicators)."""

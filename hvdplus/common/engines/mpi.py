@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -137,6 +137,9 @@ class MPIEngine:
         buf = np.empty(1, dtype=np.int64)
         return self.world.Irecv(buf, source=peer, tag=_BEACON_TAG), buf
 
+    def open_channel(self) -> "MPIChannel":
+        return MPIChannel(self.world.Dup(), self._MPI)
+
     def shutdown(self) -> None:
         for request, _ in self._beacon_recvs.values():  # a frozen peer never sends: cancel what waits for it
             request.Cancel()
@@ -145,6 +148,42 @@ class MPIEngine:
         for op in self._half_ops.values():
             op.Free()
         self._half_ops.clear()
+
+
+class MPIChannel:
+    """Point to point on a duplicate of the world communicator (so no collective's message can match)."""
+
+    def __init__(self, comm: Any, MPI: Any) -> None:
+        self._comm, self._MPI = comm, MPI
+        self.max_tag = int(comm.Get_attr(MPI.TAG_UB))
+
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> "_MPITransfer":
+        return _MPITransfer(self._comm.Isend([buf, _mpi_type(self._MPI, buf)], dest=peer, tag=tag), buf)
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> "_MPITransfer":
+        return _MPITransfer(self._comm.Irecv([buf, _mpi_type(self._MPI, buf)], source=peer, tag=tag), buf)
+
+    def close(self) -> None:
+        self._comm.Free()
+
+
+class _MPITransfer:
+    """An MPI request and the buffer it reads or writes (alive until the request completes). `wait` tests it:
+    back to back for a moment, then with sleeps doubling up to 1 ms (MPI's own Wait would spin a core that
+    the peer, a pipeline stage computing on the same host, needs)."""
+
+    _SPIN_S, _FIRST_SLEEP_S, _MAX_SLEEP_S = 200e-6, 20e-6, 1e-3
+
+    def __init__(self, request: Any, buf: np.ndarray) -> None:
+        self._request, self._buf = request, buf
+
+    def wait(self, alive: Callable[[], None]) -> None:
+        started, delay = time.perf_counter(), 0.0
+        while not self._request.Test():
+            if time.perf_counter() - started > self._SPIN_S:
+                alive()
+                delay = min(max(2 * delay, self._FIRST_SLEEP_S), self._MAX_SLEEP_S)
+                time.sleep(delay)
 
 
 class _MPIPending:

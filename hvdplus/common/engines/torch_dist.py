@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -186,6 +186,9 @@ class TorchDistEngine:
         return {peer: int(self._beacon_store.get(key)) for peer, key in keys.items()
                 if self._beacon_store.check([key])}
 
+    def open_channel(self) -> "GlooChannel":
+        return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
+
     def shutdown(self) -> None:
         """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
         every reference: a Gloo group that outlives this call is torn down at interpreter exit, which
@@ -241,6 +244,38 @@ def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -
 
     return AuthenticatedStore(RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port,
                                                launch.secret_key, timeout_seconds))
+
+
+class GlooChannel:
+    """Point to point on a Gloo group of all ranks of its own; buffers travel as bytes, moved by Gloo's threads."""
+
+    max_tag = 2**31 - 1
+
+    def __init__(self, dist: Any, torch: Any, group: Any) -> None:
+        self._dist, self._torch, self._group = dist, torch, group
+
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> "_GlooTransfer":
+        tensor = self._torch.from_numpy(buf.reshape(-1).view(np.uint8))
+        return _GlooTransfer(self._dist.isend(tensor, dst=peer, group=self._group, tag=tag), tensor)
+
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> "_GlooTransfer":
+        tensor = self._torch.from_numpy(buf.reshape(-1).view(np.uint8))
+        return _GlooTransfer(self._dist.irecv(tensor, src=peer, group=self._group, tag=tag), tensor)
+
+    def close(self) -> None:
+        self._dist.destroy_process_group(self._group)
+
+
+class _GlooTransfer:
+    """A Gloo send or receive and the tensor it reads or writes. Gloo's send/recv works report completion only
+    through `wait`, which sleeps on a condition (no core spent) up to the engine's timeout."""
+
+
+    def __init__(self, work: Any, tensor: Any) -> None:
+        self._work, self._tensor = work, tensor
+
+    def wait(self, alive: Callable[[], None]) -> None:
+        self._work.wait()  # a timed wait would close the connection to the peer when the time is up
 
 
 class _GlooPending:
