@@ -1,5 +1,8 @@
 """hvdplus.torch: horovod.torch's API on current PyTorch (`import hvdplus.torch as hvd`)."""
 
+import importlib
+from typing import Any
+
 from hvdplus.common.basics import (ProcessSet, add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
                                    ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_homogeneous,
                                    is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
@@ -23,3 +26,10 @@ from hvdplus.torch.zero import ZeroOptimizer
 from hvdplus.torch import _half_kernels
 
 _half_kernels.register()
+
+
+def __getattr__(name: str) -> Any:
+    """`hvd.pipeline` is imported on first use: torch.distributed.pipelining (for its B/W split) takes ~1.5 s."""
+    if name == "pipeline":
+        return importlib.import_module("hvdplus.torch.pipeline")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
