@@ -94,6 +94,7 @@ class Pipeline(torch.nn.Module):
                  balance: str | Sequence[int] = "parameters", sample_input: Any = None) -> None:
         super().__init__()
         layers = list(model)
+        names = list(model._modules) if isinstance(model, torch.nn.Module) else [str(i) for i in range(len(layers))]
         world = runtime().size
         if num_stages < 1 or world % num_stages:
             raise ValueError(f"num_stages={num_stages} must divide the job's size {world}")
@@ -113,9 +114,9 @@ class Pipeline(torch.nn.Module):
         starts = [sum(sizes[:c]) for c in range(chunks + 1)]
         self.chunks = {c: torch.nn.Sequential(*layers[starts[c]:starts[c + 1]])
                        for c in range(chunks) if self.stage_of_chunk[c] == self.stage}
-        for c in self.chunks:  # registered under their index in the whole model: "4.weight"
+        for c in self.chunks:  # registered under their names in the whole model: "4.weight"
             for index in range(starts[c], starts[c + 1]):
-                self.add_module(str(index), layers[index])
+                self.add_module(names[index], layers[index])
         self.chunk_bounds = [(starts[c], starts[c + 1]) for c in range(chunks)]
         self.pipeline_set, self.data_parallel_set = self._process_sets(world)
         self._channel = open_channel()

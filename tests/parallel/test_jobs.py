@@ -55,3 +55,15 @@ def test_zero_checkpoint_from_2_ranks_resumes_on_3(engine, tmp_path):
     code, output = run_job(engine, 3, [script, "resume", path], timeout=120)
     assert code == 0, f"resume job failed (exit {code}):\n{output[-10000:]}"
     assert output.count("resumed state matches the uninterrupted reference") == 3, output[-5000:]
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+def test_pipeline_suite_on_4_ranks(engine):
+    """The pipeline worker tests on 4 ranks: 2 stages x 2 data-parallel replicas, and 4 stages x 1 (the 2- and
+    3-rank jobs above cover 2 x 1 and 3 x 1)."""
+    _skip_if_missing(engine)
+    code, output = run_job(engine, 4, pytest_argv(str(WORKERS / "test_torch_pipeline.py")), timeout=280)
+    assert code == 0, f"{engine} job with 4 ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran(engine, 4, output, at_least=13)

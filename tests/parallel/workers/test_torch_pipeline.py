@@ -236,3 +236,16 @@ def test_balance_by_parameters_and_by_measured_time(hvd):
     assert sum(end - start for start, end in by_time.chunk_bounds) == len(wide)
     everyone = hvd.allgather_object(by_time.chunk_bounds)
     assert all(b == everyone[0] for b in everyone)  # measured on every rank, agreed by all
+
+
+def test_parameters_keep_the_names_of_the_unpartitioned_model(hvd):
+    import collections
+
+    named = torch.nn.Sequential(collections.OrderedDict(
+        [("embed", torch.nn.Linear(5, 12)), ("act", torch.nn.Tanh())]
+        + [(f"block{i}", torch.nn.Linear(12, 12)) for i in range(2 * hvd.size())]))
+    pipe = hvd.pipeline.Pipeline(named, num_stages=hvd.size(), micro_batches=2)
+    mine = [name for name, _ in pipe.named_parameters()]
+    everyone = [name for names in hvd.allgather_object(mine) for name in names]
+    assert everyone == [name for name, _ in named.named_parameters()]  # each once, in model order
+    assert set(pipe.state_dict()) == set(mine)
