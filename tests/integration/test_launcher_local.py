@@ -75,3 +75,12 @@ def test_python_api_run_returns_results_by_rank():
             hvd_run(functions.fail_on_rank_one, np=2, use_gloo=True, env=env)
     finally:
         sys.path.remove(str(SCRIPTS))
+
+
+@pytest.mark.parametrize("mode", ["--gloo", "--mpi"])
+def test_pipeline_example_under_hvdplusrun(mode):
+    """hvd.pipeline under hvdplusrun on both engines: 2 stages, the unpipelined loss matched (--check)."""
+    done = run([HVDPLUSRUN, "-np", "2", mode, PY, str(ROOT / "examples" / "pytorch_pipeline.py"), "--epochs", "1",
+                "--check"])
+    assert done.returncode == 0, done.output
+    assert "1 pipeline(s) x 2 stages" in done.output and "final loss" in done.output, done.output

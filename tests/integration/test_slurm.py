@@ -61,3 +61,18 @@ def test_hvdplusrun_inside_an_allocation_takes_its_hosts(slurm):
     ranks = reports(done.output)
     assert [r["rank"] for r in ranks] == [0, 1, 2] and {r["size"] for r in ranks} == {3}, done.output
     assert "[2]<stdout>:" in done.output
+
+
+@pytest.mark.parametrize("engine", ["gloo", "mpi"])
+def test_pipeline_example_under_srun(slurm, engine):
+    """hvd.pipeline under plain srun (Gloo) and srun --mpi=pmix (MPI): 2 stages, the unpipelined loss matched."""
+    mpi = []
+    if engine == "mpi":
+        plugins = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, env=_env(slurm))
+        if "pmix" not in plugins.stdout + plugins.stderr:
+            pytest.skip("this Slurm has no PMIx plugin (Debian: slurm-wlm with libpmix-dev)")
+        mpi = ["--mpi=pmix"]
+    done = run(["srun", *mpi, "-n", "2", PY, "examples/pytorch_pipeline.py", "--epochs", "1", "--check"],
+               env=_env(slurm))
+    assert done.returncode == 0, done.output
+    assert "1 pipeline(s) x 2 stages" in done.output and "final loss" in done.output, done.output

@@ -88,3 +88,43 @@ def test_zero_example_halves_the_state_and_learns_as_distributed_optimizer_does(
     assert abs(zero_state - full_state / 2) <= 1  # each of 2 ranks holds half of AdamW's state
     assert float(found["--zero"][0][3]) == pytest.approx(float(found[None][0][3]), abs=0.02)
     assert float(found["--zero"][0][3]) > 0.8
+
+
+def _pipeline_run(np: int, flags: list[str]) -> dict:
+    """Run the pipeline example with --check on `np` ranks; return what rank 0 printed."""
+    _need_mpi()
+    code, output = run_job("mpi", np, ["examples/pytorch_pipeline.py", "--check", "--epochs", "2", *flags],
+                           timeout=100)
+    assert code == 0, output[-5000:]
+    epochs = re.findall(r"epoch (\d+): loss ([\d.]+), (\d+) samples/s", output)
+    final = re.findall(r"final loss ([\d.]+) \(unpipelined ([\d.]+), difference ([\d.e+-]+)\)", output)
+    accuracy = re.findall(r"test accuracy ([\d.]+)", output)
+    assert [int(e[0]) for e in epochs] == [1, 2] and len(final) == 1 and len(accuracy) == 1, output[-5000:]
+    return {"losses": [float(e[1]) for e in epochs], "throughputs": [int(e[2]) for e in epochs],
+            "final": [float(v) for v in final[0]], "accuracy": float(accuracy[0]), "output": output}
+
+
+def _check_pipeline_run(found: dict) -> None:
+    pipelined, unpipelined, difference = found["final"]
+    assert pipelined == pytest.approx(unpipelined, rel=1e-4), found["output"][-3000:]
+    assert difference <= 1e-4 * unpipelined  # measured 6e-8 on 0.535: float32 sums in another order
+    assert pipelined == pytest.approx(found["losses"][-1], abs=5e-5)  # the last epoch's loss, to 4 decimals
+    assert found["losses"][-1] < 0.5 * found["losses"][0]  # measured 1.62 -> 0.54 over 2 epochs
+    assert all(t > 0 for t in found["throughputs"])
+    assert found["accuracy"] > 0.85  # measured 0.911 after 2 epochs; chance is 0.1
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(150)
+def test_pipeline_example_on_two_stages_matches_the_unpipelined_model():
+    found = _pipeline_run(2, [])
+    assert "2 ranks: 1 pipeline(s) x 2 stages, schedule 1f1b" in found["output"]
+    _check_pipeline_run(found)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(150)
+def test_pipeline_example_with_two_zero_bubble_v_replicas_matches_the_unpipelined_model():
+    found = _pipeline_run(4, ["--schedule", "zero-bubble", "--virtual-stages", "2"])
+    assert "4 ranks: 2 pipeline(s) x 2 stages, schedule zero-bubble, 2 chunk(s) per rank" in found["output"]
+    _check_pipeline_run(found)
