@@ -229,7 +229,9 @@ class _Step:
         self.input_grads: dict[tuple[int, int], list] = {}
         self.weight_work: dict[tuple[int, int], WeightWork | tuple] = {}  # B's leftovers (or all of it) for W
         self.total_loss = torch.zeros(())
-        self.sends: list[Any] = []
+        # Transfers in flight, by the action that started them: their buffers (sharing the sent tensors' memory)
+        # stay alive until they complete. An activation's send is done once its gradient comes back.
+        self.sends: dict[tuple[Op, int, int], list[Any]] = {}
         last: dict[tuple[bool, int], int] = {}
         for index, action in enumerate(actions):
             if action.op in (Op.BACKWARD, Op.BACKWARD_WEIGHT, Op.BACKWARD_INPUT):
@@ -250,8 +252,9 @@ class _Step:
                 self.run(index, action)
                 if action.op in (Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT):
                     timings.append((action, started, time.perf_counter()))
-            for transfer in self.sends:
-                transfer.wait(self.alive)
+            for transfers in self.sends.values():
+                for transfer in transfers:
+                    transfer.wait(self.alive)
         except PeerError as exc:
             self.fail(index, str(exc), exc)
         except (HorovodInternalError, KeyboardInterrupt):
@@ -274,7 +277,7 @@ class _Step:
                           for t in send_error(self.pipe._channel, rank, self.pipe._loss_tag, text)]
         # Not waited for: a peer that failed too never takes them. They and the step's sends still in flight
         # keep their buffers until the process ends (a freed buffer would reach a peer as garbage).
-        _ABANDONED.extend(self.sends + transfers)
+        _ABANDONED.extend([t for sent in self.sends.values() for t in sent] + transfers)
         raise PipelineError(text) from cause
 
     def alive(self) -> None:
@@ -289,6 +292,8 @@ class _Step:
             self.received[key] = tuple(t.requires_grad_(self.grad and t.is_floating_point()) for t in tensors)
         elif op == Op.RECV_GRAD:
             self.output_grads[key] = self.receive(action)
+            for transfer in self.sends.pop((Op.SEND_ACTIVATION, *key), ()):  # received before this gradient left
+                transfer.wait(self.alive)
         elif op == Op.SEND_ACTIVATION:
             self.send(action, self.outputs[key])
         elif op == Op.SEND_GRAD:
@@ -361,8 +366,8 @@ class _Step:
 
     def send(self, action: Action, tensors: Sequence[torch.Tensor]) -> None:
         arrays = [(_numpy(t.detach().contiguous()), _dtype_name(t)) for t in tensors]
-        self.sends += send_arrays(self.pipe._channel, self.peer(action),
-                                  self.pipe.tag(action.op, action.micro_batch, action.chunk), arrays)
+        key = (action.op, action.micro_batch, action.chunk)
+        self.sends[key] = send_arrays(self.pipe._channel, self.peer(action), self.pipe.tag(*key), arrays)
 
     def receive(self, action: Action) -> tuple[torch.Tensor, ...]:
         arrays = recv_arrays(self.pipe._channel, self.peer(action),
