@@ -1,7 +1,8 @@
 """Integration fixtures: the real hvdplusrun, a real one-node Slurm, and ssh hosts in network namespaces.
 
 Slurm and the namespaced hosts are built once per session and torn down at its end; they skip with the
-reason when this machine cannot have them (not root, packages missing: scripts/setup_system.sh)."""
+reason when this machine cannot have them (not root, packages missing: scripts/setup_system.sh), and fail instead
+under CI=true, where the setup script installs everything and a skip would hide a broken fixture."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from typing import NoReturn
 
 import pytest
 
@@ -73,12 +76,19 @@ def alive(pid: int) -> bool:
         return False
 
 
+def unavailable(reason: str) -> NoReturn:
+    """Skip: this machine cannot build the fixture; under CI=true fail, since there a skip would hide that."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true, but the fixture cannot be built here: {reason}")
+    pytest.skip(reason)
+
+
 @pytest.fixture(scope="session")
 def slurm():
     """A running one-node Slurm cluster (munge, slurmctld, slurmd); yields it, stops it after the session."""
     reason = missing_for_slurm()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     with tempfile.TemporaryDirectory(prefix="hvdplus-slurm-") as tmp:
         cluster = SlurmCluster(Path(tmp))
         try:
@@ -93,14 +103,14 @@ def ssh_hosts():
     """hostA and hostB (network namespaces with sshd) and a launcher namespace; removed after the session."""
     reason = missing_for_netns()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     with tempfile.TemporaryDirectory(prefix="hvdplus-netns-") as tmp:
         hosts = NetnsHosts(Path(tmp))
         try:
             hosts.start()
         except (subprocess.CalledProcessError, RuntimeError) as exc:
             detail = getattr(exc, "stderr", b"") or b""
-            pytest.skip(f"cannot build namespaced ssh hosts here: {exc} {detail.decode(errors='replace')}")
+            unavailable(f"cannot build namespaced ssh hosts here: {exc} {detail.decode(errors='replace')}")
         try:
             yield hosts
         finally:
