@@ -48,6 +48,7 @@ from hvdplus.common.engines.threads import ThreadEngine, ThreadWorld
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
+from hvdplus.common.topology import Topology
 
 
 @dataclass
@@ -68,7 +69,7 @@ class _Rank:
 
     def __init__(self, engine: ThreadEngine, settings: Settings) -> None:
         self.engine = engine
-        self.coordinator = Coordinator(engine, settings, None)
+        self.coordinator = Coordinator(engine, settings, Topology.single_host(engine.rank, engine.size))
         self.clock = time.pthread_getcpuclockid(self.coordinator.thread_id)
         self.submit_cpu = 0.0
 

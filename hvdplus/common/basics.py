@@ -12,7 +12,6 @@ from typing import Any, Iterable, Sequence
 from hvdplus.common.coordinator import Coordinator
 from hvdplus.common.engines import create_engine
 from hvdplus.common.exceptions import NotInitializedError
-from hvdplus.common.hierarchical import hierarchical_groups
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
@@ -82,11 +81,7 @@ class Runtime:
         hostname = settings.launch.hostname or socket.gethostname()
         hostnames = tuple(h.decode() for h in self.engine.allgather_bytes(hostname.encode(), self.engine.world))
         self.topology = Topology(self.engine.rank, hostnames)
-        groups = hierarchical_groups(self.engine, self.topology) if settings.hierarchical_allreduce else None
-        if settings.hierarchical_allreduce and groups is None and self.engine.rank == 0:
-            log.warning("HOROVOD_HIERARCHICAL_ALLREDUCE needs several hosts with the same number of ranks each; "
-                        "using flat allreduce for hosts %s", self.topology.hosts)
-        self.coordinator = Coordinator(self.engine, settings, groups)
+        self.coordinator = Coordinator(self.engine, settings, self.topology)
         self._counters: dict[str, int] = {}
         self._counter_lock = threading.Lock()
 

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from hvdplus.common.announcements import exchange_announcements
+from hvdplus.common.autotune import Autotuner, TuningSpace, tuning_space
 from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
@@ -30,13 +31,15 @@ from hvdplus.common.executor import Executor, Work
 from hvdplus.common.frozen import FrozenPeerInspector
 from hvdplus.common.fusion import plan_batches
 from hvdplus.common.handles import Handle
-from hvdplus.common.hierarchical import HierarchicalGroups
+from hvdplus.common.hierarchical import HierarchicalGroups, hierarchical_groups
 from hvdplus.common.messages import Key, Request, Response
 from hvdplus.common.negotiation import JOIN_KEY, MessageTable
 from hvdplus.common.ops import OpKind, storage_dtype
 from hvdplus.common.response_cache import Lookup, ResponseCache
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline
+from hvdplus.common.topology import Topology
+from hvdplus.common.tunables import Tunables
 
 __all__ = ["Coordinator"]
 
@@ -51,6 +54,8 @@ _IDLE_WAIT_S = 0.04
 # sleep between tests, up to 1 ms while work is in flight and 4 ms between idle rounds.
 _SPIN_S, _BUSY_SLEEP_S, _IDLE_SLEEP_S = 2e-3, 1e-3, 4e-3
 _FAILED_JOIN_S = 2.0
+# The collectives whose bytes autotune counts (control operations such as joins move none).
+_DATA_KINDS = frozenset({OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.REDUCESCATTER})
 
 
 @dataclass
@@ -58,18 +63,24 @@ class _ProcessSet:
     ranks: tuple[int, ...]
     group: Any
     index: int | None  # this rank's position in `ranks`; None if it is not a member
+    hierarchy: HierarchicalGroups | None = None  # its local and cross groups, when its ranks span hosts evenly
 
 
 class Coordinator:
     """Owns the engine after init: all collectives of this process run on its thread."""
 
-    def __init__(self, engine: Engine, settings: Settings, hierarchical: HierarchicalGroups | None) -> None:
+    def __init__(self, engine: Engine, settings: Settings, topology: Topology) -> None:
         self._engine = engine
         self._settings = settings
+        self._topology = topology
         self.rank, self.size = engine.rank, engine.size
-        self._sets: dict[int, _ProcessSet] = {0: _ProcessSet(tuple(range(self.size)), engine.world, self.rank)}
+        self.tunables = Tunables.from_settings(settings)
+        everyone = tuple(range(self.size))
+        self._sets: dict[int, _ProcessSet] = {
+            0: _ProcessSet(everyone, engine.world, self.rank, self._hierarchy_of(everyone))}
         self._next_set_id = 1
-        self._executor = Executor(engine, lambda set_id: self._sets[set_id].group, hierarchical)
+        self._start_autotune(settings, topology)
+        self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables)
         self._frozen = FrozenPeerInspector(engine, settings)
         self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -141,6 +152,11 @@ class Coordinator:
         return dict(self._executor.largest_batch)
 
     @property
+    def hierarchical_runs(self) -> dict[str, int]:
+        """Engine calls run hierarchically so far, by kind and cross-host algorithm (tests and benchmarks)."""
+        return dict(self._executor.hierarchical_runs)
+
+    @property
     def running(self) -> bool:
         return self._thread.is_alive()
 
@@ -151,13 +167,13 @@ class Coordinator:
 
     # ----------------------------------------------------------------- background thread
     def _loop(self) -> None:
-        cycle = self._settings.cycle_time_ms / 1000.0
         busy, idle_rounds = True, 0
         try:
             while (busy := self._cycle(busy)) is not None:
                 # Every rank saw the same round, so all slow down together once no rank has work in flight:
                 # the wait doubles up to _IDLE_WAIT_S, and a submit on this rank ends it at once.
                 idle_rounds = 0 if busy else idle_rounds + 1
+                cycle = self.tunables.cycle_time_ms / 1000.0
                 self._wake.wait(cycle if busy else min(_IDLE_WAIT_S, cycle * 2 ** min(idle_rounds, 16)))
                 self._wake.clear()
         except BaseException as exc:  # engine failure or a frozen peer: every pending and future call must fail
@@ -175,8 +191,7 @@ class Coordinator:
             except Exception as exc:  # pragma: no cover - best effort at exit
                 log.debug("engine shutdown failed: %s", exc)
             for entry in self._sets.values():  # the engine destroyed the groups: keep no handle alive
-                entry.group = None
-            self._executor.drop_groups()
+                entry.group = entry.hierarchy = None
 
     def _members(self, set_id: int) -> tuple[int, ...]:
         entry = self._sets.get(set_id)
@@ -210,7 +225,8 @@ class Coordinator:
                 self._to_send.append(work)
 
     def _control_words(self) -> np.ndarray:
-        """[~flags, hit bits, ~hit bits, ~invalid bits]: one BAND gives all-hit, any-hit, any-invalid."""
+        """[~flags, hit bits, ~hit bits, ~invalid bits(, autotune configuration)]: one BAND gives all-hit, any-hit,
+        any-invalid (and rank 0's configuration)."""
         hits, invalid = mask_of(self._hits), mask_of(self._invalid)
         if self._joined:
             for bit in self._cache.bits():
@@ -223,11 +239,12 @@ class Coordinator:
         flags = (_HAS_UNCACHED if self._to_send else 0) | (_SHUTDOWN if self._shutdown_requested else 0)
         flags |= _BUSY if self._inflight or self._joined else 0
         flags |= _STALL_ABORT if self._stall_abort_due() else 0
-        words = np.empty(1 + 3 * self._words, dtype=np.int64)
+        words = np.empty(1 + 3 * self._words + (self._tuning is not None), dtype=np.int64)
         words[0] = ~flags
-        words[1:] = np.frombuffer(b"".join(self._bytes(m) for m in (hits | self._foreign, self._full ^ hits,
-                                                                    self._full ^ invalid)),
-                                  dtype=np.int64)
+        if self._tuning is not None:  # rank 0's configuration; the others' -1 leaves it as it is in the AND
+            words[-1] = self._autotuner.config if self._autotuner else -1
+        masks = (hits | self._foreign, self._full ^ hits, self._full ^ invalid)
+        words[1:1 + 3 * self._words] = np.frombuffer(b"".join(self._bytes(m) for m in masks), dtype=np.int64)
         return words
 
     def _bytes(self, mask: int) -> bytes:
@@ -266,6 +283,8 @@ class Coordinator:
             if bit is not None and self._index_in(response.key[0]) is None:
                 self._foreign |= 1 << bit
         self._execute(responses)
+        if self._tuning is not None:
+            self._autotune(int(words[-1]), responses)
         self._warn_stalls()
         return bool(flags & _BUSY)
 
@@ -318,17 +337,22 @@ class Coordinator:
 
     def _execute(self, responses: list[Response]) -> None:
         runnable = [response for response in responses if self.rank in response.members]
-        for batch in plan_batches(runnable, self._settings.fusion_threshold):
-            pairs = [(response, self._take_work(response)) for response in batch]
-            timeline, names = self.timeline, [work.request.name for _, work in pairs if work is not None]
+        batches = [[(response, self._take_work(response)) for response in batch]
+                   for batch in plan_batches(runnable, self.tunables.fusion_threshold)]
+        timeline = self.timeline
+        names = [[work.request.name for _, work in pairs if work is not None] for pairs in batches]
+        if timeline:  # agreed: each tensor leaves negotiation and queues behind the batches before its own
+            for pairs, batch_names in zip(batches, names):
+                timeline.end(batch_names)
+                timeline.begin(batch_names, pairs[0][0].kind.name)
+                timeline.begin(batch_names, "QUEUE")
+        for pairs, batch_names in zip(batches, names):
             if timeline:
-                for name in names:
-                    timeline.end(name)
-                    timeline.begin(name, batch[0].kind.name)
+                timeline.end(batch_names)
+            self._executor.trace(timeline, batch_names)
             self._run_batch(pairs)
             if timeline:
-                for name in names:
-                    timeline.end(name)
+                timeline.end(batch_names)
 
     def _run_batch(self, pairs: list[tuple[Response, Work | None]]) -> None:
         head, work = pairs[0]
@@ -376,9 +400,50 @@ class Coordinator:
         """Collective over all ranks (it runs in the agreed order): create the set's engine group."""
         set_id = self._next_set_id
         index = ranks.index(self.rank) if self.rank in ranks else None
-        self._sets[set_id] = _ProcessSet(ranks, self._engine.new_group(ranks), index)
+        self._sets[set_id] = _ProcessSet(ranks, self._engine.new_group(ranks), index, self._hierarchy_of(ranks))
         self._next_set_id += 1
         return set_id
+
+    def _hierarchy_of(self, ranks: tuple[int, ...]) -> HierarchicalGroups | None:
+        """Collective over all ranks: a process set's hierarchical groups, unless hierarchical collectives are off
+        or its layout cannot use them (the reason is logged when the user asked for them)."""
+        settings = self._settings
+        wanted = settings.hierarchical_allreduce is not False or settings.hierarchical_allgather or settings.autotune
+        if not wanted:
+            return None
+        groups, reason = hierarchical_groups(self._engine, self._topology, ranks)
+        asked = settings.hierarchical_allreduce or settings.hierarchical_allgather
+        if groups is None and asked and self.rank == ranks[0]:
+            log.warning("hierarchical collectives on ranks %s fall back to flat: %s", list(ranks), reason)
+        return groups
+
+    def _start_autotune(self, settings: Settings, topology: Topology) -> None:
+        """With HOROVOD_AUTOTUNE: every rank starts from the same configuration of the same grid (settings and
+        topology are equal everywhere); rank 0 alone runs the search."""
+        self._tuning: TuningSpace | None = None
+        self._autotuner: Autotuner | None = None
+        if not settings.autotune:
+            return
+        self._tuning = tuning_space(self.tunables, settings.explicit, self._sets[0].hierarchy is not None,
+                                    len(topology.hosts))
+        self._tuned = self._tuning.start
+        self._tuning.apply(self._tuned, self.tunables)
+        if self.rank == 0:
+            self._autotuner = Autotuner(self._tuning, warmup_samples=settings.autotune_warmup_samples,
+                                        steps_per_sample=settings.autotune_steps_per_sample,
+                                        max_samples=settings.autotune_bayes_opt_max_samples,
+                                        log_path=settings.autotune_log)
+
+    def _autotune(self, config: int, responses: list[Response]) -> None:
+        """After a cycle's execution: rank 0's tuner records the bytes it moved, then every rank switches to the
+        configuration rank 0 sent in this round, all in the same cycle."""
+        if self._autotuner is not None:
+            moved = sum(r.nbytes for r in responses if r.kind in _DATA_KINDS and r.error is None
+                        and self.rank in r.members)
+            self._autotuner.record(self._tuned, moved, time.monotonic())
+        if config != self._tuned:
+            self._tuning.apply(config, self.tunables)
+            self._tuned = config
 
     def mark_joined(self) -> None:
         """Called by join(): from now on this rank contributes zeros to every allreduce."""

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -12,10 +13,12 @@ from hvdplus.common.adasum import adasum_tensors
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.handles import Handle
-from hvdplus.common.hierarchical import HierarchicalGroups, hierarchical_allreduce
+from hvdplus.common.hierarchical import hierarchical_allgather, hierarchical_allreduce
 from hvdplus.common.layout import Layout
 from hvdplus.common.messages import Request, Response
 from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
+from hvdplus.common.timeline import Timeline
+from hvdplus.common.tunables import Tunables
 
 __all__ = ["Work", "Executor", "reducescatter_rows", "even_splits"]
 
@@ -51,23 +54,67 @@ def _row_elements(shape: tuple[int, ...]) -> int:
 
 
 class Executor:
-    """Executes batches of responses for one rank; `group_of(set_id)` gives the engine group."""
+    """Executes batches of responses for one rank; `set_of(set_id)` gives the process set (its engine group in
+    `.group`, its hierarchical groups or None in `.hierarchy`); `tunables` are read at every batch."""
 
-    def __init__(self, engine: Engine, group_of: Callable[[int], Any],
-                 hierarchical: HierarchicalGroups | None) -> None:
+    def __init__(self, engine: Engine, set_of: Callable[[int], Any], tunables: Tunables) -> None:
         self._engine = engine
-        self._group_of = group_of
-        self._hierarchical = hierarchical
+        self._set_of = set_of
+        self._tunables = tunables
         self._fusion_buffers: dict[np.dtype, np.ndarray] = {}
         self.largest_batch: dict[OpKind, int] = {}  # the most collectives one engine call carried, by kind (tests)
+        # Engine calls that ran hierarchically: "allreduce/<cross-host algorithm>" and "allgather" (tests, benches).
+        self.hierarchical_runs: dict[str, int] = {}
+        self._timeline: Timeline | None = None
+        self._traced: list[str] = []  # the tensor names of the batch running now, when a timeline is on
+
+    def trace(self, timeline: Timeline | None, names: list[str]) -> None:
+        """Record the next batch's activities on `timeline` (None: no timeline) under the tensors' names."""
+        self._timeline, self._traced = timeline, names
+
+    @contextmanager
+    def _activity(self, phase: str) -> Iterator[None]:
+        """A timeline span around one activity of the running batch (nothing without a timeline)."""
+        timeline = self._timeline
+        if timeline is None:
+            yield
+            return
+        timeline.begin(self._traced, phase)
+        try:
+            yield
+        finally:
+            timeline.end(self._traced)
+
+    @contextmanager
+    def _substeps(self) -> Iterator[Callable[[str], None]]:
+        """A `mark(step)` for the hierarchical functions: each step a span that ends where the next begins; the
+        last one ends on exit."""
+        timeline, names, opened = self._timeline, self._traced, []
+        if timeline is None:
+            yield lambda step: None
+            return
+
+        def mark(step: str) -> None:
+            if opened:
+                timeline.end(names)
+            timeline.begin(names, step)
+            opened.append(step)
+
+        try:
+            yield mark
+        finally:
+            if opened:
+                timeline.end(names)
+
+    def _group_of(self, set_id: int) -> Any:
+        return self._set_of(set_id).group
+
+    def _ran_hierarchical(self, what: str) -> None:
+        self.hierarchical_runs[what] = self.hierarchical_runs.get(what, 0) + 1
 
     def _count(self, kind: OpKind, batch: list) -> None:
         if len(batch) > self.largest_batch.get(kind, 0):
             self.largest_batch[kind] = len(batch)
-
-    def drop_groups(self) -> None:
-        """Forget the hierarchical groups once the engine has destroyed them."""
-        self._hierarchical = None
 
     def fail(self, response: Response, work: Work | None) -> None:
         if work is not None:
@@ -88,11 +135,12 @@ class Executor:
         else:
             layout = Layout.end_to_end([w.input.size for w in works])
             buffer = self._fusion_buffer(storage_dtype(first.dtype), layout.total)
-            layout.pack([w.input.reshape(-1) for w in works], buffer)
-        self._reduce(buffer, first, len(members), self._group_of(batch[0][0].key[0]), batch[0][0].key[0] == 0,
-                     source)
+            with self._activity("MEMCPY_IN_FUSION_BUFFER"):
+                layout.pack([w.input.reshape(-1) for w in works], buffer)
+        self._reduce(buffer, first, len(members), self._set_of(batch[0][0].key[0]), source)
         if len(works) > 1:
-            layout.unpack(buffer, [w.output.reshape(-1) for w in works])
+            with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
+                layout.unpack(buffer, [w.output.reshape(-1) for w in works])
         for work in works:
             work.handle.set_result(work.output)
 
@@ -105,10 +153,10 @@ class Executor:
         for work in works:
             work.handle.set_result(work.output)
 
-    def _reduce(self, buffer: np.ndarray, request: Request, set_size: int, group: Any, is_global: bool,
+    def _reduce(self, buffer: np.ndarray, request: Request, set_size: int, process_set: Any,
                 source: np.ndarray | None) -> None:
         """Reduce `source` (or `buffer` itself) into `buffer`; an unscaled flat allreduce skips the copy."""
-        hierarchical = is_global and self._hierarchical is not None
+        group, hierarchical = process_set.group, self._hierarchical_allreduce(process_set, buffer.nbytes)
         if source is not None and (request.prescale != 1.0 or hierarchical):
             np.copyto(buffer, source)
             source = None
@@ -117,13 +165,37 @@ class Executor:
         nans = nan.nan_positions(buffer if source is None else source, request.dtype) \
             if nan.propagates_nan(request.dtype, op) else None
         if hierarchical:
-            hierarchical_allreduce(self._engine, self._hierarchical, buffer, request.dtype, op)
+            with self._activity("HIERARCHICAL_ALLREDUCE"), self._substeps() as mark:
+                ran = hierarchical_allreduce(self._engine, process_set.hierarchy, buffer, request.dtype, op,
+                                             self._tunables.cross_algorithm, mark)
+            self._ran_hierarchical(f"allreduce/{ran}")
         else:
-            self._engine.allreduce(buffer, request.dtype, op, group, send=source)
+            with self._activity(f"{self._engine.name.upper()}_ALLREDUCE"):
+                self._engine.allreduce(buffer, request.dtype, op, group, send=source)
         if nans is not None:
             self._engine.allreduce(nans, "uint8", ReduceOp.MAX, group)
             nan.restore_nan(buffer, request.dtype, nans)
         halfops.scale_inplace(buffer, request.dtype, _postscale(request, set_size))
+
+    def _hierarchical_allreduce(self, process_set: Any, nbytes: int) -> bool:
+        """Whether this buffer goes hierarchically: always or never when the user said so, else from
+        HVDPLUS_HIERARCHICAL_MIN_BYTES on (a small buffer's time is latency, and three steps pay it three times)."""
+        wanted = self._tunables.hierarchical_allreduce
+        if process_set.hierarchy is None or wanted is False:
+            return False
+        return wanted or nbytes >= self._tunables.hierarchical_min_bytes
+
+    def _allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: list[int], process_set: Any) -> None:
+        """The engine's allgather, or Horovod's hierarchical one where it is on and the hosts' ranks are
+        consecutive in the set."""
+        hierarchy = process_set.hierarchy
+        if self._tunables.hierarchical_allgather and hierarchy is not None and hierarchy.contiguous:
+            with self._activity("HIERARCHICAL_ALLGATHER"), self._substeps() as mark:
+                hierarchical_allgather(self._engine, hierarchy, send, recv, counts, mark)
+            self._ran_hierarchical("allgather")
+        else:
+            with self._activity(f"{self._engine.name.upper()}_ALLGATHER"):
+                self._engine.allgather(send, recv, counts, process_set.group)
 
     def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
         buffer = self._fusion_buffers.get(dtype)
@@ -140,7 +212,8 @@ class Executor:
             root = response.members.index(request.root)  # the request names a global rank; the group, its index
             if set_rank == root and work.input is not work.output:
                 np.copyto(work.output, work.input)
-            self._engine.broadcast(work.output.reshape(-1), root, group)
+            with self._activity(f"{self._engine.name.upper()}_BROADCAST"):
+                self._engine.broadcast(work.output.reshape(-1), root, group)
             return work.output
         if response.kind == OpKind.ALLTOALL:
             return self._alltoall(requests, work, set_rank, group)
@@ -164,7 +237,7 @@ class Executor:
         place when this rank's input already sits at its offset there."""
         head = batch[0][0]
         self._count(OpKind.ALLGATHER, batch)
-        set_rank, group = head.members.index(self._engine.rank), self._group_of(head.key[0])
+        set_rank, process_set = head.members.index(self._engine.rank), self._set_of(head.key[0])
         layout = Layout([[r.nelements for r in response.requests] for response, _ in batch])
         outputs = [_gather_output(response, work) for response, work in batch]
         if len(batch) == 1:
@@ -172,12 +245,14 @@ class Executor:
             inplace = counts[set_rank] > 0 and work.input.ctypes.data == out[sum(counts[:set_rank]):].ctypes.data
             # A rank with nothing to send passes a buffer of its own: an empty view may alias `out` (MPICH refuses).
             send = work.input.reshape(-1) if counts[set_rank] else np.empty(0, dtype=out.dtype)
-            self._engine.allgather(None if inplace else send, out, counts, group)
+            self._allgather(None if inplace else send, out, counts, process_set)
         else:
-            mine = np.concatenate([work.input.reshape(-1) for _, work in batch])
+            with self._activity("MEMCPY_IN_FUSION_BUFFER"):
+                mine = np.concatenate([work.input.reshape(-1) for _, work in batch])
             buffer = self._fusion_buffer(mine.dtype, layout.total)
-            self._engine.allgather(mine, buffer, layout.rank_totals, group)
-            layout.unpack(buffer, [out.reshape(-1) for out in outputs])
+            self._allgather(mine, buffer, layout.rank_totals, process_set)
+            with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
+                layout.unpack(buffer, [out.reshape(-1) for out in outputs])
         for (_, work), out in zip(batch, outputs):
             work.handle.set_result(out)
 
@@ -195,11 +270,14 @@ class Executor:
             self._reducescatter_alone(batch[0][1], outputs[0].reshape(-1), layout.counts[0], set_rank, op, group)
         else:
             buffer = self._fusion_buffer(storage_dtype(request.dtype), layout.total)
-            layout.pack([work.input.reshape(-1) for _, work in batch], buffer)
+            with self._activity("MEMCPY_IN_FUSION_BUFFER"):
+                layout.pack([work.input.reshape(-1) for _, work in batch], buffer)
             halfops.scale_inplace(buffer, request.dtype, request.prescale)
             mine = np.empty(layout.rank_totals[set_rank], dtype=buffer.dtype)
-            self._engine.reducescatter(buffer, mine, layout.rank_totals, request.dtype, op, group)
-            Layout.end_to_end([out.size for out in outputs]).unpack(mine, [out.reshape(-1) for out in outputs])
+            with self._activity(f"{self._engine.name.upper()}_REDUCESCATTER"):
+                self._engine.reducescatter(buffer, mine, layout.rank_totals, request.dtype, op, group)
+            with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
+                Layout.end_to_end([out.size for out in outputs]).unpack(mine, [out.reshape(-1) for out in outputs])
         postscale = _postscale(request, len(head.members))
         for (_, work), out in zip(batch, outputs):
             halfops.scale_inplace(out.reshape(-1), request.dtype, postscale)
@@ -220,7 +298,8 @@ class Executor:
         halfops.scale_inplace(send, request.dtype, request.prescale)
         nans = nan.nan_positions(send, request.dtype) if nan.propagates_nan(request.dtype, op) else None
         recv = send if inplace else (out if out.size else np.empty(0, dtype=send.dtype))  # empty views may alias
-        self._engine.reducescatter(None if inplace else send, recv, counts, request.dtype, op, group)
+        with self._activity(f"{self._engine.name.upper()}_REDUCESCATTER"):
+            self._engine.reducescatter(None if inplace else send, recv, counts, request.dtype, op, group)
         if nans is not None:
             flags = np.empty(out.size, dtype=np.uint8)
             self._engine.reducescatter(nans, flags, counts, "uint8", ReduceOp.MAX, group)

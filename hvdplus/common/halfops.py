@@ -9,7 +9,7 @@ import numpy as np
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["bfloat16_to_float32", "float32_to_bfloat16", "bfloat16_reducer", "half_reducer", "scale_inplace",
-           "register_half_kernels", "has_fast_kernels"]
+           "register_half_kernels", "has_fast_kernels", "combine_into"]
 
 HALF_DTYPES = ("float16", "bfloat16")
 # Fast float16/bfloat16 arithmetic supplied by an adapter (numpy's float16 add is ~70x slower than torch's).
@@ -70,14 +70,26 @@ def half_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
 
 def bfloat16_reducer(op: ReduceOp) -> Callable[[Any, Any, Any], None]:
     """An mpi4py user-op body that reduces bfloat16 buffers through float32."""
-    combine = _COMBINE[op]
-
     def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-        incoming = np.frombuffer(inbuf, dtype=np.uint16)
-        inout = np.frombuffer(inoutbuf, dtype=np.uint16)
-        float32_to_bfloat16(combine(bfloat16_to_float32(incoming), bfloat16_to_float32(inout)), out=inout)
+        _bfloat16_combine(op, np.frombuffer(inbuf, dtype=np.uint16), np.frombuffer(inoutbuf, dtype=np.uint16))
 
     return reduce
+
+
+def _bfloat16_combine(op: ReduceOp, incoming: np.ndarray, inout: np.ndarray) -> None:
+    float32_to_bfloat16(_COMBINE[op](bfloat16_to_float32(incoming), bfloat16_to_float32(inout)), out=inout)
+
+
+def combine_into(dtype: str, op: ReduceOp, incoming: np.ndarray, inout: np.ndarray) -> None:
+    """inout = op(incoming, inout) elementwise on storage arrays: the registered half kernel, bfloat16 through
+    float32, or numpy's own ufunc (for Python-driven reductions such as the hierarchical cross-host step)."""
+    fast = _fast_combine.get((dtype, op))
+    if fast is not None:
+        fast(incoming, inout)
+    elif dtype == "bfloat16":
+        _bfloat16_combine(op, incoming, inout)
+    else:
+        _COMBINE[op](incoming, inout, out=inout)
 
 
 def scale_inplace(buf: np.ndarray, dtype: str, factor: float) -> None:

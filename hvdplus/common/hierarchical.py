@@ -1,64 +1,195 @@
-"""Hierarchical allreduce: reduce-scatter within a host, allreduce across hosts, allgather within a host.
+"""Hierarchical collectives: work within each host first, so the slow link between hosts carries less.
 
-Across hosts each rank moves 1/local_size of the buffer, so the slow inter-node link carries
-the data once per host instead of once per rank.
+Allreduce: reduce-scatter within a host, allreduce of this rank's slice across hosts, allgather within the host.
+Across hosts each rank moves 1/local_size of the buffer, so the link carries the data once per host instead of
+once per rank pair a host-blind algorithm happens to route over it. The cross-host step is chosen, not left to
+the library's default: ring, or recursive halving then doubling (Rabenseifner), both built from the engine's
+point-to-point `sendrecv`, which keep both directions of the link busy at once (a library's reduce-then-broadcast
+uses one direction at a time).
+
+Allgather (Horovod's HOROVOD_HIERARCHICAL_ALLGATHER): gather within each host, exchange whole host blocks
+between the local rank 0s, broadcast within each host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hvdplus.common import halfops
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.topology import Topology
 
-__all__ = ["HierarchicalGroups", "hierarchical_groups", "hierarchical_allreduce"]
+__all__ = ["HierarchicalGroups", "hierarchical_groups", "hierarchical_allreduce", "hierarchical_allgather",
+           "cross_allreduce", "split_counts", "resolve_algorithm"]
+
+# Below this many bytes per rank the cross-host step is latency-bound: one library call beats log2(n) or
+# 2(n-1) Python-driven exchanges.
+_P2P_MIN_BYTES = 64 * 1024
+
+
+def _no_mark(step: str) -> None:
+    return None
 
 
 @dataclass(frozen=True)
 class HierarchicalGroups:
-    """The two communicators a hierarchical allreduce needs."""
+    """A process set's communicators for hierarchical collectives, and where this rank sits in them."""
 
-    local: Any
-    cross: Any
+    local: Any  # this rank's host
+    cross: Any  # the ranks with this rank's local index, one per host (the local rank 0s: the host leaders)
     local_size: int
+    local_rank: int
+    cross_size: int  # hosts
+    cross_rank: int  # this rank's host, in order of the hosts' lowest ranks
+    host_members: tuple[tuple[int, ...], ...]  # per host: the set indices of its ranks, ascending
+    contiguous: bool  # every host's ranks are consecutive in set order (hierarchical allgather needs it)
 
 
-def hierarchical_groups(engine: Engine, topology: Topology) -> HierarchicalGroups | None:
-    """Collective over all ranks: build local and cross groups, or None when the layout cannot use them.
-
-    Every rank creates every group in the same order, as the engines require."""
-    if not topology.is_homogeneous or topology.local_size == 1 or len(topology.hosts) == 1:
-        return None
+def hierarchical_groups(engine: Engine, topology: Topology,
+                        ranks: Sequence[int]) -> tuple[HierarchicalGroups | None, str]:
+    """Collective over all ranks of the job: build the local and cross groups of the process set `ranks` (global
+    ranks, ascending), or return None and why the layout cannot use them. Every rank creates every group in the
+    same order, as the engines require."""
+    ranks = tuple(ranks)
+    hosts: dict[str, list[int]] = {}
+    for rank in ranks:
+        hosts.setdefault(topology.hostnames[rank], []).append(rank)
+    sizes = sorted({len(members) for members in hosts.values()})
+    if len(hosts) < 2:
+        return None, "all its ranks are on one host"
+    if len(sizes) > 1:
+        return None, "its hosts run different numbers of ranks (" + ", ".join(
+            f"{host}: {len(members)}" for host, members in hosts.items()) + ")"
+    if sizes[0] == 1:
+        return None, "each host runs one rank of it, so there is nothing to do within a host"
     local = cross = None
-    for host in topology.hosts:
-        group = engine.new_group(topology.local_ranks_of(host))
-        if host == topology.hostnames[topology.rank]:
+    for members in hosts.values():
+        group = engine.new_group(members)
+        if engine.rank in members:
             local = group
-    for local_rank in range(topology.local_size):
-        peers = tuple(topology.local_ranks_of(h)[local_rank] for h in topology.hosts)
+    local_size = sizes[0]
+    for index in range(local_size):
+        peers = [members[index] for members in hosts.values()]
         group = engine.new_group(peers)
-        if topology.rank in peers:
+        if engine.rank in peers:
             cross = group
-    return HierarchicalGroups(local, cross, topology.local_size)
+    if engine.rank not in ranks:
+        return None, "this rank is not a member"
+    host_members = tuple(tuple(ranks.index(r) for r in members) for members in hosts.values())
+    contiguous = all(list(m) == list(range(m[0], m[0] + len(m))) for m in host_members)
+    mine = [i for i, members in enumerate(hosts.values()) if engine.rank in members][0]
+    return HierarchicalGroups(local, cross, local_size, list(hosts.values())[mine].index(engine.rank), len(hosts),
+                              mine, host_members, contiguous), ""
+
+
+def split_counts(total: int, parts: int) -> list[int]:
+    """`total` elements cut into `parts` contiguous pieces that differ by at most one (the first ones larger)."""
+    return [total // parts + (1 if p < total % parts else 0) for p in range(parts)]
+
+
+def resolve_algorithm(algorithm: str, hosts: int, nbytes: int) -> str:
+    """The cross-host algorithm that runs: 'auto' picks halving-doubling for a power-of-two number of hosts,
+    ring otherwise, and the engine's own call for slices too small to gain from either."""
+    if algorithm == "halving-doubling" and hosts & (hosts - 1):
+        return "ring"
+    if algorithm != "auto":
+        return algorithm
+    if nbytes < _P2P_MIN_BYTES:
+        return "engine"
+    return "halving-doubling" if hosts & (hosts - 1) == 0 else "ring"
 
 
 def hierarchical_allreduce(engine: Engine, groups: HierarchicalGroups, buffer: np.ndarray, dtype: str,
-                           op: ReduceOp) -> None:
-    """Reduce `buffer` in place over the whole job in three steps (result equals a flat allreduce)."""
-    chunk = -(-buffer.size // groups.local_size)
-    if chunk * groups.local_size == buffer.size:
-        padded = buffer
+                           op: ReduceOp, algorithm: str = "auto", mark: Callable[[str], None] = _no_mark) -> str:
+    """Reduce `buffer` in place over the whole set in three steps; the result equals a flat allreduce. Slices
+    may differ by one element, so no padding copy is made. Returns the cross-host algorithm that ran; `mark`
+    is called as each step starts (the timeline's sub-steps)."""
+    counts = split_counts(buffer.size, groups.local_size)
+    start = sum(counts[:groups.local_rank])
+    mark("LOCAL_REDUCESCATTER")
+    engine.reducescatter(None, buffer, counts, dtype, op, groups.local)
+    shard = buffer[start:start + counts[groups.local_rank]]
+    mark("CROSS_ALLREDUCE")
+    ran = cross_allreduce(engine, groups.cross, groups.cross_rank, groups.cross_size, shard, dtype, op, algorithm)
+    mark("LOCAL_ALLGATHER")
+    engine.allgather(None, buffer, counts, groups.local)
+    return ran
+
+
+def cross_allreduce(engine: Engine, group: Any, rank: int, size: int, buffer: np.ndarray, dtype: str,
+                    op: ReduceOp, algorithm: str) -> str:
+    """Allreduce `buffer` in place across `group` with the named algorithm; returns the one that ran."""
+    algorithm = resolve_algorithm(algorithm, size, buffer.nbytes)
+    if algorithm == "engine" or size == 1 or buffer.size < size:
+        engine.allreduce(buffer, dtype, op, group)
+        return "engine"
+    parts = split_counts(buffer.size, size)
+    offsets = np.concatenate([[0], np.cumsum(parts)]).tolist()
+    piece = lambda lo, hi: buffer[offsets[lo]:offsets[hi]]  # noqa: E731 - parts lo..hi-1, contiguous
+    scratch = np.empty(max(parts) * (size // 2 if algorithm == "halving-doubling" else 1), dtype=buffer.dtype)
+    if algorithm == "ring":
+        _ring(engine, group, rank, size, piece, scratch, dtype, op)
+    elif algorithm == "halving-doubling":
+        _halving_doubling(engine, group, rank, size, piece, scratch, dtype, op)
     else:
-        padded = np.zeros(chunk * groups.local_size, dtype=buffer.dtype)
-        padded[:buffer.size] = buffer
-    shard = np.empty(chunk, dtype=buffer.dtype)
-    counts = [chunk] * groups.local_size
-    engine.reducescatter(padded, shard, counts, dtype, op, groups.local)
-    engine.allreduce(shard, dtype, op, groups.cross)
-    engine.allgather(shard, padded, counts, groups.local)
-    if padded is not buffer:
-        buffer[...] = padded[:buffer.size]
+        raise ValueError(f"unknown cross-host algorithm {algorithm!r}")
+    return algorithm
+
+
+def _ring(engine: Engine, group: Any, rank: int, size: int, piece: Callable[[int, int], np.ndarray],
+          scratch: np.ndarray, dtype: str, op: ReduceOp) -> None:
+    """Ring reduce-scatter then ring allgather: 2(n-1) steps, each rank sends 2(n-1)/n of the buffer."""
+    right, left = (rank + 1) % size, (rank - 1) % size
+    for step in range(size - 1):
+        send, into = (rank - step) % size, (rank - step - 1) % size
+        target = piece(into, into + 1)
+        incoming = scratch[:target.size]
+        engine.sendrecv(piece(send, send + 1), incoming, right, group, source=left)
+        halfops.combine_into(dtype, op, incoming, target)
+    for step in range(size - 1):
+        send, into = (rank + 1 - step) % size, (rank - step) % size
+        engine.sendrecv(piece(send, send + 1), piece(into, into + 1), right, group, source=left)
+
+
+def _halving_doubling(engine: Engine, group: Any, rank: int, size: int, piece: Callable[[int, int], np.ndarray],
+                      scratch: np.ndarray, dtype: str, op: ReduceOp) -> None:
+    """Rabenseifner: recursive halving reduce-scatter, then recursive doubling allgather (n a power of two):
+    2 log2(n) steps, each rank sends 2(n-1)/n of the buffer."""
+    lo, hi, distance = 0, size, size // 2
+    while distance:
+        partner, middle = rank ^ distance, lo + distance
+        keep, give = ((lo, middle), (middle, hi)) if rank & distance == 0 else ((middle, hi), (lo, middle))
+        target = piece(*keep)
+        incoming = scratch[:target.size]
+        engine.sendrecv(piece(*give), incoming, partner, group)
+        halfops.combine_into(dtype, op, incoming, target)
+        lo, hi = keep
+        distance //= 2
+    distance = 1
+    while distance < size:
+        partner = rank ^ distance
+        other = lo ^ distance
+        engine.sendrecv(piece(lo, hi), piece(other, other + (hi - lo)), partner, group)
+        lo, hi = min(lo, other), max(hi, other + (hi - lo))
+        distance *= 2
+
+
+def hierarchical_allgather(engine: Engine, groups: HierarchicalGroups, send: np.ndarray | None, recv: np.ndarray,
+                           counts: Sequence[int], mark: Callable[[str], None] = _no_mark) -> None:
+    """`Engine.allgather` in three steps (needs `groups.contiguous`): gather within the host into the host's
+    block of `recv`, exchange host blocks between the hosts' local rank 0s, broadcast `recv` within the host."""
+    host_totals = [sum(counts[i] for i in members) for members in groups.host_members]
+    start = sum(host_totals[:groups.cross_rank])
+    block = recv[start:start + host_totals[groups.cross_rank]]
+    mine = groups.host_members[groups.cross_rank]
+    mark("LOCAL_ALLGATHER")
+    engine.allgather(send, block, [counts[i] for i in mine], groups.local)
+    if groups.local_rank == 0:
+        mark("CROSS_ALLGATHER")
+        engine.allgather(None, recv, host_totals, groups.cross)
+    mark("LOCAL_BROADCAST")
+    engine.broadcast(recv, 0, groups.local)

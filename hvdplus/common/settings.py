@@ -11,7 +11,15 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["Setting", "SETTINGS", "Settings", "LaunchEnv", "describe_settings", "expand_nodelist", "slurm_port"]
+__all__ = ["CROSS_ALGORITHMS", "Setting", "SETTINGS", "Settings", "LaunchEnv", "describe_settings", "expand_nodelist", "slurm_port"]
+
+
+CROSS_ALGORITHMS = ("auto", "ring", "halving-doubling", "engine")
+
+
+def _parse_optional_bool(text: str) -> bool | None:
+    """A boolean, or None ("auto", empty) when hvdplus should decide."""
+    return None if text.strip().lower() in ("auto", "") else _parse_bool(text)
 
 
 def _parse_bool(text: str) -> bool:
@@ -33,6 +41,10 @@ class Setting:
     doc: str
     env: str
     alias: str | None = None
+
+    def is_set(self, environ: Mapping[str, str]) -> bool:
+        """Whether `environ` gives this setting, by its name or its Horovod alias."""
+        return self.env in environ or (self.alias is not None and self.alias in environ)
 
     def read(self, environ: Mapping[str, str]) -> Any:
         """Return the parsed value from `environ` (HVDPLUS_* wins over the HOROVOD_* alias)."""
@@ -64,9 +76,36 @@ SETTINGS: tuple[Setting, ...] = (
             "From this many ranks on, new (uncached) announcements are exchanged by recursive doubling of merged "
             "tables (log2 N rounds, O(names) bytes a rank) instead of one allgather (1 round, O(ranks x names)).",
             "HVDPLUS_NEGOTIATION_DOUBLING_RANKS"),
-    Setting("hierarchical_allreduce", _parse_bool, False,
-            "Allreduce as local reduce-scatter, cross-node allreduce, local allgather.",
+    Setting("hierarchical_allreduce", _parse_optional_bool, None,
+            "Allreduce as local reduce-scatter, cross-host allreduce, local allgather: 1 always (where hosts have "
+            "equal slots), 0 never; unset: on for buffers from HVDPLUS_HIERARCHICAL_MIN_BYTES on, across hosts.",
             "HVDPLUS_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
+    Setting("hierarchical_allgather", _parse_bool, False,
+            "Allgather within each host, across hosts between local rank 0s, then broadcast within each host.",
+            "HVDPLUS_HIERARCHICAL_ALLGATHER", "HOROVOD_HIERARCHICAL_ALLGATHER"),
+    Setting("hierarchical_min_bytes", int, 1024 * 1024,
+            "With HOROVOD_HIERARCHICAL_ALLREDUCE unset: the smallest buffer reduced hierarchically across hosts.",
+            "HVDPLUS_HIERARCHICAL_MIN_BYTES"),
+    Setting("cross_algorithm", str, "auto",
+            "Algorithm of the cross-host step of a hierarchical allreduce: 'ring', 'halving-doubling' (power-of-two "
+            "host counts), 'engine' (the library's own allreduce), or 'auto' (halving-doubling, else ring).",
+            "HVDPLUS_CROSS_ALGORITHM"),
+    Setting("autotune", _parse_bool, False,
+            "Pick the fusion threshold, cycle time and hierarchical options from measured throughput during the "
+            "first steps (settings given explicitly stay fixed).",
+            "HVDPLUS_AUTOTUNE", "HOROVOD_AUTOTUNE"),
+    Setting("autotune_log", str, "",
+            "CSV file where rank 0 writes every autotune sample and the chosen configuration; empty: none.",
+            "HVDPLUS_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"),
+    Setting("autotune_warmup_samples", int, 3,
+            "Autotune samples discarded at the start (the first steps run slower for other reasons).",
+            "HVDPLUS_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),
+    Setting("autotune_steps_per_sample", int, 10,
+            "Cycles that carried collectives in one autotune sample.",
+            "HVDPLUS_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"),
+    Setting("autotune_bayes_opt_max_samples", int, 20,
+            "Most configurations autotune measures (after warmup) before it keeps the best.",
+            "HVDPLUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),
     Setting("timeline", str, "",
             "Path of a Chrome-trace timeline written by rank 0; empty disables it.",
             "HVDPLUS_TIMELINE", "HOROVOD_TIMELINE"),
@@ -227,7 +266,15 @@ class Settings:
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     negotiation_doubling_ranks: int = 16
-    hierarchical_allreduce: bool = False
+    hierarchical_allreduce: bool | None = None
+    hierarchical_allgather: bool = False
+    hierarchical_min_bytes: int = 1024 * 1024
+    cross_algorithm: str = "auto"
+    autotune: bool = False
+    autotune_log: str = ""
+    autotune_warmup_samples: int = 3
+    autotune_steps_per_sample: int = 10
+    autotune_bayes_opt_max_samples: int = 20
     timeline: str = ""
     timeline_mark_cycles: bool = False
     stall_check_disable: bool = False
@@ -239,6 +286,7 @@ class Settings:
     dynamic_process_sets: bool = False
     timeout_seconds: float = 60.0
     launch: LaunchEnv = field(default_factory=LaunchEnv)
+    explicit: frozenset[str] = frozenset()  # fields the user set (environment or override): autotune leaves them
 
     def __post_init__(self) -> None:
         if self.fusion_threshold < 0:
@@ -247,6 +295,14 @@ class Settings:
             raise ValueError(f"bucket_bytes must be >= 0 bytes, got {self.bucket_bytes}")
         if self.cycle_time_ms <= 0:
             raise ValueError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")
+        if self.cross_algorithm not in CROSS_ALGORITHMS:
+            raise ValueError(f"cross_algorithm must be one of {CROSS_ALGORITHMS}, got {self.cross_algorithm!r}")
+        if self.autotune_warmup_samples < 0:
+            raise ValueError(f"autotune_warmup_samples must be >= 0, got {self.autotune_warmup_samples}")
+        if self.autotune_steps_per_sample < 1:
+            raise ValueError(f"autotune_steps_per_sample must be >= 1, got {self.autotune_steps_per_sample}")
+        if self.autotune_bayes_opt_max_samples < 1:
+            raise ValueError(f"autotune_bayes_opt_max_samples must be >= 1, got {self.autotune_bayes_opt_max_samples}")
         if self.cpu_operations not in ("", "mpi", "gloo"):
             raise ValueError(f"cpu_operations must be 'mpi' or 'gloo', got {self.cpu_operations!r}")
         if self.gpu_operations not in ("nccl", "mpi"):
@@ -254,18 +310,21 @@ class Settings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
-        """Build settings from `environ` (default: os.environ); keyword overrides win."""
+        """Build settings from `environ` (default: os.environ); keyword overrides win. `explicit` names the
+        settings given by either environment name or by an override."""
         environ = os.environ if environ is None else environ
-        values = {setting.field: setting.read(environ) for setting in SETTINGS}
+        values: dict[str, Any] = {setting.field: setting.read(environ) for setting in SETTINGS}
         values["launch"] = LaunchEnv.from_env(environ)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown setting(s): {sorted(unknown)}")
+        given = {s.field for s in SETTINGS if s.is_set(environ)} | set(overrides) - {"launch", "explicit"}
+        values["explicit"] = frozenset(given)
         values.update(overrides)
         try:
             return cls(**values)
         except ValueError as exc:
-            names = [f"{s.env}/{s.alias}" for s in SETTINGS if s.field in str(exc)]
+            names = ["/".join(filter(None, (s.env, s.alias))) for s in SETTINGS if str(exc).startswith(f"{s.field} ")]
             raise ValueError(f"{exc} (set by environment variable {', '.join(names)})") from None
 
 

@@ -14,6 +14,11 @@ class Topology:
     rank: int
     hostnames: tuple[str, ...]
 
+    @classmethod
+    def single_host(cls, rank: int, size: int) -> "Topology":
+        """Every rank on one host (simulated ranks, tests)."""
+        return cls(rank, ("localhost",) * size)
+
     @property
     def size(self) -> int:
         return len(self.hostnames)

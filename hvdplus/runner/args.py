@@ -6,6 +6,7 @@ import argparse
 import shlex
 from typing import Sequence
 
+from hvdplus.common.settings import CROSS_ALGORITHMS
 from hvdplus.runner.config import load_config
 
 __all__ = ["make_parser", "parse_args"]
@@ -16,6 +17,12 @@ LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 def _positive_int(text: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
+def _whole_number(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}")
     return int(text)
 
 
@@ -53,7 +60,12 @@ def _add_tuning_flags(parser: argparse.ArgumentParser) -> None:
     tuning.add_argument("--cycle-time-ms", type=float, help="milliseconds between negotiation cycles")
     tuning.add_argument("--cache-capacity", type=int, help="response cache entries (0 disables)")
     tuning.add_argument("--hierarchical-allreduce", action=argparse.BooleanOptionalAction,
-                        help="allreduce within hosts, then across hosts")
+                        help="allreduce within hosts, then across hosts (default: for buffers of 1 MiB and more when "
+                             "the job spans hosts with equal slots; --no-hierarchical-allreduce: never)")
+    tuning.add_argument("--hierarchical-allgather", action=argparse.BooleanOptionalAction,
+                        help="allgather within hosts, across hosts between local rank 0s, then broadcast in hosts")
+    tuning.add_argument("--cross-algorithm", choices=CROSS_ALGORITHMS,
+                        help="algorithm of the cross-host step of hierarchical allreduce (default: auto)")
     tuning.add_argument("--timeline-filename", help="rank 0 writes a Chrome-trace timeline there")
     tuning.add_argument("--timeline-mark-cycles", action=argparse.BooleanOptionalAction,
                         help="mark negotiation cycles in the timeline")
@@ -66,6 +78,23 @@ def _add_tuning_flags(parser: argparse.ArgumentParser) -> None:
     tuning.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, help="hvdplus log level in the workers")
 
 
+def _add_autotune_flags(parser: argparse.ArgumentParser) -> None:
+    autotune = parser.add_argument_group("autotune (passed to the workers as HVDPLUS_AUTOTUNE* settings)")
+    autotune.add_argument("--autotune", action="store_true", default=None,
+                          help="pick fusion threshold, cycle time and hierarchical options from measured throughput "
+                               "during the first steps; tuning flags given explicitly stay fixed")
+    autotune.add_argument("--autotune-log-file", help="rank 0 writes every autotune sample there as CSV")
+    autotune.add_argument("--autotune-warmup-samples", type=_whole_number,
+                          help="samples discarded at the start (default 3)")
+    autotune.add_argument("--autotune-steps-per-sample", type=_positive_int,
+                          help="cycles with collectives per sample (default 10)")
+    autotune.add_argument("--autotune-bayes-opt-max-samples", type=_positive_int,
+                          help="most configurations measured before keeping the best (default 20)")
+    autotune.add_argument("--autotune-gaussian-process-noise", type=float,
+                          help="accepted for horovodrun compatibility; unused (hvdplus searches a grid, without a "
+                               "Gaussian process)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser, with horovodrun's flag names."""
     parser = argparse.ArgumentParser(
@@ -74,6 +103,7 @@ def make_parser() -> argparse.ArgumentParser:
         epilog="example: hvdplusrun -np 8 -H node1:4,node2:4 python train.py")
     _add_launch_flags(parser)
     _add_tuning_flags(parser)
+    _add_autotune_flags(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run on every rank")
     return parser
 

@@ -14,12 +14,19 @@ CONFIG_KEYS: dict[tuple[str, str], str] = {
     ("params", "cycle_time_ms"): "cycle_time_ms",
     ("params", "cache_capacity"): "cache_capacity",
     ("params", "hierarchical_allreduce"): "hierarchical_allreduce",
+    ("params", "hierarchical_allgather"): "hierarchical_allgather",
     ("timeline", "filename"): "timeline_filename",
     ("timeline", "mark_cycles"): "timeline_mark_cycles",
     ("stall_check", "enabled"): "stall_check",
     ("stall_check", "warning_time_seconds"): "stall_check_warning_time_seconds",
     ("stall_check", "shutdown_time_seconds"): "stall_check_shutdown_time_seconds",
     ("logging", "level"): "log_level",
+    ("autotune", "enabled"): "autotune",
+    ("autotune", "log_file"): "autotune_log_file",
+    ("autotune", "warmup_samples"): "autotune_warmup_samples",
+    ("autotune", "steps_per_sample"): "autotune_steps_per_sample",
+    ("autotune", "bayes_opt_max_samples"): "autotune_bayes_opt_max_samples",
+    ("autotune", "gaussian_process_noise"): "autotune_gaussian_process_noise",
 }
 
 

@@ -51,6 +51,8 @@ def tuning_env(args: argparse.Namespace) -> dict[str, str]:
         "cycle_time_ms": args.cycle_time_ms,
         "cache_capacity": args.cache_capacity,
         "hierarchical_allreduce": None if args.hierarchical_allreduce is None else flag(args.hierarchical_allreduce),
+        "hierarchical_allgather": None if args.hierarchical_allgather is None else flag(args.hierarchical_allgather),
+        "cross_algorithm": args.cross_algorithm,
         "timeline": args.timeline_filename,
         "timeline_mark_cycles": None if args.timeline_mark_cycles is None else flag(args.timeline_mark_cycles),
         "stall_check_disable": None if args.stall_check is None else flag(not args.stall_check),
@@ -58,6 +60,11 @@ def tuning_env(args: argparse.Namespace) -> dict[str, str]:
         "stall_shutdown_time_seconds": args.stall_check_shutdown_time_seconds,
         "log_level": None if args.log_level is None else args.log_level.lower(),
         "timeout_seconds": args.start_timeout,
+        "autotune": None if args.autotune is None else flag(args.autotune),
+        "autotune_log": args.autotune_log_file,
+        "autotune_warmup_samples": args.autotune_warmup_samples,
+        "autotune_steps_per_sample": args.autotune_steps_per_sample,
+        "autotune_bayes_opt_max_samples": args.autotune_bayes_opt_max_samples,
     }
     names = {setting.field: setting.env for setting in SETTINGS}
     return {names[key]: str(value) for key, value in values.items() if value is not None}

@@ -23,13 +23,23 @@ def on_both_engines(test):
 
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
-def test_hierarchical_allreduce_on_two_hosts():
-    """4 ranks whose HOROVOD_HOSTNAME says 2 hosts x 2 ranks: local/cross groups and 3-step allreduce."""
-    code, output = run_job("gloo", 4, [str(SCENARIOS / "hierarchical.py")],
-                           {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"},
-                           rank_env=lambda rank: {"HOROVOD_HOSTNAME": f"host{rank // 2}"})
+@pytest.mark.parametrize("engine,hosts,env,expect", [
+    ("gloo", "2,2", {}, "halving-doubling"),  # unset flag: large buffers go hierarchically, by auto's algorithm
+    ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_CROSS_ALGORITHM": "ring"}, "ring"),
+    ("mpi", "2,2,2", {}, "ring"),  # 3 hosts: not a power of two
+    ("gloo", "2,2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_CROSS_ALGORITHM": "engine"}, "engine"),
+    ("gloo", "2,1", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "flat"),  # uneven hosts: flat, with the reason
+], ids=["gloo-2x2-auto", "mpi-2x2-ring", "mpi-3x2-auto", "gloo-3x2-engine", "gloo-uneven"])
+def test_hierarchical_collectives_on_simulated_hosts(engine, hosts, env, expect):
+    """Ranks told they live on several hosts: hierarchical allreduce and allgather on the global set and on
+    process sets equal the flat results, the expected path ran (counted), uneven layouts fall back and say why."""
+    size = sum(int(n) for n in hosts.split(","))
+    code, output = run_job(engine, size, [str(SCENARIOS / "hierarchical.py")],
+                           {"HOSTS": hosts, "EXPECT": expect, "HOROVOD_HIERARCHICAL_ALLGATHER": "1", **env})
     assert code == 0, output
-    assert output.count("hierarchical ok") == 4
+    assert output.count("hierarchical ok") == size, output
+    if expect == "flat":
+        assert "fall back to flat: its hosts run different numbers of ranks (host0: 2, host1: 1)" in output, output
 
 
 @on_both_engines
@@ -88,19 +98,37 @@ def test_single_process_without_launcher():
 
 @pytest.mark.parallel
 @pytest.mark.timeout(120)
-def test_timeline_is_a_valid_chrome_trace(tmp_path):
+def test_timeline_is_a_valid_chrome_trace_with_horovods_phases(tmp_path):
+    """4 ranks on 2 simulated hosts: every tensor's row holds NEGOTIATE, the op span and its activities (QUEUE,
+    fusion copies, the engine call, the hierarchical sub-steps nested), spans balance, and the file parsed while
+    the job was still running."""
     import json
 
     path = tmp_path / "timeline.json"
-    code, output = run_job("gloo", 2, [str(SCENARIOS / "timeline.py")], {"HOROVOD_TIMELINE": str(path)})
+    code, output = run_job("gloo", 4, [str(SCENARIOS / "timeline.py")],
+                           {"HOROVOD_TIMELINE": str(path), "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"},
+                           rank_env=lambda rank: {"HOROVOD_HOSTNAME": f"host{rank // 2}"})
     assert code == 0, output
+    assert "valid while running" in output, output
     events = json.loads(path.read_text())
     rows = {e["args"]["name"]: e["pid"] for e in events if e.get("ph") == "M"}
-    assert set(rows) == {"grad.w", "gathered"}
-    spans = [e["name"] for e in events if e.get("ph") == "B" and e["pid"] == rows["grad.w"]]
-    assert spans == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"] * 3
-    begins = sum(1 for e in events if e.get("ph") == "B")
-    assert begins == sum(1 for e in events if e.get("ph") == "E")
+    assert {"grad.w", "gathered", "fused.0", "fused.2", "after.flush"} <= set(rows)
+
+    def spans(name):
+        return [e["name"] for e in events if e.get("ph") == "B" and e["pid"] == rows[name]]
+
+    hierarchical = ["HIERARCHICAL_ALLREDUCE", "LOCAL_REDUCESCATTER", "CROSS_ALLREDUCE", "LOCAL_ALLGATHER"]
+    assert spans("grad.w") == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE", *hierarchical] * 3
+    assert spans("gathered") == ["NEGOTIATE_ALLGATHER", "ALLGATHER", "QUEUE", "GLOO_ALLGATHER"] * 3
+    fused = spans("fused.1")
+    assert fused[:3] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE"], fused
+    assert fused.count("MEMCPY_IN_FUSION_BUFFER") == fused.count("MEMCPY_OUT_FUSION_BUFFER") >= 1, fused
+    for row in rows.values():  # every span on every row is closed, and closed after it opened
+        depth = 0
+        for event in (e for e in events if e.get("pid") == row and e.get("ph") in "BE"):
+            depth += 1 if event["ph"] == "B" else -1
+            assert depth >= 0
+        assert depth == 0
 
 
 @on_both_engines
@@ -111,3 +139,42 @@ def test_negotiation_by_recursive_doubling(engine):
     assert code == 0, output
     assert output.count("mismatch raised") == 3, output
     assert len(re.findall(r"rank \d: doubling ok after \d+ exchanges", output)) == 3, output
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine,np,hosts", [
+    pytest.param("mpi", 2, 1, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+    ("gloo", 2, 1), ("gloo", 3, 1),
+    ("gloo", 4, 2),  # 2 simulated hosts x 2 ranks: the hierarchical options and the cross algorithm are candidates
+], ids=["mpi-2", "gloo-2", "gloo-3", "gloo-2x2"])
+def test_autotune_converges_with_the_users_cycle_time_fixed(tmp_path, engine, np, hosts):
+    """HOROVOD_AUTOTUNE with HOROVOD_CYCLE_TIME given: rank 0 samples fusion thresholds (and, across hosts, the
+    hierarchical options) but never the cycle time, logs every sample and its choice to the CSV, every rank ends
+    on that choice, and every allreduce along the way is right."""
+    import ast
+    import csv
+
+    from hvdplus.common.autotune import TUNED
+
+    log = tmp_path / "at.csv"
+    env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(log), "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
+           "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "12",
+           "HOROVOD_CYCLE_TIME": "2"}
+    code, output = run_job(engine, np, [str(SCENARIOS / "autotune.py"), "150"], env,
+                           rank_env=lambda rank: {"HOROVOD_HOSTNAME": f"host{rank * hosts // np}"}, timeout=150)
+    assert code == 0, output
+    tuned = [dict(ast.literal_eval(found)) for found in re.findall(r"150 steps correct; tuned (\[.*\])", output)]
+    assert len(tuned) == np and all(t == tuned[0] for t in tuned), output
+    with open(log, newline="") as file:
+        rows = list(csv.DictReader(file))
+    assert list(rows[0]) == ["sample", "phase", *TUNED, "bytes", "seconds", "score"]
+    assert [r["phase"] for r in rows[:2]] == ["warmup", "sample"] and rows[-1]["phase"] == "chosen", rows
+    samples = [r for r in rows if r["phase"] == "sample"]
+    assert len(samples) >= 6 and {r["cycle_time_ms"] for r in rows} == {"2.0"}, rows
+    assert len({r["fusion_threshold"] for r in samples}) >= 6, rows
+    assert all(int(r["bytes"]) > 0 and float(r["score"]) > 0 for r in rows), rows
+    chosen = rows[-1]
+    assert {name: chosen[name] for name in TUNED} == {name: "" if tuned[0][name] is None else str(tuned[0][name])
+                                                      for name in TUNED}, (chosen, tuned[0])
+    assert {r["hierarchical_allreduce"] for r in samples} == ({"True", "False"} if hosts > 1 else {""}), rows

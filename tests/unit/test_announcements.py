@@ -13,6 +13,7 @@ from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
+from hvdplus.common.topology import Topology
 
 ALLGATHER, DOUBLING = 10 ** 6, 1  # values of doubling_from: never, always
 
@@ -85,7 +86,7 @@ def test_coordinators_negotiate_over_recursive_doubling(size):
     on every rank naming the odd rank."""
     world = ThreadWorld(size)
     settings = Settings.from_env({}, negotiation_doubling_ranks=2)
-    coordinators = [Coordinator(engine, settings, None) for engine in world.engines]
+    coordinators = [Coordinator(engine, settings, Topology.single_host(engine.rank, engine.size)) for engine in world.engines]
 
     def body(rank):
         coordinator, sums = coordinators[rank], []

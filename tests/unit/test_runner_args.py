@@ -2,6 +2,7 @@
 
 import pytest
 
+from hvdplus.common.settings import Settings
 from hvdplus.runner.args import parse_args
 from hvdplus.runner.config import load_config
 from hvdplus.runner.job import ALIAS_PATH, job_from_args, tuning_env
@@ -16,15 +17,33 @@ def test_horovodrun_flags_parse():
 
 def test_tuning_flags_map_onto_settings_names():
     args = parse_args(["-np", "1", "--fusion-threshold-mb", "32", "--cycle-time-ms", "5", "--cache-capacity", "0",
-                       "--hierarchical-allreduce", "--timeline-filename", "t.json", "--timeline-mark-cycles",
-                       "--no-stall-check", "--stall-check-warning-time-seconds", "30",
+                       "--hierarchical-allreduce", "--hierarchical-allgather", "--cross-algorithm", "ring",
+                       "--timeline-filename", "t.json", "--timeline-mark-cycles", "--no-stall-check", "--stall-check-warning-time-seconds", "30",
                        "--stall-check-shutdown-time-seconds", "90", "--log-level", "debug", "--start-timeout", "20",
                        "python", "x.py"])
     assert tuning_env(args) == {
         "HVDPLUS_FUSION_THRESHOLD": str(32 * 1024 * 1024), "HVDPLUS_CYCLE_TIME": "5.0", "HVDPLUS_CACHE_CAPACITY": "0",
-        "HVDPLUS_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_TIMELINE": "t.json", "HVDPLUS_TIMELINE_MARK_CYCLES": "1",
+        "HVDPLUS_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_HIERARCHICAL_ALLGATHER": "1", "HVDPLUS_CROSS_ALGORITHM": "ring",
+        "HVDPLUS_TIMELINE": "t.json", "HVDPLUS_TIMELINE_MARK_CYCLES": "1",
         "HVDPLUS_STALL_CHECK_DISABLE": "1", "HVDPLUS_STALL_CHECK_TIME_SECONDS": "30.0",
         "HVDPLUS_STALL_SHUTDOWN_TIME_SECONDS": "90.0", "HVDPLUS_LOG_LEVEL": "debug", "HVDPLUS_TIMEOUT": "20"}
+
+
+def test_autotune_flags_map_onto_settings_names():
+    args = parse_args(["-np", "1", "--autotune", "--autotune-log-file", "at.csv", "--autotune-warmup-samples", "0",
+                       "--autotune-steps-per-sample", "5", "--autotune-bayes-opt-max-samples", "12",
+                       "--autotune-gaussian-process-noise", "0.5", "python", "x.py"])
+    assert tuning_env(args) == {
+        "HVDPLUS_AUTOTUNE": "1", "HVDPLUS_AUTOTUNE_LOG": "at.csv", "HVDPLUS_AUTOTUNE_WARMUP_SAMPLES": "0",
+        "HVDPLUS_AUTOTUNE_STEPS_PER_SAMPLE": "5", "HVDPLUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "12"}
+    assert args.autotune_gaussian_process_noise == 0.5  # accepted for horovodrun, unused by the grid search
+
+
+def test_autotune_settings_fixed_by_flags_reach_the_workers_as_explicit():
+    env = tuning_env(parse_args(["-np", "1", "--autotune", "--cycle-time-ms", "2", "python", "x.py"]))
+    settings = Settings.from_env(env)
+    assert settings.autotune and settings.cycle_time_ms == 2.0
+    assert settings.explicit == {"autotune", "cycle_time_ms"}
 
 
 def test_unset_tuning_flags_set_nothing():
@@ -38,6 +57,19 @@ def test_config_file_fills_unset_flags(tmp_path):
     args = parse_args(["-np", "1", "--config-file", str(config), "--cycle-time-ms", "9", "python", "x.py"])
     assert (args.fusion_threshold_mb, args.cycle_time_ms, args.timeline_filename) == (8, 9.0, "/tmp/t.json")
     assert (args.timeline_mark_cycles, args.log_level) == (True, "INFO")
+
+
+def test_config_file_autotune_section(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("autotune:\n  enabled: true\n  log_file: /tmp/at.csv\n  warmup_samples: 1\n"
+                      "  steps_per_sample: 4\n  bayes_opt_max_samples: 8\n  gaussian_process_noise: 0.8\n")
+    args = parse_args(["-np", "1", "--config-file", str(config), "--autotune-steps-per-sample", "6", "python", "x.py"])
+    assert tuning_env(args) == {
+        "HVDPLUS_AUTOTUNE": "1", "HVDPLUS_AUTOTUNE_LOG": "/tmp/at.csv", "HVDPLUS_AUTOTUNE_WARMUP_SAMPLES": "1",
+        "HVDPLUS_AUTOTUNE_STEPS_PER_SAMPLE": "6", "HVDPLUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "8"}
+    config.write_text("autotune:\n  enabled: false\n")
+    assert tuning_env(parse_args(["-np", "1", "--config-file", str(config), "python", "x.py"])) == {
+        "HVDPLUS_AUTOTUNE": "0"}
 
 
 def test_config_file_in_json(tmp_path):
@@ -60,7 +92,9 @@ def test_config_file_errors_name_the_problem(tmp_path, text, problem):
                                           (["-np", "0", "x"], "expected a whole number >= 1"),
                                           (["-np", "2", "--gloo", "--mpi", "x"], "not allowed with"),
                                           (["-H", "a:1", "--hostfile", "h", "x"], "not both"),
-                                          (["-x", "1BAD", "x"], "expected NAME or NAME=VALUE")])
+                                          (["-x", "1BAD", "x"], "expected NAME or NAME=VALUE"),
+                                          (["--autotune-steps-per-sample", "0", "x"], "expected a whole number >= 1"),
+                                          (["--autotune-warmup-samples", "-1", "x"], "expected a whole number >= 0")])
 def test_bad_command_lines_exit_with_the_reason(argv, problem, capsys):
     with pytest.raises(SystemExit) as exit_info:
         parse_args(argv)

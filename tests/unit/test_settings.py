@@ -130,3 +130,38 @@ def test_not_under_mpi_without_mpi_variables():
 def test_settings_from_env_builds_launch():
     s = Settings.from_env({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2"})
     assert (s.launch.rank, s.launch.size) == (1, 2)
+
+
+def test_autotune_settings_and_horovod_names():
+    s = Settings.from_env({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "/tmp/at.csv",
+                           "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "0", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "4",
+                           "HVDPLUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "7"})
+    assert (s.autotune, s.autotune_log, s.autotune_warmup_samples) == (True, "/tmp/at.csv", 0)
+    assert (s.autotune_steps_per_sample, s.autotune_bayes_opt_max_samples) == (4, 7)
+    assert (Settings().autotune, Settings().autotune_warmup_samples, Settings().autotune_steps_per_sample,
+            Settings().autotune_bayes_opt_max_samples) == (False, 3, 10, 20)
+
+
+@pytest.mark.parametrize("var,value", [("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", "-1"),
+                                       ("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", "0"),
+                                       ("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "0")])
+def test_bad_autotune_values_name_the_variable(var, value):
+    with pytest.raises(ValueError, match=f"{var}") as info:
+        Settings.from_env({var: value})
+    assert "HVDPLUS_AUTOTUNE/" not in str(info.value)  # only the setting at fault is named
+
+
+def test_explicit_names_the_settings_given_by_either_name_or_override():
+    s = Settings.from_env({"HOROVOD_CYCLE_TIME": "2", "HVDPLUS_FUSION_THRESHOLD": "0", "HOROVOD_RANK": "1"},
+                          hierarchical_allgather=True)
+    assert s.explicit == {"cycle_time_ms", "fusion_threshold", "hierarchical_allgather"}
+    assert Settings.from_env({}).explicit == frozenset()
+
+
+def test_hierarchical_allreduce_is_unset_auto_on_or_off_and_the_cross_algorithm_is_checked():
+    assert Settings.from_env({}).hierarchical_allreduce is None  # hvdplus decides by size
+    assert Settings.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "auto"}).hierarchical_allreduce is None
+    assert Settings.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}).hierarchical_allreduce is False
+    assert Settings.from_env({"HOROVOD_HIERARCHICAL_ALLGATHER": "1"}).hierarchical_allgather is True
+    with pytest.raises(ValueError, match=r"must be one of.*\(set by environment variable HVDPLUS_CROSS_ALGORITHM\)"):
+        Settings.from_env({"HVDPLUS_CROSS_ALGORITHM": "butterfly"})

@@ -97,8 +97,10 @@ class Engine(Protocol):
     def barrier(self, group: Group) -> None:
         """Return once every rank of `group` has entered."""
 
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group) -> None:
-        """Point to point: send `send` to rank `peer` of `group` and receive its buffer into `recv` (same size)."""
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group,
+                 source: int | None = None) -> None:
+        """Point to point: send `send` to rank `peer` of `group` and receive into `recv` what rank `source`
+        (default: `peer`) sends this rank in the same exchange (each message has the size its receiver expects)."""
 
     def allgather_bytes(self, data: bytes, group: Group) -> list[bytes]:
         """Control plane: every rank's `data`, in rank order."""

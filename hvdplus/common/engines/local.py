@@ -45,7 +45,7 @@ class LocalEngine:
     def barrier(self, group: str) -> None:
         return None
 
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: str) -> None:
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: str, source: int | None = None) -> None:
         recv[...] = send
 
     def allgather_bytes(self, data: bytes, group: str) -> list[bytes]:

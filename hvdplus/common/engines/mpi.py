@@ -104,8 +104,8 @@ class MPIEngine:
     def barrier(self, group: Any) -> None:
         group.Barrier()
 
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any) -> None:
-        group.Sendrecv(send, dest=peer, recvbuf=recv, source=peer)
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
+        group.Sendrecv(send, dest=peer, recvbuf=recv, source=peer if source is None else source)
 
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         sizes = np.array(group.allgather(len(data)), dtype=np.int64)

@@ -169,11 +169,11 @@ class ThreadEngine:
         self._check(group)
         self._collective(None, lambda parts: None, 0)
 
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any) -> None:
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
         self._check(group)
         started = time.thread_time()
         self._world.mailbox(self.rank, peer).put(send.copy())
-        received = self._world.mailbox(peer, self.rank).get()
+        received = self._world.mailbox(peer if source is None else source, self.rank).get()
         recv[...] = received
         self.bytes_received += received.nbytes
         self._engine_cpu[threading.get_ident()] += time.thread_time() - started

@@ -154,9 +154,9 @@ class TorchDistEngine:
     def barrier(self, group: Any) -> None:
         self._dist.barrier(group=group)
 
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any) -> None:
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
         request = self._dist.isend(self._bytes(send), group=group, group_dst=peer)
-        self._dist.recv(self._bytes(recv), group=group, group_src=peer)
+        self._dist.recv(self._bytes(recv), group=group, group_src=peer if source is None else source)
         request.wait()
 
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:

@@ -1,18 +1,71 @@
-"""Hierarchical allreduce over two (simulated) hosts equals the flat result, fused or not."""
+"""Hierarchical allreduce and allgather over simulated hosts equal the flat results, on the global process set
+and on a process set of their own, with sizes that do not divide by the ranks per host, fused or not.
+
+HOSTS="2,2" gives each rank its host name before init (host0 gets the first 2 ranks, host1 the next 2);
+EXPECT is the cross-host algorithm expected for large buffers, or "flat" when the layout must fall back."""
+
+import os
 
 import torch
 
-import hvdplus.torch as hvd
+rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", os.environ.get("HOROVOD_RANK", "0"))))
+slots = [int(n) for n in os.environ["HOSTS"].split(",")]
+os.environ["HOROVOD_HOSTNAME"] = f"host{sum(rank >= sum(slots[:h + 1]) for h in range(len(slots)))}"
 
-hvd.init()
-assert hvd.local_size() == 2 and hvd.cross_size() == 2, (hvd.local_size(), hvd.cross_size())
-for count in (1, 7, 1000):
-    x = torch.arange(count, dtype=torch.float32) * (hvd.rank() + 1)
-    expected = torch.arange(count, dtype=torch.float32) * sum(r + 1 for r in range(hvd.size()))
-    torch.testing.assert_close(hvd.allreduce(x, op=hvd.Sum, name=f"h{count}"), expected)
-    torch.testing.assert_close(hvd.allreduce(x, name=f"avg{count}"), expected / hvd.size())
-handles = [hvd.allreduce_async(torch.full((5,), float(i)), op=hvd.Sum, name=f"fused{i}") for i in range(20)]
-for i, handle in enumerate(handles):
-    assert torch.all(hvd.synchronize(handle) == i * hvd.size())
-print(f"rank {hvd.rank()} local {hvd.local_rank()} cross {hvd.cross_rank()}: hierarchical ok")
+import hvdplus.torch as hvd  # noqa: E402
+from hvdplus.common.basics import runtime  # noqa: E402
+
+everyone_but_last = hvd.ProcessSet(list(range(sum(slots) - 1)))
+evens = hvd.ProcessSet(list(range(0, sum(slots), 2)))
+hvd.init(process_sets=[everyone_but_last, evens])
+size, expect = hvd.size(), os.environ["EXPECT"]
+assert len(slots) == hvd.cross_size() or expect == "flat", (hvd.local_size(), hvd.cross_size())
+
+
+def check_allreduce(process_set, tag):
+    members = process_set.ranks if process_set.ranks else list(range(size))
+    for count in (1, 7, 1000, (1 << 18) + 3):  # the last is 1 MiB and more: hierarchical by default
+        x = torch.arange(count, dtype=torch.float32) * (hvd.rank() + 1)
+        total = torch.arange(count, dtype=torch.float32) * sum(r + 1 for r in members)
+        torch.testing.assert_close(hvd.allreduce(x, op=hvd.Sum, name=f"{tag}.h{count}", process_set=process_set),
+                                   total)
+        torch.testing.assert_close(hvd.allreduce(x, name=f"{tag}.avg{count}", process_set=process_set),
+                                   total / len(members))
+        half = hvd.allreduce(x.to(torch.bfloat16), op=hvd.Sum, name=f"{tag}.bf{count}", process_set=process_set)
+        torch.testing.assert_close(half.float(), total, rtol=2e-2, atol=1.0)
+    handles = [hvd.allreduce_async(torch.full((5,), float(i)), op=hvd.Sum, name=f"{tag}.fused{i}",
+                                   process_set=process_set) for i in range(20)]
+    for i, handle in enumerate(handles):
+        assert torch.all(hvd.synchronize(handle) == i * len(members))
+
+
+def check_allgather(process_set, tag):
+    members = process_set.ranks if process_set.ranks else list(range(size))
+    mine = torch.full((members.index(hvd.rank()) % 3 + 1, 2), float(hvd.rank()))  # uneven rows per rank
+    expected = torch.cat([torch.full((i % 3 + 1, 2), float(r)) for i, r in enumerate(members)])
+    torch.testing.assert_close(hvd.allgather(mine, name=f"{tag}.ag", process_set=process_set), expected)
+    handles = [hvd.allgather_async(mine + i, name=f"{tag}.ag{i}", process_set=process_set) for i in range(5)]
+    for i, handle in enumerate(handles):
+        torch.testing.assert_close(hvd.synchronize(handle), expected + i)
+
+
+check_allreduce(hvd.global_process_set, "global")
+check_allgather(hvd.global_process_set, "global")
+runs = runtime().coordinator.hierarchical_runs
+if expect == "flat":
+    assert not runs, runs
+else:
+    assert runs.get(f"allreduce/{expect}", 0) >= 2, runs  # the 1 MiB buffer: sum and average
+    assert runs.get("allgather", 0) >= 2, runs  # the lone allgather and the fused batch
+if evens.included():  # one rank per host (2 hosts), or hosts with different counts (3): flat
+    before = runtime().coordinator.hierarchical_runs
+    check_allreduce(evens, "evens")
+    assert runtime().coordinator.hierarchical_runs == before
+if everyone_but_last.included():  # the last host is a rank short: flat, with a logged reason
+    before = runtime().coordinator.hierarchical_runs
+    check_allreduce(everyone_but_last, "but_last")
+    check_allgather(everyone_but_last, "but_last")
+    assert runtime().coordinator.hierarchical_runs == before
+hvd.barrier()  # shutdown stops every rank's background thread: wait for the process sets' members first
+print(f"rank {hvd.rank()} local {hvd.local_rank()} cross {hvd.cross_rank()} runs {runs}: hierarchical ok")
 hvd.shutdown()

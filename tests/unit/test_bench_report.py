@@ -1,0 +1,183 @@
+"""scripts/bench_report.py: tables, plots and "not measured yet" sections from the benchmarks' JSON files.
+
+The JSON files are made by the benchmarks' own summarising and writing functions from made-up timings, so a
+change in a benchmark's format that the report does not follow fails here.
+"""
+
+import argparse
+import dataclasses
+import importlib
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+MIB = 1 << 20
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SECTIONS = ("## Allreduce against the raw engine call", "## Multi-host allreduce against the cost model",
+            "## Training throughput, PyTorch", "## Training throughput, Keras", "## ZeRO optimizer-state sharding",
+            "## Pipeline schedules")
+
+
+@pytest.fixture
+def scripts(monkeypatch):
+    """The benchmark scripts as modules (they import each other by their plain names)."""
+    monkeypatch.syspath_prepend(str(SCRIPTS))
+    names = ("bench_report", "bench_collectives", "bench_training", "bench_training_keras", "training_bench",
+             "bench_multihost", "bench_zero", "bench_pipeline")
+    return SimpleNamespace(**{name: importlib.import_module(name) for name in names})
+
+
+def engine_report(bc, engine: str, ranks: int, hvdplus_s: float) -> dict:
+    """One configuration as bench_collectives.py's driver keeps it; the quiet raw call takes 1 ms everywhere,
+    so the busbw ratio and the fusion speedup are 1 ms / hvdplus_s."""
+    plans = bc.make_plans(quick=True)
+    times = {bc.HVDPLUS: hvdplus_s, bc.QUIET: 1e-3, bc.BESIDE: 1e-3, bc.ASYNC: 4e-3, bc.GROUPED: 0.5e-3}
+    samples = {(side, plan): [seconds] * 3 for side, seconds in times.items() for plan in plans}
+    report = bc.EngineReport(engine, ranks)
+    bc.fill_report(report, samples, plans, rounds=1, rank=1)
+    result = dataclasses.asdict(report)
+    result["job_wall_s"], result["summary"] = 1.0, bc.summarize(result)
+    return result
+
+
+def write_collectives(scripts, path: Path) -> None:
+    bc = scripts.bench_collectives
+    reports = {bc.config_label("mpi", 2): engine_report(bc, "mpi", 2, 2e-3),
+               bc.config_label("gloo", 3): engine_report(bc, "gloo", 3, 4e-3)}
+    bc.write_json(str(path), argparse.Namespace(np=(2, 3), quick=True), reports,
+                  {bc.config_label("mpi", 3): "the mpi benchmark job failed (exit codes [1])"})
+
+
+def training_args(path: Path, **extra) -> argparse.Namespace:
+    return argparse.Namespace(json=str(path), np=2, models="mlp", steps=20, reps=3, warmup=5, rounds=2,
+                              timeout=600, worker=False, mode=None, result_file=None, **extra)
+
+
+def write_training(scripts, path: Path) -> None:
+    samples = {"ddp": {"mlp": [0.040] * 3}, "hvdplus": {"mlp": [0.032] * 3}, "hvdplus_fp16": {"mlp": [0.050] * 3}}
+    summary = scripts.bench_training.summarize(samples, ("ddp", "hvdplus", "hvdplus_fp16"), 2)
+    scripts.training_bench.write_report(training_args(path, framework="torch", engine="mpi"), summary, samples, 0.0)
+
+
+def write_training_keras(scripts, path: Path) -> None:
+    step = {"single": 0.015, "mwms": 0.040, "hvdplus": 0.026, "hvdplus_fp16": 0.035}
+    samples = {mode: {"mlp": [seconds] * 3} for mode, seconds in step.items()}
+    summary = scripts.bench_training_keras.summarize(samples, 2)
+    scripts.training_bench.write_report(training_args(path), summary, samples, 0.0)
+
+
+def write_multihost(scripts, path: Path) -> None:
+    """One 2x2 run, as the workers record it, summarised and written as bench_multihost.py's driver does."""
+    step = {"raw": (0.010, 0.700), "flat": (0.012, 0.600), "hierarchical": (0.015, 0.480),
+            "auto": (0.012, 0.500), "hierarchical-fp16": (0.010, 0.240)}
+    record = {"hosts": 2, "local": 2, "sizes": {"1M": 1 << 20, "64M": 1 << 26}, "hierarchical_runs": {},
+              "links": {"local": {"alpha_s": 2e-5, "beta_Bps": 2e9}, "inter": {"alpha_s": 1e-3, "beta_Bps": 1.2e8}},
+              "samples": {mode: {"1M": [small], "64M": [large]} for mode, (small, large) in step.items()}}
+    summary = scripts.bench_multihost._summarise([record], 1e9)
+    path.write_text(json.dumps({"rate": "1gbit", "rate_bps": 1e9, "summary": summary, "records": [record],
+                                "date": "2026-11-20"}))
+
+
+def write_zero(scripts, path: Path) -> None:
+    """bench_zero.py's report at 2 ranks: DistributedOptimizer 384 MiB of state, ZeroOptimizer half of it."""
+    def job(state_mib: int, rss_mib: int, step_s: float) -> list[dict]:
+        rank = {"params": 50_000_000, "state_bytes": state_mib * MIB, "peak_rss_bytes": rss_mib * MIB,
+                "step_s": [step_s] * 3}
+        return [rank, rank]
+
+    samples = {"distributed": [job(384, 1200, 0.600)], "zero": [job(192, 1000, 0.660)]}
+    report = {"params": 50_000_000, "width": 2048, "batch": 16, "rounds": 1,
+              "ranks": {2: scripts.bench_zero.summarize(samples, 2)}}
+    path.write_text(json.dumps(report))
+
+
+def pipeline_row(schedule: str, bubble: float, theory: float) -> dict:
+    """A bench_pipeline.py row at S = 2, M = 4, with what the report and the plot read."""
+    return {"schedule": schedule, "stages": 2, "micro_batches": 4, "layers": "real", "bubble": [bubble, bubble],
+            "bubble_mean": bubble, "bubble_max": bubble, "simulated_mean": theory, "theory": theory,
+            "peak_saved_bytes": [10240 * 1024, 10240 * 1024]}
+
+
+def write_pipeline(scripts, path: Path) -> None:
+    rows = [pipeline_row("1f1b", 0.21, 0.2), pipeline_row("zb-h1", 0.05, 0.077)]
+    scripts.bench_pipeline.judge(rows)
+    compare = {"ranks": 2, "layers": 8, "width": 2048, "batch": 64, "micro_batches": 8, "rounds": 1,
+               "step_s": {}, "step_s_median": {"pipeline": 0.7, "data-parallel": 0.28}, "ratio": 2.5}
+    path.write_text(json.dumps({"date": "2026-11-21T10:00:00", "host": "testhost", "cpus": 2, "wall_s": 1.0,
+                                "args": {"real_stages": "2", "sleep_ms": 5.0, "rounds": 1}, "rows": rows,
+                                "compare": compare}))
+
+
+def run_report(scripts, results: Path, tmp_path: Path) -> str:
+    out = tmp_path / "docs" / "performance.md"
+    assert scripts.bench_report.main(["--results", str(results), "--out", str(out)]) == 0
+    return out.read_text()
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 1000, path
+
+
+def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    for name, write in (("bench_collectives", write_collectives), ("bench_training", write_training),
+                        ("bench_training_keras", write_training_keras), ("bench_multihost", write_multihost),
+                        ("bench_zero", write_zero), ("bench_pipeline", write_pipeline)):
+        write(scripts, results / f"{name}.json")
+    text = run_report(scripts, results, tmp_path)
+
+    assert [line for line in text.splitlines() if line.startswith("## ")] == list(SECTIONS)
+    assert "Not measured yet" not in text
+    # collectives: busbw ratio 1 ms / hvdplus time per size, fusion speedup, per-tensor ratios, the failure
+    assert "| busbw ratio hvdplus / quiet raw | 4 KiB | 64 KiB | 1 MiB | 100 x 4 KiB async (raw / hvdplus) |" in text
+    assert "| MPI, 2 ranks, in place | 0.50 | 0.50 | 0.50 | 0.50x (hvdplus 2.00 ms, raw 1.00 ms) |" in text
+    assert "| Gloo, 3 ranks, new output | 0.25 | 0.25 | 0.25 |  |" in text
+    assert "| 16 | 0.25 / 2.00 | 0.25 / 2.00 |" in text
+    assert "- mpi np=3: failed: the mpi benchmark job failed (exit codes [1])" in text
+    # training: step time, throughput and its ratio to DDP; Keras's step-time ratios to MWMS and one process
+    assert "| mlp | hvdplus | 32.0 | 32.0-32.0 | 2000 | 1.25x |" in text
+    assert "| mlp | hvdplus | 26.0 | 26.0-26.0 | 2462 | 0.65x | 1.73x |" in text
+    # multi-host: measured and predicted per size, and the issue's ratios
+    assert "| 64M | 700 | 600 | 480 | 500 | 240 |" in text
+    assert "| 64M | 0.80 | 1.04 | 0.50 | 1.12 |" in text
+    assert "Measured 2026-11-20 on simulated hosts, 1gbit link." in text
+    # ZeRO: the README's table; its JSON has no date or machine
+    assert ("| 2 | ZeroOptimizer | 192 MiB (0.500x; target <= 0.510x) | 1000 MiB (-200 MiB; target -154 MiB) | "
+            "660 ms (1.10x; target <= 1.10x) |") in text
+    assert "(file time); the JSON records no machine." in text
+    # pipeline: measured / theory, stage 0's activations, the verdicts; the step-time comparison
+    assert "| 1F1B | 2 | 0.210 / 0.200 | 10240 | M=4 PASS 1.0 pp |" in text
+    assert "| ZB-H1 | 2 | 0.050 / 0.077 | 10240 | M=4 PASS 0.24x, mem 1.00x |" in text
+    assert "| pipeline / data-parallel | 2.50x |" in text
+    assert "Measured 2026-11-21T10:00:00 on host testhost, 2 CPUs." in text
+
+    images = ("collectives_busbw", "collectives_per_tensor", "multihost", "training", "training_keras", "zero",
+              "pipeline")
+    for name in images:
+        assert f"](img/{name}.png)" in text
+        assert_png(tmp_path / "docs" / "img" / f"{name}.png")
+
+
+def test_missing_files_say_not_measured_yet_with_their_command(scripts, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    write_zero(scripts, results / "bench_zero.json")
+    text = run_report(scripts, results, tmp_path)
+
+    assert [line for line in text.splitlines() if line.startswith("## ")] == list(SECTIONS)
+    for bench in scripts.bench_report.BENCHMARKS:
+        if bench.filename == "bench_zero.json":
+            assert f"Reproduce: `{bench.command}`" in text
+        else:
+            assert f"Not measured yet: `{bench.command}` writes `{bench.filename}`." in text
+    assert text.count("not measured yet |") == 5
+    assert [path.name for path in (tmp_path / "docs" / "img").iterdir()] == ["zero.png"]
+
+
+def test_a_table_cell_keeps_a_pipe_inside_it(scripts):
+    assert scripts.bench_report.table(["a", "b"], [["|x|", 1]]) == ["| a | b |", "|---|---|", "| \\|x\\| | 1 |", ""]
