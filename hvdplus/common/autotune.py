@@ -68,7 +68,7 @@ class TuningSpace:
 
     def matters(self, name: str, index: int) -> bool:
         """Whether a tunable has an effect in a configuration: the cross-host algorithm needs hierarchical allreduce."""
-        return name != "cross_algorithm" or self.decode(index)["hierarchical_allreduce"] is not False
+        return name != "cross_algorithm" or self.decode(index)["hierarchical_allreduce"]
 
     def neighbours(self, index: int, name: str) -> list[int]:
         """The configurations equal to `index` except for `name`, which takes each of its candidates."""
@@ -85,7 +85,7 @@ def tuning_space(start: Tunables, fixed: Collection[str], hierarchical: bool, ho
     grid: dict[str, tuple[Any, ...]] = {
         "fusion_threshold": FUSION_THRESHOLDS,
         "cycle_time_ms": CYCLE_TIMES_MS,
-        "hierarchical_allreduce": (True, False) if hierarchical else (),
+        "hierarchical_allreduce": (False, True) if hierarchical else (),
         "cross_algorithm": algorithms if can_be_on else (),
         "hierarchical_allgather": (False, True) if hierarchical else (),
     }

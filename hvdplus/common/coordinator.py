@@ -157,6 +157,11 @@ class Coordinator:
         return dict(self._executor.hierarchical_runs)
 
     @property
+    def autotune_done(self) -> bool:
+        """On rank 0 with autotune on: whether the search has settled on its best configuration."""
+        return self._autotuner is not None and self._autotuner.done
+
+    @property
     def running(self) -> bool:
         return self._thread.is_alive()
 
@@ -408,11 +413,10 @@ class Coordinator:
         """Collective over all ranks: a process set's hierarchical groups, unless hierarchical collectives are off
         or its layout cannot use them (the reason is logged when the user asked for them)."""
         settings = self._settings
-        wanted = settings.hierarchical_allreduce is not False or settings.hierarchical_allgather or settings.autotune
-        if not wanted:
+        asked = settings.hierarchical_allreduce or settings.hierarchical_allgather
+        if not (asked or settings.autotune):
             return None
         groups, reason = hierarchical_groups(self._engine, self._topology, ranks)
-        asked = settings.hierarchical_allreduce or settings.hierarchical_allgather
         if groups is None and asked and self.rank == ranks[0]:
             log.warning("hierarchical collectives on ranks %s fall back to flat: %s", list(ranks), reason)
         return groups

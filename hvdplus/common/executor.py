@@ -156,7 +156,8 @@ class Executor:
     def _reduce(self, buffer: np.ndarray, request: Request, set_size: int, process_set: Any,
                 source: np.ndarray | None) -> None:
         """Reduce `source` (or `buffer` itself) into `buffer`; an unscaled flat allreduce skips the copy."""
-        group, hierarchical = process_set.group, self._hierarchical_allreduce(process_set, buffer.nbytes)
+        group = process_set.group
+        hierarchical = self._tunables.hierarchical_allreduce and process_set.hierarchy is not None
         if source is not None and (request.prescale != 1.0 or hierarchical):
             np.copyto(buffer, source)
             source = None
@@ -177,13 +178,6 @@ class Executor:
             nan.restore_nan(buffer, request.dtype, nans)
         halfops.scale_inplace(buffer, request.dtype, _postscale(request, set_size))
 
-    def _hierarchical_allreduce(self, process_set: Any, nbytes: int) -> bool:
-        """Whether this buffer goes hierarchically: always or never when the user said so, else from
-        HVDPLUS_HIERARCHICAL_MIN_BYTES on (a small buffer's time is latency, and three steps pay it three times)."""
-        wanted = self._tunables.hierarchical_allreduce
-        if process_set.hierarchy is None or wanted is False:
-            return False
-        return wanted or nbytes >= self._tunables.hierarchical_min_bytes
 
     def _allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: list[int], process_set: Any) -> None:
         """The engine's allgather, or Horovod's hierarchical one where it is on and the hosts' ranks are

@@ -17,11 +17,6 @@ __all__ = ["CROSS_ALGORITHMS", "Setting", "SETTINGS", "Settings", "LaunchEnv", "
 CROSS_ALGORITHMS = ("auto", "ring", "halving-doubling", "engine")
 
 
-def _parse_optional_bool(text: str) -> bool | None:
-    """A boolean, or None ("auto", empty) when hvdplus should decide."""
-    return None if text.strip().lower() in ("auto", "") else _parse_bool(text)
-
-
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -76,16 +71,14 @@ SETTINGS: tuple[Setting, ...] = (
             "From this many ranks on, new (uncached) announcements are exchanged by recursive doubling of merged "
             "tables (log2 N rounds, O(names) bytes a rank) instead of one allgather (1 round, O(ranks x names)).",
             "HVDPLUS_NEGOTIATION_DOUBLING_RANKS"),
-    Setting("hierarchical_allreduce", _parse_optional_bool, None,
-            "Allreduce as local reduce-scatter, cross-host allreduce, local allgather: 1 always (where hosts have "
-            "equal slots), 0 never; unset: on for buffers from HVDPLUS_HIERARCHICAL_MIN_BYTES on, across hosts.",
+    Setting("hierarchical_allreduce", _parse_bool, False,
+            "Allreduce as local reduce-scatter, cross-host allreduce, local allgather (where the hosts run equal "
+            "numbers of ranks). Off by default: measured slower than flat on these machines (README); "
+            "HOROVOD_AUTOTUNE tries it.",
             "HVDPLUS_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
     Setting("hierarchical_allgather", _parse_bool, False,
             "Allgather within each host, across hosts between local rank 0s, then broadcast within each host.",
             "HVDPLUS_HIERARCHICAL_ALLGATHER", "HOROVOD_HIERARCHICAL_ALLGATHER"),
-    Setting("hierarchical_min_bytes", int, 1024 * 1024,
-            "With HOROVOD_HIERARCHICAL_ALLREDUCE unset: the smallest buffer reduced hierarchically across hosts.",
-            "HVDPLUS_HIERARCHICAL_MIN_BYTES"),
     Setting("cross_algorithm", str, "auto",
             "Algorithm of the cross-host step of a hierarchical allreduce: 'ring', 'halving-doubling' (power-of-two "
             "host counts), 'engine' (the library's own allreduce), or 'auto' (halving-doubling, else ring).",
@@ -266,9 +259,8 @@ class Settings:
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     negotiation_doubling_ranks: int = 16
-    hierarchical_allreduce: bool | None = None
+    hierarchical_allreduce: bool = False
     hierarchical_allgather: bool = False
-    hierarchical_min_bytes: int = 1024 * 1024
     cross_algorithm: str = "auto"
     autotune: bool = False
     autotune_log: str = ""

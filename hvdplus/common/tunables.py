@@ -18,10 +18,9 @@ class Tunables:
 
     fusion_threshold: int
     cycle_time_ms: float
-    hierarchical_allreduce: bool | None
+    hierarchical_allreduce: bool
     hierarchical_allgather: bool
     cross_algorithm: str
-    hierarchical_min_bytes: int
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "Tunables":

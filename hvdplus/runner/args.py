@@ -60,8 +60,7 @@ def _add_tuning_flags(parser: argparse.ArgumentParser) -> None:
     tuning.add_argument("--cycle-time-ms", type=float, help="milliseconds between negotiation cycles")
     tuning.add_argument("--cache-capacity", type=int, help="response cache entries (0 disables)")
     tuning.add_argument("--hierarchical-allreduce", action=argparse.BooleanOptionalAction,
-                        help="allreduce within hosts, then across hosts (default: for buffers of 1 MiB and more when "
-                             "the job spans hosts with equal slots; --no-hierarchical-allreduce: never)")
+                        help="allreduce within hosts, then across hosts (hosts with equal slots)")
     tuning.add_argument("--hierarchical-allgather", action=argparse.BooleanOptionalAction,
                         help="allgather within hosts, across hosts between local rank 0s, then broadcast in hosts")
     tuning.add_argument("--cross-algorithm", choices=CROSS_ALGORITHMS,

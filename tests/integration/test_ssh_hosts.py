@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tests.integration.conftest import HVDPLUSRUN, SCRIPTS, alive, reports, run
+from tests.integration.conftest import HVDPLUSRUN, ROOT, SCRIPTS, alive, reports, run
 
 PY = sys.executable
 
@@ -26,6 +26,20 @@ def test_four_ranks_on_two_hosts(ssh_hosts, mode):
     assert [(r["rank"], r["host"], r["local_rank"], r["cross_rank"]) for r in ranks] == [
         (0, "hostA", 0, 0), (1, "hostA", 1, 0), (2, "hostB", 0, 1), (3, "hostB", 1, 1)], done.output
     assert {r["sum"] for r in ranks} == {6.0} and {r["engine"] for r in ranks} == {mode[2:]}
+
+
+@pytest.mark.parametrize("mode", ["--gloo", "--mpi"])
+def test_hierarchical_collectives_across_real_hosts(ssh_hosts, mode):
+    """--hierarchical-allreduce and --hierarchical-allgather across two ssh hosts: results equal the flat ones on
+    the global set and on process sets, with sizes that do not divide by the ranks per host; the hierarchical path
+    ran (counted), and the sets that cannot use it fall back and say why."""
+    scenario = ROOT / "tests" / "parallel" / "scenarios" / "hierarchical.py"
+    done = run(_on_launcher(ssh_hosts, "-np", "4", "-H", "hostA:2,hostB:2", mode, "--hierarchical-allreduce",
+                            "--hierarchical-allgather", "-x", "HOSTS=2,2", "-x", "REAL_HOSTS=1",
+                            "-x", f"EXPECT={'engine' if mode == '--gloo' else 'halving-doubling'}", PY, str(scenario)))
+    assert done.returncode == 0, done.output
+    assert done.output.count("hierarchical ok") == 4, done.output
+    assert "fall back to flat: its hosts run different numbers of ranks (hostA: 2, hostB: 1)" in done.output
 
 
 def test_worker_killed_on_remote_host_ends_the_job_everywhere(ssh_hosts):

@@ -24,12 +24,14 @@ def on_both_engines(test):
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("engine,hosts,env,expect", [
-    ("gloo", "2,2", {}, "halving-doubling"),  # unset flag: large buffers go hierarchically, by auto's algorithm
+    ("gloo", "2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_CROSS_ALGORITHM": "halving-doubling"},
+     "halving-doubling"),
     ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_CROSS_ALGORITHM": "ring"}, "ring"),
-    ("mpi", "2,2,2", {}, "ring"),  # 3 hosts: not a power of two
-    ("gloo", "2,2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_CROSS_ALGORITHM": "engine"}, "engine"),
+    ("mpi", "2,2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "ring"),  # 3 hosts: not a power of two
+    ("gloo", "2,2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "engine"),  # auto on Gloo: its own allreduce
     ("gloo", "2,1", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "flat"),  # uneven hosts: flat, with the reason
-], ids=["gloo-2x2-auto", "mpi-2x2-ring", "mpi-3x2-auto", "gloo-3x2-engine", "gloo-uneven"])
+    ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLGATHER": "0"}, "flat"),  # nothing asked: flat (the default)
+], ids=["gloo-2x2-halving", "mpi-2x2-ring", "mpi-3x2-auto", "gloo-3x2-auto", "gloo-uneven", "mpi-2x2-default"])
 def test_hierarchical_collectives_on_simulated_hosts(engine, hosts, env, expect):
     """Ranks told they live on several hosts: hierarchical allreduce and allgather on the global set and on
     process sets equal the flat results, the expected path ran (counted), uneven layouts fall back and say why."""
@@ -38,7 +40,7 @@ def test_hierarchical_collectives_on_simulated_hosts(engine, hosts, env, expect)
                            {"HOSTS": hosts, "EXPECT": expect, "HOROVOD_HIERARCHICAL_ALLGATHER": "1", **env})
     assert code == 0, output
     assert output.count("hierarchical ok") == size, output
-    if expect == "flat":
+    if hosts == "2,1":
         assert "fall back to flat: its hosts run different numbers of ranks (host0: 2, host1: 1)" in output, output
 
 

@@ -67,7 +67,7 @@ def test_encoding_round_trips_every_configuration():
 def test_start_is_the_users_settings_with_auto_resolved():
     space, _ = make(hierarchical=True, hosts=3)
     assert space.decode(space.start) == {"fusion_threshold": 128 * MiB, "cycle_time_ms": 1.0,
-                                         "hierarchical_allreduce": True, "cross_algorithm": "ring",
+                                         "hierarchical_allreduce": False, "cross_algorithm": "ring",
                                          "hierarchical_allgather": False}
     assert space.candidates["cross_algorithm"] == ("ring", "engine")  # 3 hosts: no halving-doubling
     assert make(hierarchical=True, hosts=4)[0].candidates["cross_algorithm"][0] == "halving-doubling"
@@ -76,7 +76,7 @@ def test_start_is_the_users_settings_with_auto_resolved():
 def test_hierarchical_options_only_where_the_job_can_use_them():
     space, _ = make(hierarchical=False)
     assert space.free == ("fusion_threshold", "cycle_time_ms")
-    assert space.decode(space.start)["hierarchical_allreduce"] is None  # left as the user had it
+    assert space.decode(space.start)["hierarchical_allreduce"] is False  # left as the user had it
     space, _ = make(fixed={"hierarchical_allreduce"}, hierarchical=True, hierarchical_allreduce=False)
     assert space.free == ("fusion_threshold", "cycle_time_ms", "hierarchical_allgather")
 

@@ -6,7 +6,8 @@ import pytest
 
 from hvdplus.common.engines.threads import ThreadWorld
 from hvdplus.common.halfops import bfloat16_to_float32, float32_to_bfloat16
-from hvdplus.common.hierarchical import cross_allreduce, hierarchical_groups, resolve_algorithm, split_counts
+from hvdplus.common.hierarchical import (cross_allreduce, hierarchical_groups, p2p_reducescatter, resolve_algorithm,
+                                         split_counts)
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.topology import Topology
 from tests.unit.test_announcements import run_ranks
@@ -56,6 +57,8 @@ def test_auto_picks_by_host_count_and_size():
     assert resolve_algorithm("auto", 4, 1024) == "engine"
     assert resolve_algorithm("halving-doubling", 3, 1 << 20) == "ring"  # not a power of two
     assert resolve_algorithm("engine", 4, 1 << 20) == "engine"
+    assert resolve_algorithm("auto", 2, 1 << 20, "gloo") == "engine"  # Gloo's allreduce beat its sendrecv
+    assert resolve_algorithm("ring", 2, 1 << 20, "gloo") == "ring"
 
 
 @pytest.mark.parametrize("hosts,ranks,reason", [
@@ -71,3 +74,16 @@ def test_layouts_that_fall_back_to_flat_say_why(hosts, ranks, reason):
 
 def world_engine():
     return ThreadWorld(1).engines[0]
+
+
+@pytest.mark.parametrize("algorithm,size", [("ring", 3), ("ring", 5), ("halving-doubling", 4), ("ring", 4)])
+def test_p2p_reducescatter_leaves_each_rank_its_reduced_part_for_uneven_counts(algorithm, size):
+    counts = [3, 0, 5, 1, 2][:size]
+    buffers, values = _inputs(size, sum(counts), "float32")
+    world = ThreadWorld(size)
+    run_ranks(size, lambda rank: p2p_reducescatter(world.engines[rank], "world", rank, size, buffers[rank], counts,
+                                                   "float32", ReduceOp.SUM, algorithm))
+    expected = np.sum(values, axis=0)
+    for rank in range(size):
+        start = sum(counts[:rank])
+        np.testing.assert_array_equal(buffers[rank][start:start + counts[rank]], expected[start:start + counts[rank]])

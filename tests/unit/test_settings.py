@@ -158,10 +158,10 @@ def test_explicit_names_the_settings_given_by_either_name_or_override():
     assert Settings.from_env({}).explicit == frozenset()
 
 
-def test_hierarchical_allreduce_is_unset_auto_on_or_off_and_the_cross_algorithm_is_checked():
-    assert Settings.from_env({}).hierarchical_allreduce is None  # hvdplus decides by size
-    assert Settings.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "auto"}).hierarchical_allreduce is None
-    assert Settings.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}).hierarchical_allreduce is False
+def test_hierarchical_settings_and_the_cross_algorithm_is_checked():
+    assert Settings.from_env({}).hierarchical_allreduce is False  # off unless asked for (or autotune tries it)
+    assert Settings.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}).hierarchical_allreduce is True
     assert Settings.from_env({"HOROVOD_HIERARCHICAL_ALLGATHER": "1"}).hierarchical_allgather is True
+    assert Settings.from_env({}).cross_algorithm == "auto"
     with pytest.raises(ValueError, match=r"must be one of.*\(set by environment variable HVDPLUS_CROSS_ALGORITHM\)"):
         Settings.from_env({"HVDPLUS_CROSS_ALGORITHM": "butterfly"})

@@ -1,7 +1,8 @@
 """Hierarchical allreduce and allgather over simulated hosts equal the flat results, on the global process set
 and on a process set of their own, with sizes that do not divide by the ranks per host, fused or not.
 
-HOSTS="2,2" gives each rank its host name before init (host0 gets the first 2 ranks, host1 the next 2);
+HOSTS="2,2" gives each rank its host name before init (host0 gets the first 2 ranks, host1 the next 2), unless
+REAL_HOSTS is set (the job runs on real hosts with that layout);
 EXPECT is the cross-host algorithm expected for large buffers, or "flat" when the layout must fall back."""
 
 import os
@@ -10,7 +11,8 @@ import torch
 
 rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", os.environ.get("HOROVOD_RANK", "0"))))
 slots = [int(n) for n in os.environ["HOSTS"].split(",")]
-os.environ["HOROVOD_HOSTNAME"] = f"host{sum(rank >= sum(slots[:h + 1]) for h in range(len(slots)))}"
+if not os.environ.get("REAL_HOSTS"):  # simulated: name this rank's host; on real hosts they have their names
+    os.environ["HOROVOD_HOSTNAME"] = f"host{sum(rank >= sum(slots[:h + 1]) for h in range(len(slots)))}"
 
 import hvdplus.torch as hvd  # noqa: E402
 from hvdplus.common.basics import runtime  # noqa: E402
@@ -24,7 +26,7 @@ assert len(slots) == hvd.cross_size() or expect == "flat", (hvd.local_size(), hv
 
 def check_allreduce(process_set, tag):
     members = process_set.ranks if process_set.ranks else list(range(size))
-    for count in (1, 7, 1000, (1 << 18) + 3):  # the last is 1 MiB and more: hierarchical by default
+    for count in (1, 7, 1000, (1 << 18) + 3):  # the last is large enough for the composed cross-host step
         x = torch.arange(count, dtype=torch.float32) * (hvd.rank() + 1)
         total = torch.arange(count, dtype=torch.float32) * sum(r + 1 for r in members)
         torch.testing.assert_close(hvd.allreduce(x, op=hvd.Sum, name=f"{tag}.h{count}", process_set=process_set),
@@ -55,7 +57,7 @@ runs = runtime().coordinator.hierarchical_runs
 if expect == "flat":
     assert not runs, runs
 else:
-    assert runs.get(f"allreduce/{expect}", 0) >= 2, runs  # the 1 MiB buffer: sum and average
+    assert runs.get(f"allreduce/{expect}", 0) >= 2, runs  # the 1 MiB buffer: sum and average (bfloat16 too if 1)
     assert runs.get("allgather", 0) >= 2, runs  # the lone allgather and the fused batch
 if evens.included():  # one rank per host (2 hosts), or hosts with different counts (3): flat
     before = runtime().coordinator.hierarchical_runs
