@@ -7,4 +7,4 @@ from hvdplus.common.settings import Settings
 
 settings = Settings.from_env()
 values = {k: v for k, v in dataclasses.asdict(settings).items() if k != "launch"}
-print(json.dumps({"rank": settings.launch.rank, **values}), flush=True)
+print(json.dumps({"rank": settings.launch.rank, **values}, default=sorted), flush=True)  # explicit: a set
