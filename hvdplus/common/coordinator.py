@@ -345,7 +345,8 @@ class Coordinator:
         batches = [[(response, self._take_work(response)) for response in batch]
                    for batch in plan_batches(runnable, self.tunables.fusion_threshold)]
         timeline = self.timeline
-        names = [[work.request.name for _, work in pairs if work is not None] for pairs in batches]
+        names = [[work.request.name for _, work in pairs if work is not None] if timeline else []
+                 for pairs in batches]
         if timeline:  # agreed: each tensor leaves negotiation and queues behind the batches before its own
             for pairs, batch_names in zip(batches, names):
                 timeline.end(batch_names)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -14,13 +14,15 @@ from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.handles import Handle
 from hvdplus.common.hierarchical import hierarchical_allgather, hierarchical_allreduce
-from hvdplus.common.layout import Layout
+from hvdplus.common.layout import Layout, balanced_counts
 from hvdplus.common.messages import Request, Response
 from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
 from hvdplus.common.timeline import Timeline
 from hvdplus.common.tunables import Tunables
 
-__all__ = ["Work", "Executor", "reducescatter_rows", "even_splits"]
+__all__ = ["Work", "Executor", "even_splits"]
+
+_NO_SPAN = nullcontext()
 
 
 @dataclass
@@ -31,11 +33,6 @@ class Work:
     handle: Handle
     input: np.ndarray | None = None
     output: np.ndarray | None = None
-
-
-def reducescatter_rows(dim0: int, size: int) -> list[int]:
-    """Horovod's uneven split: every rank gets dim0 // size rows, the first dim0 % size one more."""
-    return [dim0 // size + (1 if r < dim0 % size else 0) for r in range(size)]
 
 
 def even_splits(dim0: int, size: int) -> tuple[int, ...]:
@@ -72,18 +69,18 @@ class Executor:
         """Record the next batch's activities on `timeline` (None: no timeline) under the tensors' names."""
         self._timeline, self._traced = timeline, names
 
+    def _activity(self, phase: str) -> AbstractContextManager[None]:
+        """A timeline span around one activity of the running batch; without a timeline a shared no-op, so the
+        hot path makes no generator per batch."""
+        return _NO_SPAN if self._timeline is None else self._span(phase)
+
     @contextmanager
-    def _activity(self, phase: str) -> Iterator[None]:
-        """A timeline span around one activity of the running batch (nothing without a timeline)."""
-        timeline = self._timeline
-        if timeline is None:
-            yield
-            return
-        timeline.begin(self._traced, phase)
+    def _span(self, phase: str) -> Iterator[None]:
+        self._timeline.begin(self._traced, phase)
         try:
             yield
         finally:
-            timeline.end(self._traced)
+            self._timeline.end(self._traced)
 
     @contextmanager
     def _substeps(self) -> Iterator[Callable[[str], None]]:
@@ -177,7 +174,6 @@ class Executor:
             self._engine.allreduce(nans, "uint8", ReduceOp.MAX, group)
             nan.restore_nan(buffer, request.dtype, nans)
         halfops.scale_inplace(buffer, request.dtype, _postscale(request, set_size))
-
 
     def _allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: list[int], process_set: Any) -> None:
         """The engine's allgather, or Horovod's hierarchical one where it is on and the hosts' ranks are
@@ -316,7 +312,7 @@ def _scatter_counts(response: Response) -> list[int]:
     if request.splits is not None:
         return list(request.splits)
     row = _row_elements(request.shape)
-    return [rows * row for rows in reducescatter_rows(request.shape[0], len(response.members))]
+    return [rows * row for rows in balanced_counts(request.shape[0], len(response.members))]
 
 
 def _scatter_output(response: Response, work: Work, set_rank: int) -> np.ndarray:
@@ -326,7 +322,7 @@ def _scatter_output(response: Response, work: Work, set_rank: int) -> np.ndarray
     request = work.request
     if request.splits is not None:
         return np.empty(request.splits[set_rank], dtype=work.input.dtype)
-    rows = reducescatter_rows(request.shape[0], len(response.members))[set_rank]
+    rows = balanced_counts(request.shape[0], len(response.members))[set_rank]
     return np.empty((rows,) + request.shape[1:], dtype=work.input.dtype)
 
 

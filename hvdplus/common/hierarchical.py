@@ -20,11 +20,12 @@ import numpy as np
 
 from hvdplus.common import halfops
 from hvdplus.common.engines.base import Engine
+from hvdplus.common.layout import balanced_counts
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.topology import Topology
 
 __all__ = ["HierarchicalGroups", "hierarchical_groups", "hierarchical_allreduce", "hierarchical_allgather",
-           "cross_allreduce", "p2p_reducescatter", "p2p_allgather", "split_counts", "resolve_algorithm"]
+           "cross_allreduce", "p2p_reducescatter", "p2p_allgather", "resolve_algorithm"]
 
 # Below this many bytes per rank the cross-host step is latency-bound: one library call beats log2(n) or
 # 2(n-1) Python-driven exchanges.
@@ -84,14 +85,9 @@ def hierarchical_groups(engine: Engine, topology: Topology,
         return None, "this rank is not a member"
     host_members = tuple(tuple(ranks.index(r) for r in members) for members in hosts.values())
     contiguous = all(list(m) == list(range(m[0], m[0] + len(m))) for m in host_members)
-    mine = [i for i, members in enumerate(hosts.values()) if engine.rank in members][0]
-    return HierarchicalGroups(local, cross, local_size, list(hosts.values())[mine].index(engine.rank), len(hosts),
-                              mine, host_members, contiguous), ""
-
-
-def split_counts(total: int, parts: int) -> list[int]:
-    """`total` elements cut into `parts` contiguous pieces that differ by at most one (the first ones larger)."""
-    return [total // parts + (1 if p < total % parts else 0) for p in range(parts)]
+    host, local_rank = next((h, members.index(engine.rank)) for h, members in enumerate(hosts.values())
+                            if engine.rank in members)
+    return HierarchicalGroups(local, cross, local_size, local_rank, len(hosts), host, host_members, contiguous), ""
 
 
 def resolve_algorithm(algorithm: str, hosts: int, nbytes: int, engine: str = "mpi") -> str:
@@ -112,7 +108,7 @@ def hierarchical_allreduce(engine: Engine, groups: HierarchicalGroups, buffer: n
     """Reduce `buffer` in place over the whole set in three steps; the result equals a flat allreduce. Slices
     may differ by one element, so no padding copy is made. Returns the cross-host algorithm that ran; `mark`
     is called as each step starts (the timeline's sub-steps)."""
-    counts = split_counts(buffer.size, groups.local_size)
+    counts = balanced_counts(buffer.size, groups.local_size)
     start = sum(counts[:groups.local_rank])
     mark("LOCAL_REDUCESCATTER")
     local = resolve_algorithm("auto", groups.local_size, buffer.nbytes // groups.local_size)
@@ -135,7 +131,7 @@ def cross_allreduce(engine: Engine, group: Any, rank: int, size: int, buffer: np
     if algorithm == "engine" or size == 1 or buffer.size < size:
         engine.allreduce(buffer, dtype, op, group)
         return "engine"
-    counts = split_counts(buffer.size, size)
+    counts = balanced_counts(buffer.size, size)
     p2p_reducescatter(engine, group, rank, size, buffer, counts, dtype, op, algorithm)
     p2p_allgather(engine, group, rank, size, buffer, counts, algorithm)
     return algorithm

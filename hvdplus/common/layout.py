@@ -11,7 +11,13 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "balanced_counts"]
+
+
+def balanced_counts(total: int, parts: int) -> list[int]:
+    """Horovod's uneven split: `total` cut into `parts` contiguous pieces of total // parts, the first
+    total % parts one larger (reduce-scatter rows, hierarchical slices)."""
+    return [total // parts + (1 if p < total % parts else 0) for p in range(parts)]
 
 
 class Layout:

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-__all__ = ["CROSS_ALGORITHMS", "Setting", "SETTINGS", "Settings", "LaunchEnv", "describe_settings", "expand_nodelist", "slurm_port"]
+__all__ = ["CROSS_ALGORITHMS", "Setting", "SETTINGS", "Settings", "LaunchEnv", "describe_settings", "expand_nodelist",
+           "slurm_port"]
 
 
 CROSS_ALGORITHMS = ("auto", "ring", "halving-doubling", "engine")

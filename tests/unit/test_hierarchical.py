@@ -6,8 +6,8 @@ import pytest
 
 from hvdplus.common.engines.threads import ThreadWorld
 from hvdplus.common.halfops import bfloat16_to_float32, float32_to_bfloat16
-from hvdplus.common.hierarchical import (cross_allreduce, hierarchical_groups, p2p_reducescatter, resolve_algorithm,
-                                         split_counts)
+from hvdplus.common.hierarchical import cross_allreduce, hierarchical_groups, p2p_reducescatter, resolve_algorithm
+from hvdplus.common.layout import balanced_counts
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.topology import Topology
 from tests.unit.test_announcements import run_ranks
@@ -44,10 +44,10 @@ def test_cross_allreduce_equals_a_flat_reduction(algorithm, sizes, dtype, op):
                 assert set(ran) == {algorithm}, ran  # the composed algorithm ran, not the engine's call
 
 
-def test_split_counts_are_balanced_and_complete():
+def test_balanced_counts_are_balanced_and_complete():
     for total in range(0, 40):
         for parts in range(1, 9):
-            counts = split_counts(total, parts)
+            counts = balanced_counts(total, parts)
             assert sum(counts) == total and max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
 
 

@@ -19,7 +19,8 @@ from hvdplus.common.basics import runtime  # noqa: E402
 
 everyone_but_last = hvd.ProcessSet(list(range(sum(slots) - 1)))
 evens = hvd.ProcessSet(list(range(0, sum(slots), 2)))
-hvd.init(process_sets=[everyone_but_last, evens])
+but_first_host = hvd.ProcessSet(list(range(slots[0], sum(slots))))  # no rank 0; 2+ hosts when there are 3
+hvd.init(process_sets=[everyone_but_last, evens, but_first_host])
 size, expect = hvd.size(), os.environ["EXPECT"]
 assert len(slots) == hvd.cross_size() or expect == "flat", (hvd.local_size(), hvd.cross_size())
 
@@ -68,6 +69,16 @@ if everyone_but_last.included():  # the last host is a rank short: flat, with a 
     check_allreduce(everyone_but_last, "but_last")
     check_allgather(everyone_but_last, "but_last")
     assert runtime().coordinator.hierarchical_runs == before
+if but_first_host.included():  # hierarchical without rank 0 where it spans 2+ equal hosts, else flat
+    before = runtime().coordinator.hierarchical_runs
+    check_allreduce(but_first_host, "but_first")
+    check_allgather(but_first_host, "but_first")
+    after = runtime().coordinator.hierarchical_runs
+    if expect != "flat" and len(slots) > 2:
+        assert after.get(f"allreduce/{expect}", 0) >= before.get(f"allreduce/{expect}", 0) + 2, (before, after)
+        assert after.get("allgather", 0) >= before.get("allgather", 0) + 2, (before, after)
+    else:
+        assert after == before, (before, after)
 hvd.barrier()  # shutdown stops every rank's background thread: wait for the process sets' members first
 print(f"rank {hvd.rank()} local {hvd.local_rank()} cross {hvd.cross_rank()} runs {runs}: hierarchical ok")
 hvd.shutdown()
