@@ -293,5 +293,6 @@ class _GlooPending:
         except RuntimeError:
             if not self._work.is_completed():
                 return None
-            raise
+            # It finished between the timeout and the check: an untimed wait returns, or raises its real error.
+            self._work.wait()
         return self._out
