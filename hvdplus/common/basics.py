@@ -247,8 +247,12 @@ def gloo_enabled() -> bool:
 
 
 def nccl_built() -> bool:
-    """hvdplus does not drive NCCL yet: CUDA tensors are staged through host memory."""
-    return False
+    """True if torch.distributed has NCCL, which reduces CUDA tensors on the GPU (torch/device_plane.py)."""
+    if not _available("torch"):
+        return False
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_nccl_available())
 
 
 def ddl_built() -> bool:

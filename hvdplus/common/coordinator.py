@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import numpy as np
@@ -25,6 +25,7 @@ import numpy as np
 from hvdplus.common.announcements import exchange_announcements
 from hvdplus.common.autotune import Autotuner, TuningSpace, tuning_space
 from hvdplus.common.bitmask import bits, mask_of
+from hvdplus.common.buffer_ops import DataPlane, build_device_planes
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
@@ -34,7 +35,7 @@ from hvdplus.common.handles import Handle
 from hvdplus.common.hierarchical import HierarchicalGroups, hierarchical_groups
 from hvdplus.common.messages import Key, Request, Response
 from hvdplus.common.negotiation import JOIN_KEY, MessageTable
-from hvdplus.common.ops import OpKind, storage_dtype
+from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
 from hvdplus.common.response_cache import Lookup, ResponseCache
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline
@@ -64,6 +65,7 @@ class _ProcessSet:
     group: Any
     index: int | None  # this rank's position in `ranks`; None if it is not a member
     hierarchy: HierarchicalGroups | None = None  # its local and cross groups, when its ranks span hosts evenly
+    device_groups: dict[str, Any] = field(default_factory=dict)  # its group on each device plane, by plane name
 
 
 class Coordinator:
@@ -76,11 +78,15 @@ class Coordinator:
         self.rank, self.size = engine.rank, engine.size
         self.tunables = Tunables.from_settings(settings)
         everyone = tuple(range(self.size))
+        self._planes: dict[str, DataPlane] = build_device_planes(engine, settings, topology)
+        # The device kinds whose tensors go to the core as they are (read per tensor by adapters: a tuple).
+        self.device_kinds = tuple(self._planes)
         self._sets: dict[int, _ProcessSet] = {
-            0: _ProcessSet(everyone, engine.world, self.rank, self._hierarchy_of(everyone))}
+            0: _ProcessSet(everyone, engine.world, self.rank, self._hierarchy_of(everyone),
+                           {plane.name: plane.engine.world for plane in self._planes.values()})}
         self._next_set_id = 1
         self._start_autotune(settings, topology)
-        self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables)
+        self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables, self._planes)
         self._frozen = FrozenPeerInspector(engine, settings)
         self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -126,6 +132,8 @@ class Coordinator:
                                  f"names must be unique until synchronize() returns (duplicate name)")
             self._names_in_flight.add(request.name)
         work = Work(request, Handle(request.name), input, output)
+        if self._planes and input is not None and not isinstance(input, np.ndarray):  # a device plane's tensor
+            work.ready = self._plane_of(request).ops.ready(input)
         self._queue.put(work)
         if not self._wake.is_set():  # Event.set costs more than the check, and bursts need only one
             self._wake.set()
@@ -150,6 +158,11 @@ class Coordinator:
     def largest_batch(self) -> dict[OpKind, int]:
         """The most collectives of each kind that one engine call carried so far (fusion tests read it)."""
         return dict(self._executor.largest_batch)
+
+    @property
+    def plane_runs(self) -> dict[str, int]:
+        """Engine calls run on each device plane so far, by plane name (tests check the device path ran)."""
+        return dict(self._executor.plane_runs)
 
     @property
     def hierarchical_runs(self) -> dict[str, int]:
@@ -192,11 +205,16 @@ class Coordinator:
             try:
                 for channel in self._channels:
                     channel.close()
+                for plane in self._planes.values():
+                    plane.engine.shutdown()
                 self._engine.shutdown()
             except Exception as exc:  # pragma: no cover - best effort at exit
                 log.debug("engine shutdown failed: %s", exc)
             for entry in self._sets.values():  # the engine destroyed the groups: keep no handle alive
                 entry.group = entry.hierarchy = None
+
+    def _plane_of(self, request: Request) -> DataPlane:
+        return self._planes[request.device.split(":", 1)[0]]
 
     def _members(self, set_id: int) -> tuple[int, ...]:
         entry = self._sets.get(set_id)
@@ -352,13 +370,22 @@ class Coordinator:
                 timeline.end(batch_names)
                 timeline.begin(batch_names, pairs[0][0].kind.name)
                 timeline.begin(batch_names, "QUEUE")
-        for pairs, batch_names in zip(batches, names):
-            if timeline:
-                timeline.end(batch_names)
-            self._executor.trace(timeline, batch_names)
-            self._run_batch(pairs)
-            if timeline:
-                timeline.end(batch_names)
+        try:
+            for pairs, batch_names in zip(batches, names):
+                if timeline:
+                    timeline.end(batch_names)
+                self._executor.trace(timeline, batch_names)
+                self._run_batch(pairs)
+                if timeline:
+                    timeline.end(batch_names)
+        except BaseException:
+            # This cycle's work left _inflight when its batches were planned: put back what is unfinished, so that
+            # the failure reaches its handles too instead of leaving their callers waiting.
+            for pairs in batches:
+                for _, work in pairs:
+                    if work is not None and not work.handle.done():
+                        self._inflight[work.request.key] = work
+            raise
 
     def _run_batch(self, pairs: list[tuple[Response, Work | None]]) -> None:
         head, work = pairs[0]
@@ -371,6 +398,9 @@ class Coordinator:
             self._executor.run_reducescatter(pairs)
         elif head.kind == OpKind.ALLGATHER:
             self._executor.run_allgather(pairs)
+        elif head.kind == OpKind.BROADCAST:
+            if work is not None:
+                self._executor.run_broadcast(head, work)
         elif work is not None:
             work.handle.set_result(self._run_control(head, work))
 
@@ -383,7 +413,9 @@ class Coordinator:
             return work
         if response.kind == OpKind.ALLREDUCE and response.error is None:
             request = response.first
-            zeros = np.zeros(request.shape, dtype=storage_dtype(request.dtype))
+            on_device = request.device.split(":", 1)[0] in self._planes and request.op != ReduceOp.ADASUM
+            zeros = self._plane_of(request).ops.zeros(request.shape, request.dtype) if on_device \
+                else np.zeros(request.shape, dtype=storage_dtype(request.dtype))
             return Work(request, Handle(request.name), zeros, zeros)
         return None
 
@@ -406,7 +438,9 @@ class Coordinator:
         """Collective over all ranks (it runs in the agreed order): create the set's engine group."""
         set_id = self._next_set_id
         index = ranks.index(self.rank) if self.rank in ranks else None
-        self._sets[set_id] = _ProcessSet(ranks, self._engine.new_group(ranks), index, self._hierarchy_of(ranks))
+        self._sets[set_id] = _ProcessSet(ranks, self._engine.new_group(ranks), index, self._hierarchy_of(ranks),
+                                         {plane.name: plane.engine.new_group(ranks)
+                                          for plane in self._planes.values()})
         self._next_set_id += 1
         return set_id
 

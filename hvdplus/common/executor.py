@@ -8,15 +8,16 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from hvdplus.common import halfops, nan
 from hvdplus.common.adasum import adasum_tensors
+from hvdplus.common.buffer_ops import NUMPY_OPS, BufferOps, DataPlane
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.handles import Handle
 from hvdplus.common.hierarchical import hierarchical_allgather, hierarchical_allreduce
 from hvdplus.common.layout import Layout, balanced_counts
 from hvdplus.common.messages import Request, Response
-from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
+from hvdplus.common.nan import propagates_nan
+from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.timeline import Timeline
 from hvdplus.common.tunables import Tunables
 
@@ -31,8 +32,9 @@ class Work:
 
     request: Request
     handle: Handle
-    input: np.ndarray | None = None
-    output: np.ndarray | None = None
+    input: Any = None  # a numpy array, or a device plane's tensor (common/buffer_ops.py)
+    output: Any = None
+    ready: Any = None  # the device event the input waits for (None on the host)
 
 
 def even_splits(dim0: int, size: int) -> tuple[int, ...]:
@@ -52,13 +54,19 @@ def _row_elements(shape: tuple[int, ...]) -> int:
 
 class Executor:
     """Executes batches of responses for one rank; `set_of(set_id)` gives the process set (its engine group in
-    `.group`, its hierarchical groups or None in `.hierarchy`); `tunables` are read at every batch."""
+    `.group`, its device planes' groups in `.device_groups`, its hierarchical groups or None in `.hierarchy`);
+    `planes` maps a request's device kind to the plane that reduces it (host buffers: the engine itself);
+    `tunables` are read at every batch."""
 
-    def __init__(self, engine: Engine, set_of: Callable[[int], Any], tunables: Tunables) -> None:
+    def __init__(self, engine: Engine, set_of: Callable[[int], Any], tunables: Tunables,
+                 planes: dict[str, DataPlane] | None = None) -> None:
         self._engine = engine
         self._set_of = set_of
         self._tunables = tunables
-        self._fusion_buffers: dict[np.dtype, np.ndarray] = {}
+        self._planes = planes or {}
+        self._host = DataPlane(engine.name, engine, NUMPY_OPS, host=True)
+        self._fusion_buffers: dict[tuple[str, Any], Any] = {}
+        self.plane_runs: dict[str, int] = {}  # engine calls per device plane (tests check the device path ran)
         self.largest_batch: dict[OpKind, int] = {}  # the most collectives one engine call carried, by kind (tests)
         # Engine calls that ran hierarchically: "allreduce/<cross-host algorithm>" and "allgather" (tests, benches).
         self.hierarchical_runs: dict[str, int] = {}
@@ -117,6 +125,31 @@ class Executor:
         if work is not None:
             work.handle.set_error(CollectiveMismatchError(response.error))
 
+    def _plane(self, request: Request) -> DataPlane:
+        """The plane that reduces a request's buffers: a device plane for its device kind, else the host's."""
+        if not self._planes:
+            return self._host
+        return self._planes.get(request.device.split(":", 1)[0], self._host)
+
+    @staticmethod
+    def _group(plane: DataPlane, process_set: Any) -> Any:
+        return process_set.group if plane.host else process_set.device_groups[plane.name]
+
+    def _engine_call(self, plane: DataPlane, works: Sequence[Work]) -> None:
+        """Before a device plane's engine call: count it, and make its stream wait for the submitters' events."""
+        if plane.host:
+            return
+        self.plane_runs[plane.name] = self.plane_runs.get(plane.name, 0) + 1
+        for work in works:
+            if work.ready is not None:
+                work.ready.wait()
+
+    def _complete(self, plane: DataPlane, works: Sequence[Work], results: Sequence[Any], last: Any) -> None:
+        """Hand out the results; on a device, with the event that marks the end of the work writing them."""
+        event = None if plane.host else plane.ops.ready(last)
+        for work, result in zip(works, results):
+            work.handle.set_result(result, event)
+
     def run_allreduce(self, batch: list[tuple[Response, Work]]) -> None:
         """Reduce a batch of agreed allreduces in one engine call (one buffer when fused)."""
         first = batch[0][0].first
@@ -125,21 +158,23 @@ class Executor:
             return self._run_adasum(batch)
         members = batch[0][0].members
         works = [work for _, work in batch]
+        plane = self._plane(first)
+        ops = plane.ops
         source = None
         if len(works) == 1:
-            buffer = works[0].output.reshape(-1)
-            source = None if works[0].input is works[0].output else works[0].input.reshape(-1)
+            buffer = ops.flat(works[0].output)
+            source = None if works[0].input is works[0].output else ops.flat(works[0].input)
         else:
-            layout = Layout.end_to_end([w.input.size for w in works])
-            buffer = self._fusion_buffer(storage_dtype(first.dtype), layout.total)
+            inputs = [ops.flat(w.input) for w in works]
+            buffer = self._fusion_buffer(plane, sum(ops.numel(i) for i in inputs), inputs[0])
             with self._activity("MEMCPY_IN_FUSION_BUFFER"):
-                layout.pack([w.input.reshape(-1) for w in works], buffer)
-        self._reduce(buffer, first, len(members), self._set_of(batch[0][0].key[0]), source)
+                ops.pack(inputs, buffer)
+        self._engine_call(plane, works)
+        self._reduce(plane, buffer, first, len(members), self._set_of(batch[0][0].key[0]), source)
         if len(works) > 1:
             with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
-                layout.unpack(buffer, [w.output.reshape(-1) for w in works])
-        for work in works:
-            work.handle.set_result(work.output)
+                ops.unpack(buffer, [ops.flat(w.output) for w in works])
+        self._complete(plane, works, [work.output for work in works], buffer)
 
     def _run_adasum(self, batch: list[tuple[Response, Work]]) -> None:
         """Adasum of the batch's tensors (hvdplus.common.adasum), each with its own dot product and norms."""
@@ -150,63 +185,69 @@ class Executor:
         for work in works:
             work.handle.set_result(work.output)
 
-    def _reduce(self, buffer: np.ndarray, request: Request, set_size: int, process_set: Any,
-                source: np.ndarray | None) -> None:
+    def _reduce(self, plane: DataPlane, buffer: Any, request: Request, set_size: int, process_set: Any,
+                source: Any) -> None:
         """Reduce `source` (or `buffer` itself) into `buffer`; an unscaled flat allreduce skips the copy."""
-        group = process_set.group
-        hierarchical = self._tunables.hierarchical_allreduce and process_set.hierarchy is not None
+        ops, group = plane.ops, self._group(plane, process_set)
+        hierarchical = plane.host and self._tunables.hierarchical_allreduce and process_set.hierarchy is not None
         if source is not None and (request.prescale != 1.0 or hierarchical):
-            np.copyto(buffer, source)
+            ops.copy(buffer, source)
             source = None
-        halfops.scale_inplace(buffer, request.dtype, request.prescale)
+        ops.scale(buffer, request.dtype, request.prescale)
         op = _engine_op(request)
-        nans = nan.nan_positions(buffer if source is None else source, request.dtype) \
-            if nan.propagates_nan(request.dtype, op) else None
+        nans = ops.nan_positions(buffer if source is None else source, request.dtype) \
+            if propagates_nan(request.dtype, op) else None
         if hierarchical:
             with self._activity("HIERARCHICAL_ALLREDUCE"), self._substeps() as mark:
                 ran = hierarchical_allreduce(self._engine, process_set.hierarchy, buffer, request.dtype, op,
                                              self._tunables.cross_algorithm, mark)
             self._ran_hierarchical(f"allreduce/{ran}")
         else:
-            with self._activity(f"{self._engine.name.upper()}_ALLREDUCE"):
-                self._engine.allreduce(buffer, request.dtype, op, group, send=source)
+            with self._activity(f"{plane.name.upper()}_ALLREDUCE"):
+                plane.engine.allreduce(buffer, request.dtype, op, group, send=source)
         if nans is not None:
-            self._engine.allreduce(nans, "uint8", ReduceOp.MAX, group)
-            nan.restore_nan(buffer, request.dtype, nans)
-        halfops.scale_inplace(buffer, request.dtype, _postscale(request, set_size))
+            plane.engine.allreduce(nans, "uint8", ReduceOp.MAX, group)
+            ops.restore_nan(buffer, request.dtype, nans)
+        ops.scale(buffer, request.dtype, _postscale(request, set_size))
 
-    def _allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: list[int], process_set: Any) -> None:
+    def _allgather(self, plane: DataPlane, send: Any, recv: Any, counts: list[int], process_set: Any) -> None:
         """The engine's allgather, or Horovod's hierarchical one where it is on and the hosts' ranks are
-        consecutive in the set."""
+        consecutive in the set (host buffers only)."""
         hierarchy = process_set.hierarchy
-        if self._tunables.hierarchical_allgather and hierarchy is not None and hierarchy.contiguous:
+        if plane.host and self._tunables.hierarchical_allgather and hierarchy is not None and hierarchy.contiguous:
             with self._activity("HIERARCHICAL_ALLGATHER"), self._substeps() as mark:
                 hierarchical_allgather(self._engine, hierarchy, send, recv, counts, mark)
             self._ran_hierarchical("allgather")
         else:
-            with self._activity(f"{self._engine.name.upper()}_ALLGATHER"):
-                self._engine.allgather(send, recv, counts, process_set.group)
+            with self._activity(f"{plane.name.upper()}_ALLGATHER"):
+                plane.engine.allgather(send, recv, counts, self._group(plane, process_set))
 
-    def _fusion_buffer(self, dtype: np.dtype, count: int) -> np.ndarray:
-        buffer = self._fusion_buffers.get(dtype)
-        if buffer is None or buffer.size < count:
-            buffer = np.empty(count, dtype=dtype)
-            self._fusion_buffers[dtype] = buffer
+    def _fusion_buffer(self, plane: DataPlane, count: int, like: Any) -> Any:
+        """The plane's reusable fusion buffer for `like`'s storage type, at least `count` elements long."""
+        key = (plane.name, like.dtype)
+        buffer = self._fusion_buffers.get(key)
+        if buffer is None or plane.ops.numel(buffer) < count:
+            buffer = plane.ops.empty((count,), like)
+            self._fusion_buffers[key] = buffer
         return buffer[:count]
 
+    def run_broadcast(self, response: Response, work: Work) -> None:
+        """Copy the root's tensor to every member, on the plane of the tensor's device."""
+        request = work.request
+        plane = self._plane(request)
+        root = response.members.index(request.root)  # the request names a global rank; the group, its index
+        if response.members[root] == self._engine.rank and work.input is not work.output:
+            plane.ops.copy(work.output, work.input)
+        self._engine_call(plane, [work])
+        with self._activity(f"{plane.name.upper()}_BROADCAST"):
+            plane.engine.broadcast(plane.ops.flat(work.output), root, self._group(plane, self._set_of(response.key[0])))
+        self._complete(plane, [work], [work.output], work.output)
+
     def run(self, response: Response, work: Work, set_rank: int) -> Any:
-        """Run one non-allreduce response; return the handle's result."""
+        """Run one alltoall or barrier (host buffers); return the handle's result."""
         group = self._group_of(response.key[0])
-        request, requests = work.request, response.requests
-        if response.kind == OpKind.BROADCAST:
-            root = response.members.index(request.root)  # the request names a global rank; the group, its index
-            if set_rank == root and work.input is not work.output:
-                np.copyto(work.output, work.input)
-            with self._activity(f"{self._engine.name.upper()}_BROADCAST"):
-                self._engine.broadcast(work.output.reshape(-1), root, group)
-            return work.output
         if response.kind == OpKind.ALLTOALL:
-            return self._alltoall(requests, work, set_rank, group)
+            return self._alltoall(response.requests, work, set_rank, group)
         if response.kind == OpKind.BARRIER:
             self._engine.barrier(group)
             return None
@@ -227,73 +268,85 @@ class Executor:
         place when this rank's input already sits at its offset there."""
         head = batch[0][0]
         self._count(OpKind.ALLGATHER, batch)
+        plane = self._plane(head.first)
+        ops, works = plane.ops, [work for _, work in batch]
         set_rank, process_set = head.members.index(self._engine.rank), self._set_of(head.key[0])
         layout = Layout([[r.nelements for r in response.requests] for response, _ in batch])
-        outputs = [_gather_output(response, work) for response, work in batch]
+        outputs = [_gather_output(ops, response, work) for response, work in batch]
+        self._engine_call(plane, works)
         if len(batch) == 1:
-            work, out, counts = batch[0][1], outputs[0].reshape(-1), layout.counts[0]
-            inplace = counts[set_rank] > 0 and work.input.ctypes.data == out[sum(counts[:set_rank]):].ctypes.data
+            work, out, counts = works[0], ops.flat(outputs[0]), layout.counts[0]
+            inplace = counts[set_rank] > 0 and ops.same_start(work.input, out[sum(counts[:set_rank]):])
             # A rank with nothing to send passes a buffer of its own: an empty view may alias `out` (MPICH refuses).
-            send = work.input.reshape(-1) if counts[set_rank] else np.empty(0, dtype=out.dtype)
-            self._allgather(None if inplace else send, out, counts, process_set)
+            send = ops.flat(work.input) if counts[set_rank] else ops.empty((0,), out)
+            self._allgather(plane, None if inplace else send, out, counts, process_set)
+            buffer = out
         else:
+            inputs = [ops.flat(work.input) for work in works]
             with self._activity("MEMCPY_IN_FUSION_BUFFER"):
-                mine = np.concatenate([work.input.reshape(-1) for _, work in batch])
-            buffer = self._fusion_buffer(mine.dtype, layout.total)
-            self._allgather(mine, buffer, layout.rank_totals, process_set)
+                mine = ops.empty((layout.rank_totals[set_rank],), inputs[0])
+                ops.pack(inputs, mine)
+            buffer = self._fusion_buffer(plane, layout.total, mine)
+            self._allgather(plane, mine, buffer, layout.rank_totals, process_set)
             with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
-                layout.unpack(buffer, [out.reshape(-1) for out in outputs])
-        for (_, work), out in zip(batch, outputs):
-            work.handle.set_result(out)
+                layout.unpack(buffer, [ops.flat(out) for out in outputs])
+        self._complete(plane, works, outputs, buffer)
 
     def run_reducescatter(self, batch: list[tuple[Response, Work]]) -> None:
         """Reduce-scatter a batch of agreed requests in one engine call: the inputs are packed rank-major
         (common/layout.py), so each rank receives its slices of every tensor as one block."""
         head = batch[0][0]
         self._count(OpKind.REDUCESCATTER, batch)
-        set_rank, group = head.members.index(self._engine.rank), self._group_of(head.key[0])
         request = head.first
+        plane = self._plane(request)
+        ops, works = plane.ops, [work for _, work in batch]
+        set_rank, group = head.members.index(self._engine.rank), self._group(plane, self._set_of(head.key[0]))
         layout = Layout([_scatter_counts(response) for response, _ in batch])
-        outputs = [_scatter_output(response, work, set_rank) for response, work in batch]
+        outputs = [_scatter_output(ops, response, work, set_rank) for response, work in batch]
         op = _engine_op(request)
+        self._engine_call(plane, works)
         if len(batch) == 1:
-            self._reducescatter_alone(batch[0][1], outputs[0].reshape(-1), layout.counts[0], set_rank, op, group)
+            self._reducescatter_alone(plane, works[0], ops.flat(outputs[0]), layout.counts[0], set_rank, op, group)
         else:
-            buffer = self._fusion_buffer(storage_dtype(request.dtype), layout.total)
+            inputs = [ops.flat(work.input) for work in works]
+            buffer = self._fusion_buffer(plane, layout.total, inputs[0])
             with self._activity("MEMCPY_IN_FUSION_BUFFER"):
-                layout.pack([work.input.reshape(-1) for _, work in batch], buffer)
-            halfops.scale_inplace(buffer, request.dtype, request.prescale)
-            mine = np.empty(layout.rank_totals[set_rank], dtype=buffer.dtype)
-            with self._activity(f"{self._engine.name.upper()}_REDUCESCATTER"):
-                self._engine.reducescatter(buffer, mine, layout.rank_totals, request.dtype, op, group)
+                layout.pack(inputs, buffer)
+            ops.scale(buffer, request.dtype, request.prescale)
+            mine = ops.empty((layout.rank_totals[set_rank],), buffer)
+            with self._activity(f"{plane.name.upper()}_REDUCESCATTER"):
+                plane.engine.reducescatter(buffer, mine, layout.rank_totals, request.dtype, op, group)
             with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
-                Layout.end_to_end([out.size for out in outputs]).unpack(mine, [out.reshape(-1) for out in outputs])
+                ops.unpack(mine, [ops.flat(out) for out in outputs])
         postscale = _postscale(request, len(head.members))
-        for (_, work), out in zip(batch, outputs):
-            halfops.scale_inplace(out.reshape(-1), request.dtype, postscale)
-            work.handle.set_result(out)
+        for out in outputs:
+            ops.scale(ops.flat(out), request.dtype, postscale)
+        self._complete(plane, works, outputs, outputs[-1])
 
-    def _reducescatter_alone(self, work: Work, out: np.ndarray, counts: list[int], set_rank: int, op: ReduceOp,
-                             group: Any) -> None:
+    def _reducescatter_alone(self, plane: DataPlane, work: Work, out: Any, counts: list[int], set_rank: int,
+                             op: ReduceOp, group: Any) -> None:
         """One reduce-scatter, with no copy of its input unless it must be prescaled out of place: in place when
         the output is this rank's slice of the input itself."""
-        request, send = work.request, work.input.reshape(-1)
-        start = sum(counts[:set_rank])
-        inplace = out.size > 0 and np.shares_memory(send, out)
-        if inplace and out.ctypes.data != send[start:].ctypes.data:
+        ops, engine = plane.ops, plane.engine
+        request, send = work.request, ops.flat(work.input)
+        start, size = sum(counts[:set_rank]), ops.numel(out)
+        inplace = size > 0 and ops.overlaps(send, out)
+        if inplace and not ops.same_start(out, send[start:]):
             raise ValueError(f"reducescatter {request.name!r}: an output inside the input must be this rank's own "
-                             f"slice of it (elements {start}..{start + out.size})")
+                             f"slice of it (elements {start}..{start + size})")
         if request.prescale != 1.0 and not inplace:
-            send = send.copy()
-        halfops.scale_inplace(send, request.dtype, request.prescale)
-        nans = nan.nan_positions(send, request.dtype) if nan.propagates_nan(request.dtype, op) else None
-        recv = send if inplace else (out if out.size else np.empty(0, dtype=send.dtype))  # empty views may alias
-        with self._activity(f"{self._engine.name.upper()}_REDUCESCATTER"):
-            self._engine.reducescatter(None if inplace else send, recv, counts, request.dtype, op, group)
+            copy = ops.empty((ops.numel(send),), send)
+            ops.copy(copy, send)
+            send = copy
+        ops.scale(send, request.dtype, request.prescale)
+        nans = ops.nan_positions(send, request.dtype) if propagates_nan(request.dtype, op) else None
+        recv = send if inplace else (out if size else ops.empty((0,), send))  # empty views may alias
+        with self._activity(f"{plane.name.upper()}_REDUCESCATTER"):
+            engine.reducescatter(None if inplace else send, recv, counts, request.dtype, op, group)
         if nans is not None:
-            flags = np.empty(out.size, dtype=np.uint8)
-            self._engine.reducescatter(nans, flags, counts, "uint8", ReduceOp.MAX, group)
-            nan.restore_nan(out, request.dtype, flags)
+            flags = ops.empty((size,), nans)
+            engine.reducescatter(nans, flags, counts, "uint8", ReduceOp.MAX, group)
+            ops.restore_nan(out, request.dtype, flags)
 
 
 def _engine_op(request: Request) -> ReduceOp:
@@ -315,20 +368,20 @@ def _scatter_counts(response: Response) -> list[int]:
     return [rows * row for rows in balanced_counts(request.shape[0], len(response.members))]
 
 
-def _scatter_output(response: Response, work: Work, set_rank: int) -> np.ndarray:
-    """Where this rank's slice goes: the caller's output, or a new array of the slice's shape."""
+def _scatter_output(ops: BufferOps, response: Response, work: Work, set_rank: int) -> Any:
+    """Where this rank's slice goes: the caller's output, or a new buffer of the slice's shape."""
     if work.output is not None:
         return work.output
     request = work.request
     if request.splits is not None:
-        return np.empty(request.splits[set_rank], dtype=work.input.dtype)
+        return ops.empty((request.splits[set_rank],), work.input)
     rows = balanced_counts(request.shape[0], len(response.members))[set_rank]
-    return np.empty((rows,) + request.shape[1:], dtype=work.input.dtype)
+    return ops.empty((rows,) + request.shape[1:], work.input)
 
 
-def _gather_output(response: Response, work: Work) -> np.ndarray:
-    """The caller's output, or a new array holding every rank's rows."""
+def _gather_output(ops: BufferOps, response: Response, work: Work) -> Any:
+    """The caller's output, or a new buffer holding every rank's rows."""
     if work.output is not None:
         return work.output
     rows = sum(r.shape[0] for r in response.requests)
-    return np.empty((rows,) + work.request.shape[1:], dtype=work.input.dtype)
+    return ops.empty((rows,) + work.request.shape[1:], work.input)

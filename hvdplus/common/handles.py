@@ -13,7 +13,7 @@ class Handle:
 
     A held lock marks "not done" (lighter than threading.Event, which matters at one handle per tensor)."""
 
-    __slots__ = ("name", "_pending", "_done", "_result", "_error")
+    __slots__ = ("name", "_pending", "_done", "_result", "_error", "_event")
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -22,6 +22,7 @@ class Handle:
         self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
+        self._event: Any = None
 
     def done(self) -> bool:
         """True once the collective finished (successfully or not); never blocks."""
@@ -35,10 +36,14 @@ class Handle:
             self._pending.release()  # let any other waiter through
         if self._error is not None:
             raise self._error
+        if self._event is not None:  # a device result: the caller's stream waits for the work that wrote it
+            self._event.wait()
         return self._result
 
-    def set_result(self, result: Any) -> None:
-        self._result = result
+    def set_result(self, result: Any, event: Any = None) -> None:
+        """Complete with `result`; `event` (a device event, common/buffer_ops.ReadyEvent) marks where the device
+        work writing it ends, and every waiter's current stream waits for it instead of the host."""
+        self._result, self._event = result, event
         self._complete()
 
     def set_error(self, error: BaseException) -> None:

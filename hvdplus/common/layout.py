@@ -3,11 +3,11 @@
 A batch of T collectives on R ranks is a table `counts[t][r]`: the elements of tensor t that belong to rank r
 (the rank's slice of a reduce-scatter, the rank's contribution to an allgather). The engine sees one buffer in
 rank-major order (rank 0's parts of every tensor, then rank 1's, ...), so one call with per-rank totals moves
-the whole batch. An allreduce is the one-column case: the tensors end to end."""
+the whole batch. Buffers are numpy arrays or any tensors that slice like them (a device plane's). An allreduce is the one-column case: the tensors end to end."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -42,13 +42,13 @@ class Layout:
     def total(self) -> int:
         return self._blocks[-1]
 
-    def block(self, buffer: np.ndarray, rank: int) -> np.ndarray:
+    def block(self, buffer: Any, rank: int) -> Any:
         """Rank `rank`'s contiguous block of a rank-major buffer."""
         return buffer[self._blocks[rank]:self._blocks[rank + 1]]
 
-    def pack(self, tensors: Sequence[np.ndarray], buffer: np.ndarray) -> None:
+    def pack(self, tensors: Sequence[Any], buffer: Any) -> None:
         """Copy flat `tensors` (each in its own order: rank 0's part first) into `buffer` in rank-major order."""
-        if self.ranks == 1:
+        if self.ranks == 1 and isinstance(buffer, np.ndarray):  # one numpy call; other buffers copy slice by slice
             np.concatenate(tensors, out=buffer)
             return
         position = 0
@@ -58,7 +58,7 @@ class Layout:
                     buffer[position:position + row[r]] = tensor[starts[r]:starts[r] + row[r]]
                     position += row[r]
 
-    def unpack(self, buffer: np.ndarray, tensors: Sequence[np.ndarray]) -> None:
+    def unpack(self, buffer: Any, tensors: Sequence[Any]) -> None:
         """The inverse of `pack`: copy a rank-major `buffer` out into the flat `tensors`."""
         position = 0
         for r in range(self.ranks):

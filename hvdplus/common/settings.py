@@ -122,8 +122,13 @@ SETTINGS: tuple[Setting, ...] = (
             "Engine for CPU tensors: 'mpi' or 'gloo'; empty chooses MPI when launched by mpirun.",
             "HVDPLUS_CPU_OPERATIONS", "HOROVOD_CPU_OPERATIONS"),
     Setting("gpu_operations", str, "nccl",
-            "Engine for CUDA tensors: 'nccl' (torch.distributed).",
+            "Engine for CUDA tensors: 'nccl' (torch.distributed's NCCL, on the GPU) or 'mpi' (staged through host "
+            "memory to the CPU engine).",
             "HVDPLUS_GPU_OPERATIONS", "HOROVOD_GPU_OPERATIONS"),
+    Setting("device_path_on_cpu", _parse_bool, False,
+            "Send CPU torch tensors through the GPU code path (torch buffer operations, a Gloo device engine): "
+            "how the NCCL path is tested on machines without a GPU.",
+            "HVDPLUS_DEVICE_PATH_ON_CPU"),
     Setting("dynamic_process_sets", _parse_bool, False,
             "Allow add_process_set/remove_process_set after init.",
             "HVDPLUS_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PROCESS_SETS"),
@@ -276,6 +281,7 @@ class Settings:
     log_level: str = "warning"
     cpu_operations: str = ""
     gpu_operations: str = "nccl"
+    device_path_on_cpu: bool = False
     dynamic_process_sets: bool = False
     timeout_seconds: float = 60.0
     launch: LaunchEnv = field(default_factory=LaunchEnv)

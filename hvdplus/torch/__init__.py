@@ -23,9 +23,10 @@ from hvdplus.torch.optimizer import DistributedOptimizer
 from hvdplus.torch.sparse import sparse_allreduce_async
 from hvdplus.torch.sync_batch_norm import SyncBatchNorm
 from hvdplus.torch.zero import ZeroOptimizer
-from hvdplus.torch import _half_kernels
+from hvdplus.torch import _half_kernels, device_plane
 
 _half_kernels.register()
+device_plane.register()
 
 
 def __getattr__(name: str) -> Any:

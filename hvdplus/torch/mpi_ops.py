@@ -1,7 +1,9 @@
 """horovod.torch's collectives on PyTorch tensors: tensor <-> host buffer, handles and autograd.
 
 Every op keeps Horovod's signature; the work itself is done by `hvdplus.common.collectives`.
-CUDA tensors are staged through host memory.
+CUDA tensors go to the core as they are when the job has a device plane for them (NCCL, torch/device_plane.py):
+allreduce, allgather, broadcast and reduce-scatter then never leave the GPU. Adasum and alltoall, and every
+op without a device plane (HOROVOD_GPU_OPERATIONS=mpi, torch without NCCL), stage through host memory.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ import numpy as np
 import torch
 
 from hvdplus.common import collectives as core
-from hvdplus.common.basics import ProcessSet, global_process_set, rank
+from hvdplus.common.basics import ProcessSet, global_process_set, rank, runtime
 from hvdplus.common.handles import Completion, Handle
 from hvdplus.common.naming import group_size, member_names
 from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
 from hvdplus.torch.compression import Compression, Compressor
+from hvdplus.torch.device_plane import CPU_TEST_KIND
 
 __all__ = ["allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
            "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_",
@@ -49,17 +52,54 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().cpu().contiguous()
 
 
-def _buffers(tensor: torch.Tensor, inplace: bool) -> tuple[torch.Tensor, np.ndarray, np.ndarray]:
-    """(output tensor, input array, output array) of a collective whose result has `tensor`'s shape.
+def _plane_kind(tensor: torch.Tensor) -> str | None:
+    """The device kind under which `tensor` travels on one of the job's device planes; None: host memory."""
+    kinds = runtime().coordinator.device_kinds
+    if not kinds:  # the common case on CPU jobs: no device plane at all
+        return None
+    kind = CPU_TEST_KIND if tensor.is_cpu else tensor.device.type
+    return kind if kind in kinds else None
 
-    In place on a contiguous CPU tensor, all three share `tensor`'s memory; otherwise the output is
-    allocated by numpy (no dispatcher call, which would hand the GIL to the background thread)."""
+
+def _label(tensor: torch.Tensor, kind: str | None) -> str:
+    """The device a request names: 'cpu', 'cuda:N' (on NCCL or staged), or the CPU test plane's kind."""
+    if tensor.is_cpu:
+        return "cpu" if kind is None else kind
+    return str(tensor.device)
+
+
+def _input(tensor: torch.Tensor) -> tuple[Any, str]:
+    """(buffer, device label) of a collective's input: the tensor itself on a device plane, else a host view."""
+    kind = _plane_kind(tensor)
+    if kind is None:
+        return _numpy(_host(tensor)), _label(tensor, None)
+    return tensor.detach().contiguous(), _label(tensor, kind)
+
+
+def _result(buffer: Any, like: torch.Tensor) -> torch.Tensor:
+    """A core result as a tensor of `like`'s dtype on `like`'s device (device-plane results already are)."""
+    return buffer if isinstance(buffer, torch.Tensor) else _tensor(buffer, like.dtype, like.device)
+
+
+def _buffers(tensor: torch.Tensor, inplace: bool, kind: str | None) -> tuple[torch.Tensor, Any, Any, str]:
+    """(output tensor, input buffer, output buffer, device label) of a collective whose result has `tensor`'s
+    shape, on the device plane of `kind` (None: host memory).
+
+    In place on a contiguous tensor, all three share `tensor`'s memory. Otherwise the output is a new tensor on
+    the device plane, or on the host an array allocated by numpy (no dispatcher call, which would hand the GIL
+    to the background thread)."""
+    if kind is not None:
+        source = tensor.detach().contiguous()
+        if inplace and source.data_ptr() == tensor.data_ptr():
+            return source, source, source, _label(tensor, kind)
+        output = torch.empty_like(source)
+        return output, source, output, _label(tensor, kind)
     host = _host(tensor)
     in_array = _numpy(host)
     if inplace and host.data_ptr() == tensor.data_ptr():
-        return host, in_array, in_array
+        return host, in_array, in_array, "cpu"
     out_array = np.empty(in_array.shape, dtype=in_array.dtype)
-    return _tensor(out_array, tensor.dtype, _CPU), in_array, out_array
+    return _tensor(out_array, tensor.dtype, _CPU), in_array, out_array, _label(tensor, None)
 
 
 def _numpy(host: torch.Tensor) -> np.ndarray:
@@ -100,17 +140,19 @@ def _start_allreduce(tensor: torch.Tensor, name: str | None, inplace: bool, op: 
                      group: int = 0) -> tuple[Handle, Callable[[], torch.Tensor]]:
     """Submit one allreduce (a member of a grouped call of `group` tensors, if not 0); return its handle and the
     function that gives the result once it is done."""
-    output, in_array, out_array = _buffers(tensor, inplace)
+    # Adasum reduces tensor by tensor on the host engine (common/adasum.py)
+    kind = None if op == ReduceOp.ADASUM else _plane_kind(tensor)
+    output, in_array, out_array, label = _buffers(tensor, inplace, kind)
     device = tensor.device
     handle = core.submit_allreduce(in_array, out_array, _dtype_name(tensor), name, op, prescale, postscale,
-                                   process_set, "cpu" if device.type == "cpu" else str(device), group=group)
+                                   process_set, label, group=group)
 
     def result() -> torch.Tensor:
         if inplace:
             if output.data_ptr() != tensor.data_ptr():
                 tensor.data.copy_(output)
             return tensor
-        return output if device.type == "cpu" else output.to(device)
+        return output if output.device == device else output.to(device)
 
     return handle, result
 
@@ -121,7 +163,11 @@ def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
     if len(tensors) < 2 or op == ReduceOp.ADASUM or not isinstance(tensors[0], torch.Tensor):
         return False
     dtype = tensors[0].dtype  # is_cpu and one dtype object: ~0.4 us a tensor (device.type costs 4x more)
-    return all(isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dtype for t in tensors)
+    if tensors[0].is_cpu:
+        return all(isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dtype for t in tensors)
+    device = tensors[0].device  # device tensors pack on their device when a device plane takes them
+    return _plane_kind(tensors[0]) is not None and \
+        all(isinstance(t, torch.Tensor) and t.device == device and t.dtype == dtype for t in tensors)
 
 
 def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, inplace: bool, op: ReduceOp,
@@ -131,9 +177,11 @@ def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, i
     unpacked as views of the buffer (copied into the inputs when in place)."""
     with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
         flat = torch._utils._flatten_dense_tensors(tensors)
-    array = _numpy(flat)
-    handle = core.submit_allreduce(array, array, _dtype_name(flat), name, op, prescale, postscale, process_set,
-                                   parts=tuple(tuple(t.shape) for t in tensors), group=len(tensors))
+    kind = _plane_kind(flat)
+    buffer = _numpy(flat) if kind is None else flat
+    handle = core.submit_allreduce(buffer, buffer, _dtype_name(flat), name, op, prescale, postscale, process_set,
+                                   _label(flat, kind), parts=tuple(tuple(t.shape) for t in tensors),
+                                   group=len(tensors))
 
     def result() -> list[torch.Tensor]:
         outputs = torch._utils._unflatten_dense_tensors(flat, tensors)
@@ -287,9 +335,11 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
 def _allgather_members(tensors: Sequence[torch.Tensor], names: Sequence[str | None], process_set: ProcessSet,
                        group: int) -> Completion:
     """Start one allgather per tensor, each announcing the size of the grouped call it belongs to."""
-    handles = [core.submit_allgather(_numpy(_host(t)), _dtype_name(t), n, process_set, str(t.device), group)
-               for t, n in zip(tensors, names)]
-    return Completion(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+    handles = []
+    for t, n in zip(tensors, names):
+        buffer, label = _input(t)
+        handles.append(core.submit_allgather(buffer, _dtype_name(t), n, process_set, label, group))
+    return Completion(handles, lambda results: [_result(r, t) for r, t in zip(results, tensors)])
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -341,13 +391,12 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 # ----------------------------------------------------------------------------- broadcast
 def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
                      inplace: bool) -> Completion:
-    output, in_array, out_array = _buffers(tensor, inplace)
-    handle = core.submit_broadcast(in_array, out_array, _dtype_name(tensor), root_rank, name,
-                                   process_set, str(tensor.device))
+    output, in_array, out_array, label = _buffers(tensor, inplace, _plane_kind(tensor))
+    handle = core.submit_broadcast(in_array, out_array, _dtype_name(tensor), root_rank, name, process_set, label)
 
     def finish(_: list[Any]) -> torch.Tensor:
         if not inplace:
-            return output if tensor.device.type == "cpu" else output.to(tensor.device)
+            return output if output.device == tensor.device else output.to(tensor.device)
         if output.data_ptr() != tensor.data_ptr():
             tensor.data.copy_(output)
         return tensor
@@ -446,10 +495,12 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
 def _reducescatter_members(tensors: Sequence[torch.Tensor], names: Sequence[str | None], op: ReduceOp,
                            process_set: ProcessSet, prescale: float, postscale: float, group: int) -> Completion:
     """Start one reduce-scatter per tensor, each announcing the size of the grouped call it belongs to."""
-    handles = [core.submit_reducescatter(_numpy(_host(t)), _dtype_name(t), n, core.resolve_op(None, op), prescale,
-                                         postscale, process_set, str(t.device), group)
-               for t, n in zip(tensors, names)]
-    return Completion(handles, lambda results: [_tensor(r, t.dtype, t.device) for r, t in zip(results, tensors)])
+    handles = []
+    for t, n in zip(tensors, names):
+        buffer, label = _input(t)
+        handles.append(core.submit_reducescatter(buffer, _dtype_name(t), n, core.resolve_op(None, op), prescale,
+                                                 postscale, process_set, label, group))
+    return Completion(handles, lambda results: [_result(r, t) for r, t in zip(results, tensors)])
 
 
 def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,

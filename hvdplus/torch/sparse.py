@@ -10,7 +10,7 @@ from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.handles import Completion
-from hvdplus.torch.mpi_ops import _dtype_name, _host, _numpy, _tensor, synchronize
+from hvdplus.torch.mpi_ops import _dtype_name, _input, _result, synchronize
 
 __all__ = ["sparse_allreduce_async"]
 
@@ -38,15 +38,15 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp,
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"sparse allreduce supports op=Average and op=Sum, got {op!r}")
     # Allgather concatenates along dimension 0, so indices travel transposed: one row per non-zero.
-    indices = _host(tensor._indices().t().contiguous())
-    values = _host(tensor._values().contiguous())
+    indices, values = tensor._indices().t().contiguous(), tensor._values().contiguous()
     names = (None, None) if name is None else (f"{name}.indices", f"{name}.values")
-    handles = [core.submit_allgather(_numpy(part), _dtype_name(part), part_name, process_set, str(tensor.device))
-               for part, part_name in zip((indices, values), names)]
+    handles = []
+    for part, part_name in zip((indices, values), names):
+        buffer, label = _input(part)
+        handles.append(core.submit_allgather(buffer, _dtype_name(part), part_name, process_set, label))
 
     def finish(results: list[Any]) -> torch.Tensor:
-        all_indices = torch.from_numpy(results[0]).t()
-        all_values = _tensor(results[1], tensor.dtype, torch.device("cpu"))
+        all_indices, all_values = _result(results[0], indices).t(), _result(results[1], values)
         if op == ReduceOp.AVERAGE:
             all_values = all_values / process_set.size()
         summed = torch.sparse_coo_tensor(all_indices, all_values, tensor.shape, check_invariants=True).coalesce()

@@ -42,6 +42,24 @@ def test_optimizer_without_buckets():
     assert_every_rank_ran("mpi", 3, output, at_least=10)
 
 
+DEVICE_PLANE_FILES = ("test_torch_device_plane.py", "test_torch_ops.py", "test_torch_optimizer.py",
+                      "test_torch_sparse_groups.py")
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine, np, files", [("gloo", 3, DEVICE_PLANE_FILES), ("mpi", 2, DEVICE_PLANE_FILES[:1])])
+def test_device_plane_on_cpu_tensors(engine, np, files):
+    """HVDPLUS_DEVICE_PATH_ON_CPU=1: CUDA tensors' code path (torch buffer operations, the torch.distributed device
+    engine, the executor's device plane) on CPU tensors. Over Gloo the collective and optimizer worker tests run
+    through it; over MPI the device engine makes its own torch.distributed job, as a GPU job under mpirun does."""
+    _skip_if_missing(engine)
+    code, output = run_job(engine, np, pytest_argv(*(str(WORKERS / name) for name in files)),
+                           extra_env={"HVDPLUS_DEVICE_PATH_ON_CPU": "1"})
+    assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran(engine, np, output, at_least=10 if len(files) == 1 else 100)
+
+
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["mpi"])  # ZeRO itself runs on every engine in the worker suite

@@ -1,7 +1,8 @@
 """The Engine protocol: the few collectives hvdplus composes, over a maintained library.
 
-Buffers are flat, C-contiguous numpy arrays in host memory; `dtype` names the logical type
-(bfloat16 travels as uint16 storage). Ranks and roots are indices within `group`.
+The host engine's buffers are flat, C-contiguous numpy arrays in host memory; `dtype` names the logical type
+(bfloat16 travels as uint16 storage). A device engine (engines/nccl.py) runs the same data collectives on a
+framework's tensors. Ranks and roots are indices within `group`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["Engine", "Group", "Pending", "Done", "Channel", "Transfer"]
+__all__ = ["Engine", "DataEngine", "Group", "Pending", "Done", "Channel", "Transfer"]
 
 Group = Any  # an engine-specific communicator handle
 
@@ -61,9 +62,9 @@ class Channel(Protocol):
         """Release the channel's communicator."""
 
 
-@runtime_checkable
-class Engine(Protocol):
-    """A transport for collectives among the ranks of a job."""
+class DataEngine(Protocol):
+    """The data collectives the executor runs on one kind of buffer. The host engine's buffers are flat numpy
+    arrays; a device engine's are tensors of its framework on its device (common/buffer_ops.py)."""
 
     name: str
     rank: int
@@ -84,10 +85,6 @@ class Engine(Protocol):
     def broadcast(self, buf: np.ndarray, root: int, group: Group) -> None:
         """Copy root's `buf` into `buf` on every rank."""
 
-    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
-                 recv_counts: Sequence[int], group: Group) -> None:
-        """Send send_counts[r] elements to rank r and receive recv_counts[r] from it."""
-
     def reducescatter(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str,
                       op: ReduceOp, group: Group) -> None:
         """Reduce `send` across `group`; rank r keeps the counts[r] elements of its slice in `recv`. In place when
@@ -96,6 +93,18 @@ class Engine(Protocol):
 
     def barrier(self, group: Group) -> None:
         """Return once every rank of `group` has entered."""
+
+    def shutdown(self) -> None:
+        """Release the engine's resources (process groups, communicators)."""
+
+
+@runtime_checkable
+class Engine(DataEngine, Protocol):
+    """The job's host engine: the data collectives on numpy buffers, and the control plane every rank runs."""
+
+    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
+                 recv_counts: Sequence[int], group: Group) -> None:
+        """Send send_counts[r] elements to rank r and receive recv_counts[r] from it."""
 
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group,
                  source: int | None = None) -> None:
@@ -119,6 +128,3 @@ class Engine(Protocol):
     def open_channel(self) -> Channel:
         """Collective over all ranks (run on the coordinator's thread, in the agreed order): a new point-to-point
         channel among all ranks."""
-
-    def shutdown(self) -> None:
-        """Release the engine's resources (process groups, communicators)."""

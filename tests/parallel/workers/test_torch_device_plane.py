@@ -1,0 +1,132 @@
+"""The device plane (issue 15's GPU path) on CPU tensors over Gloo: the code CUDA tensors take on NCCL.
+
+Run by tests/parallel/test_jobs.py with HVDPLUS_DEVICE_PATH_ON_CPU=1, beside the op and optimizer worker tests,
+which then go through the same plane. These tests check that the plane really carried the tensors (torch buffers
+end to end, the plane's engine calls counted, fusion on the plane) and the cases it handles differently from the
+host path. Without the setting they do not apply and skip."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hvdplus.common.basics import runtime
+from hvdplus.common.ops import OpKind
+
+pytestmark = pytest.mark.skipif(os.environ.get("HVDPLUS_DEVICE_PATH_ON_CPU") != "1",
+                                reason="the device-plane job sets HVDPLUS_DEVICE_PATH_ON_CPU=1")
+
+
+def plane_runs() -> int:
+    return runtime().coordinator.plane_runs.get("torchgloo", 0)
+
+
+def test_the_plane_is_on(hvd):
+    assert runtime().coordinator.device_kinds == ("torchcpu",)
+
+
+def test_allreduce_runs_on_the_plane_in_place(hvd):
+    before = plane_runs()
+    x = torch.full((6,), float(hvd.rank() + 1))
+    pointer = x.data_ptr()
+    out = hvd.allreduce_(x, op=hvd.Sum, name="plane.inplace")
+    assert out.data_ptr() == pointer  # in place on the caller's tensor: no host copy in between
+    assert out.tolist() == [hvd.size() * (hvd.size() + 1) / 2] * 6
+    assert plane_runs() == before + 1
+
+
+def test_grouped_allreduce_is_one_fused_call_on_the_plane(hvd):
+    before = plane_runs()
+    tensors = [torch.full((k + 1,), float(hvd.rank() + k)) for k in range(5)]
+    results = hvd.grouped_allreduce(tensors, op=hvd.Sum, name="plane.grouped")
+    ranks = range(hvd.size())
+    for k, result in enumerate(results):
+        assert result.tolist() == [float(sum(r + k for r in ranks))] * (k + 1)
+    assert plane_runs() == before + 1  # one packed request, one engine call
+
+
+def test_async_allreduces_fuse_on_the_plane(hvd):
+    handles = [hvd.allreduce_async(torch.full((3,), float(i)), name=f"plane.fuse.{i}", op=hvd.Average)
+               for i in range(8)]
+    assert [hvd.synchronize(h).tolist() for h in handles] == [[float(i)] * 3 for i in range(8)]
+    assert runtime().coordinator.largest_batch.get(OpKind.ALLREDUCE, 0) >= 2
+
+
+def test_uneven_allgather_and_fused_allgathers(hvd):
+    before = plane_runs()
+    rows = hvd.rank() + 1
+    out = hvd.allgather(torch.full((rows, 2), float(hvd.rank())), name="plane.gather")
+    expected = np.concatenate([np.full((r + 1, 2), float(r)) for r in range(hvd.size())])
+    np.testing.assert_array_equal(out.numpy(), expected)
+    gathered = hvd.grouped_allgather([torch.full((rows,), float(hvd.rank())), torch.arange(2) + hvd.rank()],
+                                     name="plane.gathers")
+    np.testing.assert_array_equal(gathered[1].numpy(), np.concatenate([np.arange(2) + r for r in range(hvd.size())]))
+    assert plane_runs() >= before + 2
+
+
+def test_reducescatter_alone_and_fused(hvd):
+    n = hvd.size()
+    x = torch.arange(2 * n + 1, dtype=torch.float32) + hvd.rank()
+    full = sum(torch.arange(2 * n + 1, dtype=torch.float32) + r for r in range(n))
+    counts = [len(part) for part in np.array_split(np.arange(2 * n + 1), n)]
+    start = sum(counts[:hvd.rank()])
+    mine = hvd.reducescatter(x, op=hvd.Sum, name="plane.rs")
+    torch.testing.assert_close(mine, full[start:start + counts[hvd.rank()]])
+    pair = hvd.grouped_reducescatter([x, x * 2], op=hvd.Average, name="plane.rs.group")
+    torch.testing.assert_close(pair[1], 2 * full[start:start + counts[hvd.rank()]] / n)
+
+
+def test_broadcast_from_a_nonzero_root(hvd):
+    root = hvd.size() - 1
+    x = torch.full((4,), float(hvd.rank()))
+    assert hvd.broadcast(x, root_rank=root, name="plane.bcast").tolist() == [float(root)] * 4
+    hvd.broadcast_(x, root_rank=0, name="plane.bcast_")
+    assert x.tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int16, torch.int32])
+def test_half_and_narrow_integer_types_with_scaling(hvd, dtype):
+    x = (torch.arange(5) + hvd.rank() * 2).to(dtype)
+    out = hvd.allreduce(x, op=hvd.Average, name=f"plane.avg.{dtype}")
+    expected = sum((torch.arange(5) + r * 2).double() for r in range(hvd.size())) / hvd.size()
+    if not dtype.is_floating_point:
+        expected = expected.trunc()
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_max_keeps_a_nan_from_any_rank(hvd):
+    x = torch.tensor([1.0, float("nan") if hvd.rank() == hvd.size() - 1 else 2.0])
+    out = hvd.allreduce(x, op=hvd.Max, name="plane.nan")
+    assert out[0].item() == 1.0 and torch.isnan(out[1])
+
+
+def test_adasum_and_alltoall_stage_through_the_host(hvd):
+    """Adasum and alltoall have no device-plane code: they stay on the host engine and still work."""
+    x = torch.arange(2 * hvd.size(), dtype=torch.float32)
+    out = hvd.alltoall(x, name="plane.alltoall")
+    assert out.tolist() == [float(2 * hvd.rank() + k) for _ in range(hvd.size()) for k in range(2)]
+    if hvd.size() & (hvd.size() - 1) == 0:  # Adasum needs a power-of-two set
+        same = torch.ones(3)
+        torch.testing.assert_close(hvd.allreduce(same, op=hvd.Adasum, name="plane.adasum"), same)
+
+
+def test_sparse_allreduce_on_the_plane(hvd):
+    before = plane_runs()
+    dense = torch.zeros(4, 2)
+    dense[hvd.rank() % 4] = 1.0
+    out = hvd.sparse_allreduce_async(dense.to_sparse(), name="plane.sparse", op=hvd.Sum)
+    expected = sum(torch.zeros(4, 2).index_fill_(0, torch.tensor([r % 4]), 1.0) for r in range(hvd.size()))
+    torch.testing.assert_close(hvd.synchronize(out).to_dense(), expected)
+    assert plane_runs() >= before + 1
+
+
+def test_join_contributes_zeros_on_the_plane(hvd):
+    if hvd.rank() == 0:
+        out = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="plane.join")
+        assert out.tolist() == [1.0] * 3  # the joined ranks sent zeros made by the plane
+    assert hvd.join() in range(hvd.size())
+
