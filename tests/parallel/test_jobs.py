@@ -62,6 +62,18 @@ def test_device_plane_on_cpu_tensors(engine, np, files):
 
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
+def test_cuda_suite_on_one_rank():
+    """The CUDA worker tests on NCCL, at 1 rank (NCCL refuses two ranks on one GPU); on machines with a GPU."""
+    torch = pytest.importorskip("torch")
+    if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
+        pytest.skip("needs a CUDA device and torch with NCCL")
+    code, output = run_job("gloo", 1, pytest_argv(str(WORKERS / "test_torch_cuda.py")))
+    assert code == 0, f"CUDA job failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran("gloo", 1, output, at_least=12)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["mpi"])  # ZeRO itself runs on every engine in the worker suite
 def test_zero_checkpoint_from_2_ranks_resumes_on_3(engine, tmp_path):
     """ZeroOptimizer's consolidated state saved by a 2-rank job is resharded by a 3-rank job, which then trains on

@@ -1,0 +1,105 @@
+"""CUDA tensors on the NCCL device plane: results stay on the GPU, ordered by CUDA events, not host staging.
+
+Needs a CUDA device and torch with NCCL; elsewhere every test skips with that reason (CI has no GPU; the same
+code runs on CPU tensors in test_torch_device_plane.py). NCCL refuses two ranks on one GPU, so on a one-GPU
+machine run it at 1 rank (tests/parallel/test_jobs.py::test_cuda_suite_on_one_rank); with a GPU per rank it
+also runs at 2 and 3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvdplus.common.basics import runtime
+from hvdplus.common.ops import OpKind
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
+                                reason="needs a CUDA device and torch with NCCL")
+
+
+@pytest.fixture
+def cuda(hvd):
+    if torch.cuda.device_count() < hvd.local_size():
+        pytest.skip(f"NCCL needs a GPU per rank: {hvd.local_size()} ranks on this host, "
+                    f"{torch.cuda.device_count()} GPU(s)")
+    torch.cuda.set_device(hvd.local_rank())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def nccl_runs() -> int:
+    return runtime().coordinator.plane_runs.get("nccl", 0)
+
+
+def test_nccl_is_the_plane_for_cuda(hvd, cuda):
+    assert hvd.nccl_built()
+    assert "cuda" in runtime().coordinator.device_kinds
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
+                                   torch.int64, torch.uint8])
+def test_allreduce_stays_on_the_gpu(hvd, cuda, dtype):
+    before = nccl_runs()
+    x = (torch.arange(6, device=cuda) % 3 + hvd.rank() + 1).to(dtype)
+    out = hvd.allreduce(x, op=hvd.Sum, name=f"cuda.sum.{dtype}")
+    expected = sum((torch.arange(6) % 3 + r + 1) for r in range(hvd.size())).to(dtype)
+    assert out.device == cuda and out.dtype == dtype
+    torch.testing.assert_close(out.cpu(), expected)
+    assert nccl_runs() == before + 1
+
+
+def test_fused_allreduces_and_grouped_on_the_gpu(hvd, cuda):
+    handles = [hvd.allreduce_async(torch.full((1000,), float(k), device=cuda), name=f"cuda.fuse.{k}",
+                                   op=hvd.Average) for k in range(16)]
+    for k, handle in enumerate(handles):
+        assert torch.equal(hvd.synchronize(handle).cpu(), torch.full((1000,), float(k)))
+    assert runtime().coordinator.largest_batch.get(OpKind.ALLREDUCE, 0) >= 2
+    grouped = hvd.grouped_allreduce([torch.ones(3, device=cuda), torch.ones(5, device=cuda) * 2], op=hvd.Sum)
+    assert [g.device for g in grouped] == [cuda, cuda]
+    assert grouped[1].cpu().tolist() == [2.0 * hvd.size()] * 5
+
+
+def test_work_on_a_side_stream_is_waited_for(hvd, cuda):
+    """The tensor is written on a non-default stream just before the allreduce: the submit's event makes NCCL wait
+    for that write, and the result's event makes the caller's stream wait for NCCL."""
+    stream = torch.cuda.Stream(cuda)
+    with torch.cuda.stream(stream):
+        x = torch.empty(1 << 20, device=cuda)
+        torch.cuda._sleep(10_000_000)  # keep the stream busy so an unordered read would see stale values
+        x.fill_(float(hvd.rank() + 1))
+        out = hvd.allreduce(x, op=hvd.Sum, name="cuda.stream")
+        total = out.sum()
+    stream.synchronize()
+    assert total.item() == (1 << 20) * hvd.size() * (hvd.size() + 1) / 2
+
+
+def test_allgather_broadcast_reducescatter_on_the_gpu(hvd, cuda):
+    before = nccl_runs()
+    gathered = hvd.allgather(torch.full((hvd.rank() + 1, 2), float(hvd.rank()), device=cuda))
+    assert gathered.device == cuda and gathered.shape[0] == sum(r + 1 for r in range(hvd.size()))
+    root = hvd.size() - 1
+    assert hvd.broadcast(torch.full((3,), float(hvd.rank()), device=cuda), root_rank=root).cpu().tolist() == \
+        [float(root)] * 3
+    shard = hvd.reducescatter(torch.ones(4 * hvd.size(), device=cuda), op=hvd.Sum)
+    assert shard.device == cuda and shard.cpu().tolist() == [float(hvd.size())] * 4
+    assert nccl_runs() == before + 3
+
+
+def test_distributed_optimizer_on_the_gpu_matches_the_cpu(hvd, cuda):
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(cuda)
+    model.load_state_dict(reference.state_dict())
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batches = [torch.randn(4, 8, generator=generator) for _ in range(hvd.size())]
+        optimizer.zero_grad()
+        model(batches[hvd.rank()].to(cuda)).pow(2).mean().backward()
+        optimizer.step()
+        plain.zero_grad()
+        (sum(reference(b).pow(2).mean() for b in batches) / hvd.size()).backward()
+        plain.step()
+    for gpu, cpu in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(gpu.detach().cpu(), cpu.detach(), rtol=1e-5, atol=1e-6)
