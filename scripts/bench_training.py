@@ -9,7 +9,8 @@ linear layers, 1.07 M parameters, 32x32x3 images) and an MLP (784-1024-1024-10, 
 
 How it is timed: each mode runs as its own job (so no mode shares its CPU with another's background
 threads), and the jobs of all modes are repeated --rounds times in alternating order (ABC, CBA, ...)
-so that a slow spell of the shared machine does not land on one mode only. In a job, each model warms
+so that a slow spell of the shared machine does not land on one mode only. Every job runs with
+THP_MEM_ALLOC_ENABLE=1, which hvdplus.torch sets on import, so the DDP baseline uses the same allocator. In a job, each model warms
 up for --warmup steps, then --reps blocks of --steps steps are timed, each block after a barrier; a
 block's time is the slowest rank's. Reported: median step time over all blocks of all rounds (and the
 quartiles), throughput = batch x ranks / step time, and each mode's throughput ratio to the baseline.
@@ -133,7 +134,8 @@ def run_job(args: argparse.Namespace, mode: str) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory(prefix="hvdplus-bench-training-") as workdir:
         result_file = os.path.join(workdir, "rank0.json")
         command = tb.worker_command(__file__, args, mode, result_file, ["--framework", args.framework])
-        threads = {"OMP_NUM_THREADS": "1"}
+        # Every mode on the same allocator: hvdplus.torch turns torch's huge pages on at import, so DDP gets them too.
+        threads = {"OMP_NUM_THREADS": "1", "THP_MEM_ALLOC_ENABLE": "1"}
         if FRAMEWORKS[args.framework].uses_hvdplus(mode) and args.engine == "mpi":
             procs = tb.start_mpi_job(args.np, command, threads)
         else:

@@ -3,7 +3,8 @@
 A batch of T collectives on R ranks is a table `counts[t][r]`: the elements of tensor t that belong to rank r
 (the rank's slice of a reduce-scatter, the rank's contribution to an allgather). The engine sees one buffer in
 rank-major order (rank 0's parts of every tensor, then rank 1's, ...), so one call with per-rank totals moves
-the whole batch. Buffers are numpy arrays or any tensors that slice like them (a device plane's). An allreduce is the one-column case: the tensors end to end."""
+the whole batch. Buffers are numpy arrays or any tensors that slice like them (a device plane's). An allreduce is
+the one-column case: the tensors end to end."""
 
 from __future__ import annotations
 

@@ -34,8 +34,8 @@ class TorchTensorEngine:
         self._timeout = datetime.timedelta(seconds=timeout_seconds)
         self._owns_default = not dist.is_initialized()
         if self._owns_default:  # started by mpirun: no torch.distributed yet, so rendezvous over the host engine
-            dist.init_process_group(backend, store=self._store_over(host, address), rank=self.rank, world_size=self.size,
-                                    timeout=self._timeout)
+            dist.init_process_group(backend, store=self._store_over(host, address), rank=self.rank,
+                                    world_size=self.size, timeout=self._timeout)
         self.world = self.new_group(range(self.size))
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
