@@ -9,6 +9,7 @@ import socket
 import threading
 from typing import Any, Iterable, Sequence
 
+from hvdplus.common.buffer_ops import agreed_device_kinds
 from hvdplus.common.coordinator import Coordinator
 from hvdplus.common.engines import create_engine
 from hvdplus.common.exceptions import NotInitializedError
@@ -81,7 +82,8 @@ class Runtime:
         hostname = settings.launch.hostname or socket.gethostname()
         hostnames = tuple(h.decode() for h in self.engine.allgather_bytes(hostname.encode(), self.engine.world))
         self.topology = Topology(self.engine.rank, hostnames)
-        self.coordinator = Coordinator(self.engine, settings, self.topology)
+        self.coordinator = Coordinator(self.engine, settings, self.topology,
+                                       agreed_device_kinds(self.engine, settings))
         self._counters: dict[str, int] = {}
         self._counter_lock = threading.Lock()
 

@@ -8,6 +8,7 @@ registered with `register_device_plane` (for torch: torch tensors on NCCL, or on
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -16,8 +17,10 @@ import numpy as np
 from hvdplus.common import halfops, nan
 from hvdplus.common.ops import storage_dtype
 
-__all__ = ["BufferOps", "NumpyBufferOps", "NUMPY_OPS", "DataPlane", "ReadyEvent", "register_device_plane",
-           "build_device_planes"]
+__all__ = ["BufferOps", "NumpyBufferOps", "NUMPY_OPS", "DataPlane", "DeviceKind", "ReadyEvent", "SubmitEvent",
+           "register_device_plane", "agreed_device_kinds"]
+
+log = logging.getLogger("hvdplus")
 
 
 class ReadyEvent(Protocol):
@@ -25,6 +28,16 @@ class ReadyEvent(Protocol):
     for it, without blocking the host."""
 
     def wait(self) -> None: ...
+
+
+class SubmitEvent(ReadyEvent, Protocol):
+    """The event recorded when a device tensor is submitted, on the submitter's stream."""
+
+    def used_here(self, buf: Any) -> None:
+        """`buf` (the submitted tensor) is read on the waiting thread's stream: keep its memory until that is done."""
+
+    def hand_back(self, buf: Any) -> None:
+        """`buf` (a result) goes back to the submitter's stream: keep its memory until that stream is done with it."""
 
 
 class BufferOps(Protocol):
@@ -66,7 +79,7 @@ class BufferOps(Protocol):
     def overlaps(self, a: Any, b: Any) -> bool:
         """Whether `a` and `b` share memory."""
 
-    def ready(self, buf: Any) -> ReadyEvent | None:
+    def ready(self, buf: Any) -> SubmitEvent | None:
         """An event that fires once the work queued so far for `buf`'s device has run (None: host memory, where
         every write has happened by the time the call returns)."""
 
@@ -131,23 +144,44 @@ class DataPlane:
     host: bool
 
 
-# device kind -> factory(host engine, settings, topology) building its plane, or None where it is not used here
-_device_planes: dict[str, Callable[[Any, Any, Any], DataPlane | None]] = {}
+@dataclass
+class DeviceKind:
+    """A device kind an adapter can reduce on a plane of its own: its buffer operations, the plane's name,
+    whether this process can use it (`available(settings)`, local and cheap), and how to build the plane's engine
+    (`build_engine(host_engine, settings, topology)`, collective over all ranks)."""
+
+    ops: BufferOps
+    plane: str
+    available: Callable[[Any], bool]
+    build_engine: Callable[[Any, Any, Any], Any]
+
+    def build(self, host_engine: Any, settings: Any, topology: Any) -> DataPlane:
+        return DataPlane(self.plane, self.build_engine(host_engine, settings, topology), self.ops, host=False)
 
 
-def register_device_plane(kind: str, factory: Callable[[Any, Any, Any], DataPlane | None]) -> None:
+_device_kinds: dict[str, DeviceKind] = {}
+
+
+def register_device_plane(kind: str, entry: DeviceKind) -> None:
     """Let an adapter run collectives on buffers whose requests name device kind `kind` (`Request.device` up to
-    the colon) with an engine and buffer operations of its own. `factory(host_engine, settings, topology)` runs
-    in `init()` on every rank alike and must decide alike: it returns None where the plane is not used (the
-    adapter then stages such tensors through host memory)."""
-    _device_planes[kind] = factory
+    the colon) on a plane of its own (the adapter stages such tensors through host memory where the job has none)."""
+    _device_kinds[kind] = entry
 
 
-def build_device_planes(host_engine: Any, settings: Any, topology: Any) -> dict[str, DataPlane]:
-    """The registered planes this job uses, by device kind (collective: factories create process groups)."""
-    planes = {}
-    for kind, factory in _device_planes.items():
-        plane = factory(host_engine, settings, topology)
-        if plane is not None:
-            planes[kind] = plane
-    return planes
+def agreed_device_kinds(host_engine: Any, settings: Any) -> dict[str, DeviceKind]:
+    """The registered device kinds available on every rank (collective: one small allgather). A kind some ranks
+    lack is used by none, so that no rank waits for a peer that stages instead; rank 0 logs which ranks lack it."""
+    kinds = list(_device_kinds)
+    if not kinds:
+        return {}
+    mine = bytes(int(bool(_device_kinds[kind].available(settings))) for kind in kinds)
+    everyone = host_engine.allgather_bytes(mine, host_engine.world)
+    agreed = {}
+    for index, kind in enumerate(kinds):
+        lacking = [rank for rank, flags in enumerate(everyone) if not flags[index]]
+        if not lacking:
+            agreed[kind] = _device_kinds[kind]
+        elif len(lacking) < len(everyone) and host_engine.rank == 0:
+            log.warning("%s tensors are staged through host memory on every rank: ranks %s cannot use the %s plane",
+                        kind, lacking, _device_kinds[kind].plane)
+    return agreed

@@ -25,7 +25,7 @@ import numpy as np
 from hvdplus.common.announcements import exchange_announcements
 from hvdplus.common.autotune import Autotuner, TuningSpace, tuning_space
 from hvdplus.common.bitmask import bits, mask_of
-from hvdplus.common.buffer_ops import DataPlane, build_device_planes
+from hvdplus.common.buffer_ops import DataPlane, DeviceKind
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
@@ -71,19 +71,22 @@ class _ProcessSet:
 class Coordinator:
     """Owns the engine after init: all collectives of this process run on its thread."""
 
-    def __init__(self, engine: Engine, settings: Settings, topology: Topology) -> None:
+    def __init__(self, engine: Engine, settings: Settings, topology: Topology,
+                 device_kinds: dict[str, DeviceKind] | None = None) -> None:
+        """`device_kinds`: the device kinds every rank can reduce on a plane of its own (`agreed_device_kinds`)."""
         self._engine = engine
         self._settings = settings
         self._topology = topology
         self.rank, self.size = engine.rank, engine.size
         self.tunables = Tunables.from_settings(settings)
         everyone = tuple(range(self.size))
-        self._planes: dict[str, DataPlane] = build_device_planes(engine, settings, topology)
-        # The device kinds whose tensors go to the core as they are (read per tensor by adapters: a tuple).
-        self.device_kinds = tuple(self._planes)
+        # Device kinds every rank can reduce on a plane of their own: their tensors go to the core as they are
+        # (adapters read `device_kinds` per tensor: a tuple). A plane is built at its kind's first collective.
+        self._device_kinds: dict[str, DeviceKind] = device_kinds or {}
+        self.device_kinds = tuple(self._device_kinds)
+        self._planes: dict[str, DataPlane] = {}
         self._sets: dict[int, _ProcessSet] = {
-            0: _ProcessSet(everyone, engine.world, self.rank, self._hierarchy_of(everyone),
-                           {plane.name: plane.engine.world for plane in self._planes.values()})}
+            0: _ProcessSet(everyone, engine.world, self.rank, self._hierarchy_of(everyone))}
         self._next_set_id = 1
         self._start_autotune(settings, topology)
         self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables, self._planes)
@@ -132,8 +135,8 @@ class Coordinator:
                                  f"names must be unique until synchronize() returns (duplicate name)")
             self._names_in_flight.add(request.name)
         work = Work(request, Handle(request.name), input, output)
-        if self._planes and input is not None and not isinstance(input, np.ndarray):  # a device plane's tensor
-            work.ready = self._plane_of(request).ops.ready(input)
+        if self.device_kinds and input is not None and not isinstance(input, np.ndarray):  # a device tensor
+            work.ready = self._device_kinds[request.device.split(":", 1)[0]].ops.ready(input)
         self._queue.put(work)
         if not self._wake.is_set():  # Event.set costs more than the check, and bursts need only one
             self._wake.set()
@@ -163,6 +166,16 @@ class Coordinator:
     def plane_runs(self) -> dict[str, int]:
         """Engine calls run on each device plane so far, by plane name (tests check the device path ran)."""
         return dict(self._executor.plane_runs)
+
+    @property
+    def plane_tensors(self) -> dict[str, int]:
+        """Tensors those engine calls carried, by plane name (more tensors than calls: fusion happened)."""
+        return dict(self._executor.plane_tensors)
+
+    @property
+    def built_planes(self) -> tuple[str, ...]:
+        """The device planes built so far: each at its device kind's first collective."""
+        return tuple(plane.name for plane in self._planes.values())
 
     @property
     def hierarchical_runs(self) -> dict[str, int]:
@@ -202,19 +215,14 @@ class Coordinator:
         finally:
             if self.timeline:
                 self.timeline.close()
-            try:
-                for channel in self._channels:
-                    channel.close()
-                for plane in self._planes.values():
-                    plane.engine.shutdown()
-                self._engine.shutdown()
-            except Exception as exc:  # pragma: no cover - best effort at exit
-                log.debug("engine shutdown failed: %s", exc)
+            for release in [channel.close for channel in self._channels] + \
+                    [plane.engine.shutdown for plane in self._planes.values()] + [self._engine.shutdown]:
+                try:  # each on its own: a failing one must not keep the host engine's resources
+                    release()
+                except Exception as exc:  # pragma: no cover - best effort at exit
+                    log.debug("shutdown of %s failed: %s", release, exc)
             for entry in self._sets.values():  # the engine destroyed the groups: keep no handle alive
                 entry.group = entry.hierarchy = None
-
-    def _plane_of(self, request: Request) -> DataPlane:
-        return self._planes[request.device.split(":", 1)[0]]
 
     def _members(self, set_id: int) -> tuple[int, ...]:
         entry = self._sets.get(set_id)
@@ -305,6 +313,8 @@ class Coordinator:
             bit = self._cache.bit_of(response.key)
             if bit is not None and self._index_in(response.key[0]) is None:
                 self._foreign |= 1 << bit
+        if len(self._planes) < len(self._device_kinds):
+            self._build_planes(responses)
         self._execute(responses)
         if self._tuning is not None:
             self._autotune(int(words[-1]), responses)
@@ -357,6 +367,18 @@ class Coordinator:
                 errors.append(Response(request.key, request.kind, (request,), error=problem,
                                        members=self._members(request.process_set)))
         return errors + self._table.take_ready(self._members)
+
+    def _build_planes(self, responses: list[Response]) -> None:
+        """Build the plane of each device kind at its first agreed collective, with a group for every process set.
+        Collective: every rank sees the same responses in the same order, members or not."""
+        for response in responses:
+            kind = response.first.device.split(":", 1)[0]
+            if kind in self._device_kinds and kind not in self._planes:
+                plane = self._device_kinds[kind].build(self._engine, self._settings, self._topology)
+                for set_id, entry in self._sets.items():
+                    entry.device_groups[plane.name] = plane.engine.world if set_id == 0 \
+                        else plane.engine.new_group(entry.ranks)
+                self._planes[kind] = plane
 
     def _execute(self, responses: list[Response]) -> None:
         runnable = [response for response in responses if self.rank in response.members]
@@ -413,8 +435,8 @@ class Coordinator:
             return work
         if response.kind == OpKind.ALLREDUCE and response.error is None:
             request = response.first
-            on_device = request.device.split(":", 1)[0] in self._planes and request.op != ReduceOp.ADASUM
-            zeros = self._plane_of(request).ops.zeros(request.shape, request.dtype) if on_device \
+            plane = self._planes.get(request.device.split(":", 1)[0]) if request.op != ReduceOp.ADASUM else None
+            zeros = plane.ops.zeros(request.shape, request.dtype) if plane is not None \
                 else np.zeros(request.shape, dtype=storage_dtype(request.dtype))
             return Work(request, Handle(request.name), zeros, zeros)
         return None

@@ -63,10 +63,12 @@ class Executor:
         self._engine = engine
         self._set_of = set_of
         self._tunables = tunables
-        self._planes = planes or {}
+        self._planes = planes if planes is not None else {}  # the coordinator's dict: it adds planes as it builds them
         self._host = DataPlane(engine.name, engine, NUMPY_OPS, host=True)
         self._fusion_buffers: dict[tuple[str, Any], Any] = {}
-        self.plane_runs: dict[str, int] = {}  # engine calls per device plane (tests check the device path ran)
+        # Engine calls and the tensors they carried, per device plane (tests check the device path ran, and fused).
+        self.plane_runs: dict[str, int] = {}
+        self.plane_tensors: dict[str, int] = {}
         self.largest_batch: dict[OpKind, int] = {}  # the most collectives one engine call carried, by kind (tests)
         # Engine calls that ran hierarchically: "allreduce/<cross-host algorithm>" and "allgather" (tests, benches).
         self.hierarchical_runs: dict[str, int] = {}
@@ -136,18 +138,23 @@ class Executor:
         return process_set.group if plane.host else process_set.device_groups[plane.name]
 
     def _engine_call(self, plane: DataPlane, works: Sequence[Work]) -> None:
-        """Before a device plane's engine call: count it, and make its stream wait for the submitters' events."""
+        """Before a device plane's work reads the inputs: count the call, and make the stream wait for the
+        submitters' events."""
         if plane.host:
             return
         self.plane_runs[plane.name] = self.plane_runs.get(plane.name, 0) + 1
+        self.plane_tensors[plane.name] = self.plane_tensors.get(plane.name, 0) + len(works)
         for work in works:
             if work.ready is not None:
                 work.ready.wait()
+                work.ready.used_here(work.input)
 
     def _complete(self, plane: DataPlane, works: Sequence[Work], results: Sequence[Any], last: Any) -> None:
         """Hand out the results; on a device, with the event that marks the end of the work writing them."""
         event = None if plane.host else plane.ops.ready(last)
         for work, result in zip(works, results):
+            if work.ready is not None:
+                work.ready.hand_back(result)
             work.handle.set_result(result, event)
 
     def run_allreduce(self, batch: list[tuple[Response, Work]]) -> None:
@@ -160,6 +167,7 @@ class Executor:
         works = [work for _, work in batch]
         plane = self._plane(first)
         ops = plane.ops
+        self._engine_call(plane, works)  # before anything reads the inputs
         source = None
         if len(works) == 1:
             buffer = ops.flat(works[0].output)
@@ -169,7 +177,6 @@ class Executor:
             buffer = self._fusion_buffer(plane, sum(ops.numel(i) for i in inputs), inputs[0])
             with self._activity("MEMCPY_IN_FUSION_BUFFER"):
                 ops.pack(inputs, buffer)
-        self._engine_call(plane, works)
         self._reduce(plane, buffer, first, len(members), self._set_of(batch[0][0].key[0]), source)
         if len(works) > 1:
             with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
@@ -236,9 +243,9 @@ class Executor:
         request = work.request
         plane = self._plane(request)
         root = response.members.index(request.root)  # the request names a global rank; the group, its index
+        self._engine_call(plane, [work])  # before the root reads its input
         if response.members[root] == self._engine.rank and work.input is not work.output:
             plane.ops.copy(work.output, work.input)
-        self._engine_call(plane, [work])
         with self._activity(f"{plane.name.upper()}_BROADCAST"):
             plane.engine.broadcast(plane.ops.flat(work.output), root, self._group(plane, self._set_of(response.key[0])))
         self._complete(plane, [work], [work.output], work.output)

@@ -7,11 +7,12 @@ tensors over Gloo: the GPU code path, tested on machines without one.
 
 from __future__ import annotations
 
+import socket
 from typing import Any, Sequence
 
 import torch
 
-from hvdplus.common.buffer_ops import DataPlane, register_device_plane
+from hvdplus.common.buffer_ops import DeviceKind, register_device_plane
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.settings import Settings
 from hvdplus.common.topology import Topology
@@ -43,7 +44,12 @@ class TorchBufferOps:
         return torch.empty(shape, dtype=like.dtype, device=like.device)
 
     def zeros(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
-        device = self.device or torch.device(self._device_type)
+        """On the device this rank's tensors came from; before any came, Horovod's rule: GPU local_rank."""
+        device = self.device
+        if device is None:
+            from hvdplus.common.basics import local_rank
+
+            device = torch.device("cuda", local_rank()) if self._device_type == "cuda" else torch.device("cpu")
         return torch.zeros(shape, dtype=_STORAGE[dtype], device=device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -88,49 +94,53 @@ class StreamEvent:
     thread's current stream of that same device wait for it (the background thread's current device may be
     another one: torch.cuda.Event.wait would pick that)."""
 
-    __slots__ = ("_device", "_event")
+    __slots__ = ("_device", "_event", "_stream")
 
     def __init__(self, device: torch.device) -> None:
         self._device, self._event = device, torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(device))
+        self._stream = torch.cuda.current_stream(device)
+        self._event.record(self._stream)
 
     def wait(self) -> None:
         torch.cuda.current_stream(self._device).wait_event(self._event)
 
+    def used_here(self, buf: torch.Tensor) -> None:
+        """The caching allocator keeps `buf`'s block until the waiting thread's stream is past this point."""
+        stream = torch.cuda.current_stream(self._device)
+        if stream != self._stream and buf.is_cuda:
+            buf.record_stream(stream)
 
-def _engine(host: Engine, backend: str, settings: Settings, topology: Topology) -> Any:
-    from hvdplus.common.engines.nccl import TorchTensorEngine
-
-    # Rank 0 serves the rendezvous (when torch.distributed has none yet) on the launcher's address, or on
-    # loopback when the whole job is on its host.
-    address = settings.launch.rendezvous_addr or ("127.0.0.1" if topology.cross_size == 1 else _host_address())
-    return TorchTensorEngine(host, backend, settings.timeout_seconds, address)
-
-
-def _host_address() -> str:
-    import socket
-
-    return socket.gethostbyname(socket.gethostname())
+    def hand_back(self, buf: torch.Tensor) -> None:
+        """A result made on the background thread's stream, used next on the submitter's."""
+        if torch.cuda.current_stream(self._device) != self._stream and buf.is_cuda:
+            buf.record_stream(self._stream)
 
 
-def _cuda_plane(host: Engine, settings: Settings, topology: Topology) -> DataPlane | None:
-    """NCCL for CUDA tensors, where torch has NCCL and this host a GPU (HOROVOD_GPU_OPERATIONS=mpi: none)."""
+def _engine(backend: str) -> Any:
+    """A builder of the plane's engine on `backend`. Rank 0 serves its rendezvous (when torch.distributed has none
+    yet) under its host name, which the other hosts resolve as they resolve it for ssh and MPI; on loopback when
+    the whole job is on its host."""
+
+    def build(host: Engine, settings: Settings, topology: Topology) -> Any:
+        from hvdplus.common.engines.nccl import TorchTensorEngine
+
+        address = "127.0.0.1" if topology.cross_size == 1 else socket.gethostname()
+        return TorchTensorEngine(host, backend, settings.timeout_seconds, address)
+
+    return build
+
+
+def _nccl_available(settings: Settings) -> bool:
+    """NCCL for CUDA tensors, where torch has NCCL and this process a GPU (HOROVOD_GPU_OPERATIONS=mpi: none)."""
     import torch.distributed as dist
 
-    if settings.gpu_operations != "nccl" or not (dist.is_available() and dist.is_nccl_available()) \
-            or not torch.cuda.is_available():
-        return None
-    return DataPlane("nccl", _engine(host, "nccl", settings, topology), TorchBufferOps("cuda"), host=False)
-
-
-def _cpu_test_plane(host: Engine, settings: Settings, topology: Topology) -> DataPlane | None:
-    """Gloo on CPU torch tensors through the device plane's code (HVDPLUS_DEVICE_PATH_ON_CPU=1)."""
-    if not settings.device_path_on_cpu:
-        return None
-    return DataPlane("torchgloo", _engine(host, "gloo", settings, topology), TorchBufferOps("cpu"), host=False)
+    return settings.gpu_operations == "nccl" and dist.is_available() and dist.is_nccl_available() \
+        and torch.cuda.is_available()
 
 
 def register() -> None:
-    """Offer the torch planes to the core; idempotent."""
-    register_device_plane("cuda", _cuda_plane)
-    register_device_plane(CPU_TEST_KIND, _cpu_test_plane)
+    """Offer the torch device kinds to the core; idempotent. CUDA tensors: NCCL. CPU tensors, with
+    HVDPLUS_DEVICE_PATH_ON_CPU=1 only: Gloo through the same code."""
+    register_device_plane("cuda", DeviceKind(TorchBufferOps("cuda"), "nccl", _nccl_available, _engine("nccl")))
+    register_device_plane(CPU_TEST_KIND, DeviceKind(TorchBufferOps("cpu"), "torchgloo",
+                                                    lambda settings: settings.device_path_on_cpu, _engine("gloo")))

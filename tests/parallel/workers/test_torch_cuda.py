@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from hvdplus.common.basics import runtime
-from hvdplus.common.ops import OpKind
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
                                 reason="needs a CUDA device and torch with NCCL")
@@ -33,6 +32,23 @@ def nccl_runs() -> int:
 def test_nccl_is_the_plane_for_cuda(hvd, cuda):
     assert hvd.nccl_built()
     assert "cuda" in runtime().coordinator.device_kinds
+    hvd.allreduce(torch.ones(1, device=cuda), name="cuda.first")
+    assert "nccl" in runtime().coordinator.built_planes
+
+
+def test_fused_input_written_on_a_side_stream_is_waited_for(hvd, cuda):
+    """Fused inputs are packed on the background thread's stream: it must wait for the submitter's writes first."""
+    stream = torch.cuda.Stream(cuda)
+    with torch.cuda.stream(stream):
+        tensors = [torch.empty(1 << 16, device=cuda) for _ in range(8)]
+        torch.cuda._sleep(10_000_000)
+        for k, t in enumerate(tensors):
+            t.fill_(float(k + hvd.rank()))
+        handles = [hvd.allreduce_async(t, op=hvd.Sum, name=f"cuda.side.{k}") for k, t in enumerate(tensors)]
+        sums = [hvd.synchronize(h).sum() for h in handles]
+    stream.synchronize()
+    ranks = range(hvd.size())
+    assert [s.item() for s in sums] == [float((1 << 16) * sum(k + r for r in ranks)) for k in range(8)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
@@ -48,11 +64,13 @@ def test_allreduce_stays_on_the_gpu(hvd, cuda, dtype):
 
 
 def test_fused_allreduces_and_grouped_on_the_gpu(hvd, cuda):
+    coordinator = runtime().coordinator
+    runs, tensors = nccl_runs(), coordinator.plane_tensors.get("nccl", 0)
     handles = [hvd.allreduce_async(torch.full((1000,), float(k), device=cuda), name=f"cuda.fuse.{k}",
                                    op=hvd.Average) for k in range(16)]
     for k, handle in enumerate(handles):
         assert torch.equal(hvd.synchronize(handle).cpu(), torch.full((1000,), float(k)))
-    assert runtime().coordinator.largest_batch.get(OpKind.ALLREDUCE, 0) >= 2
+    assert coordinator.plane_tensors["nccl"] - tensors == 16 and nccl_runs() - runs < 16  # fused on the GPU
     grouped = hvd.grouped_allreduce([torch.ones(3, device=cuda), torch.ones(5, device=cuda) * 2], op=hvd.Sum)
     assert [g.device for g in grouped] == [cuda, cuda]
     assert grouped[1].cpu().tolist() == [2.0 * hvd.size()] * 5

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from hvdplus.common.basics import runtime
-from hvdplus.common.ops import OpKind
 
 pytestmark = pytest.mark.skipif(os.environ.get("HVDPLUS_DEVICE_PATH_ON_CPU") != "1",
                                 reason="the device-plane job sets HVDPLUS_DEVICE_PATH_ON_CPU=1")
@@ -24,8 +23,17 @@ def plane_runs() -> int:
     return runtime().coordinator.plane_runs.get("torchgloo", 0)
 
 
-def test_the_plane_is_on(hvd):
-    assert runtime().coordinator.device_kinds == ("torchcpu",)
+def plane_tensors() -> int:
+    return runtime().coordinator.plane_tensors.get("torchgloo", 0)
+
+
+def test_the_plane_is_built_at_its_first_collective(hvd):
+    """Every rank agreed at init that it can use the plane; it is built (groups, engine) when the first
+    collective of its device kind arrives, so a job that never sends such a tensor never builds it."""
+    coordinator = runtime().coordinator
+    assert coordinator.device_kinds == ("torchcpu",)
+    hvd.allreduce(torch.ones(1), op=hvd.Sum, name="plane.first")
+    assert coordinator.built_planes == ("torchgloo",)
 
 
 def test_allreduce_runs_on_the_plane_in_place(hvd):
@@ -49,10 +57,12 @@ def test_grouped_allreduce_is_one_fused_call_on_the_plane(hvd):
 
 
 def test_async_allreduces_fuse_on_the_plane(hvd):
+    runs, tensors = plane_runs(), plane_tensors()
     handles = [hvd.allreduce_async(torch.full((3,), float(i)), name=f"plane.fuse.{i}", op=hvd.Average)
-               for i in range(8)]
-    assert [hvd.synchronize(h).tolist() for h in handles] == [[float(i)] * 3 for i in range(8)]
-    assert runtime().coordinator.largest_batch.get(OpKind.ALLREDUCE, 0) >= 2
+               for i in range(16)]
+    assert [hvd.synchronize(h).tolist() for h in handles] == [[float(i)] * 3 for i in range(16)]
+    assert plane_tensors() - tensors == 16
+    assert plane_runs() - runs < 16  # some engine call on the plane carried several of them
 
 
 def test_uneven_allgather_and_fused_allgathers(hvd):
@@ -68,6 +78,7 @@ def test_uneven_allgather_and_fused_allgathers(hvd):
 
 
 def test_reducescatter_alone_and_fused(hvd):
+    before = plane_runs()
     n = hvd.size()
     x = torch.arange(2 * n + 1, dtype=torch.float32) + hvd.rank()
     full = sum(torch.arange(2 * n + 1, dtype=torch.float32) + r for r in range(n))
@@ -77,6 +88,7 @@ def test_reducescatter_alone_and_fused(hvd):
     torch.testing.assert_close(mine, full[start:start + counts[hvd.rank()]])
     pair = hvd.grouped_reducescatter([x, x * 2], op=hvd.Average, name="plane.rs.group")
     torch.testing.assert_close(pair[1], 2 * full[start:start + counts[hvd.rank()]] / n)
+    assert plane_runs() >= before + 2
 
 
 def test_broadcast_from_a_nonzero_root(hvd):
@@ -89,8 +101,10 @@ def test_broadcast_from_a_nonzero_root(hvd):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int16, torch.int32])
 def test_half_and_narrow_integer_types_with_scaling(hvd, dtype):
+    before = plane_runs()
     x = (torch.arange(5) + hvd.rank() * 2).to(dtype)
     out = hvd.allreduce(x, op=hvd.Average, name=f"plane.avg.{dtype}")
+    assert plane_runs() == before + 1
     expected = sum((torch.arange(5) + r * 2).double() for r in range(hvd.size())) / hvd.size()
     if not dtype.is_floating_point:
         expected = expected.trunc()
@@ -100,8 +114,10 @@ def test_half_and_narrow_integer_types_with_scaling(hvd, dtype):
 
 def test_max_keeps_a_nan_from_any_rank(hvd):
     x = torch.tensor([1.0, float("nan") if hvd.rank() == hvd.size() - 1 else 2.0])
+    before = plane_runs()
     out = hvd.allreduce(x, op=hvd.Max, name="plane.nan")
     assert out[0].item() == 1.0 and torch.isnan(out[1])
+    assert plane_runs() == before + 1
 
 
 def test_adasum_and_alltoall_stage_through_the_host(hvd):
