@@ -34,7 +34,7 @@ from hvdplus.common.fusion import plan_batches
 from hvdplus.common.handles import Handle
 from hvdplus.common.hierarchical import HierarchicalGroups, hierarchical_groups
 from hvdplus.common.messages import Key, Request, Response
-from hvdplus.common.negotiation import JOIN_KEY, MessageTable
+from hvdplus.common.negotiation import JOIN_KEY, MessageTable, device_kind
 from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
 from hvdplus.common.response_cache import Lookup, ResponseCache
 from hvdplus.common.settings import Settings
@@ -136,7 +136,7 @@ class Coordinator:
             self._names_in_flight.add(request.name)
         work = Work(request, Handle(request.name), input, output)
         if self.device_kinds and input is not None and not isinstance(input, np.ndarray):  # a device tensor
-            work.ready = self._device_kinds[request.device.split(":", 1)[0]].ops.ready(input)
+            work.ready = self._device_kinds[device_kind(request.device)].ops.ready(input)
         self._queue.put(work)
         if not self._wake.is_set():  # Event.set costs more than the check, and bursts need only one
             self._wake.set()
@@ -372,7 +372,7 @@ class Coordinator:
         """Build the plane of each device kind at its first agreed collective, with a group for every process set.
         Collective: every rank sees the same responses in the same order, members or not."""
         for response in responses:
-            kind = response.first.device.split(":", 1)[0]
+            kind = device_kind(response.first.device)
             if kind in self._device_kinds and kind not in self._planes:
                 plane = self._device_kinds[kind].build(self._engine, self._settings, self._topology)
                 for set_id, entry in self._sets.items():
@@ -435,7 +435,7 @@ class Coordinator:
             return work
         if response.kind == OpKind.ALLREDUCE and response.error is None:
             request = response.first
-            plane = self._planes.get(request.device.split(":", 1)[0]) if request.op != ReduceOp.ADASUM else None
+            plane = self._planes.get(device_kind(request.device)) if request.op != ReduceOp.ADASUM else None
             zeros = plane.ops.zeros(request.shape, request.dtype) if plane is not None \
                 else np.zeros(request.shape, dtype=storage_dtype(request.dtype))
             return Work(request, Handle(request.name), zeros, zeros)

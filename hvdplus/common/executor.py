@@ -17,6 +17,7 @@ from hvdplus.common.hierarchical import hierarchical_allgather, hierarchical_all
 from hvdplus.common.layout import Layout, balanced_counts
 from hvdplus.common.messages import Request, Response
 from hvdplus.common.nan import propagates_nan
+from hvdplus.common.negotiation import device_kind
 from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.timeline import Timeline
 from hvdplus.common.tunables import Tunables
@@ -131,7 +132,7 @@ class Executor:
         """The plane that reduces a request's buffers: a device plane for its device kind, else the host's."""
         if not self._planes:
             return self._host
-        return self._planes.get(request.device.split(":", 1)[0], self._host)
+        return self._planes.get(device_kind(request.device), self._host)
 
     @staticmethod
     def _group(plane: DataPlane, process_set: Any) -> Any:

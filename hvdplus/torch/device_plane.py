@@ -7,7 +7,6 @@ tensors over Gloo: the GPU code path, tested on machines without one.
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Sequence
 
 import torch
@@ -118,13 +117,13 @@ class StreamEvent:
 
 def _engine(backend: str) -> Any:
     """A builder of the plane's engine on `backend`. Rank 0 serves its rendezvous (when torch.distributed has none
-    yet) under its host name, which the other hosts resolve as they resolve it for ssh and MPI; on loopback when
+    yet) under its host name (as init gathered it, HOROVOD_HOSTNAME included), which the other hosts resolve as they resolve it for ssh and MPI; on loopback when
     the whole job is on its host."""
 
     def build(host: Engine, settings: Settings, topology: Topology) -> Any:
         from hvdplus.common.engines.nccl import TorchTensorEngine
 
-        address = "127.0.0.1" if topology.cross_size == 1 else socket.gethostname()
+        address = "127.0.0.1" if topology.cross_size == 1 else topology.hostnames[topology.rank]
         return TorchTensorEngine(host, backend, settings.timeout_seconds, address)
 
     return build

@@ -11,6 +11,7 @@ import datetime
 from typing import Any, Sequence
 
 from hvdplus.common.engines.base import Engine
+from hvdplus.common.engines.torch_dist import gather_bytes
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["TorchTensorEngine"]
@@ -70,25 +71,15 @@ class TorchTensorEngine:
         self._dist.all_reduce(buf, op=self._ops[op], group=group)
 
     def allgather(self, send: Any | None, recv: Any, counts: Sequence[int], group: Any) -> None:
-        """Bytes move as uint8 (neither backend gathers every dtype: Gloo has no int16, NCCL no bool); uneven parts
-        travel padded to the largest (Gloo's allgather needs equal sizes; NCCL's is one call)."""
-        index = self._dist.get_group_rank(group, self.rank)
+        """Bytes move as uint8: neither backend gathers every dtype (Gloo has no int16, NCCL no bool)."""
         width = recv.element_size()
-        start, count = int(sum(counts[:index])) * width, counts[index] * width
-        recv_bytes = _bytes(recv)
-        send_bytes = recv_bytes[start:start + count] if send is None else _bytes(send)
-        longest = max(counts) * width
-        if all(c * width == longest for c in counts):
-            self._dist.all_gather_single(recv_bytes, send_bytes.clone() if send is None else send_bytes, group=group)
-            return
-        padded = recv_bytes.new_zeros(longest)
-        padded[:count] = send_bytes
-        gathered = recv_bytes.new_empty(len(counts) * longest)
-        self._dist.all_gather_single(gathered, padded, group=group)
-        rows, offset = gathered.view(len(counts), longest), 0
-        for row, part in zip(rows, counts):
-            recv_bytes[offset:offset + part * width] = row[:part * width]
-            offset += part * width
+        if send is None:
+            index = self._dist.get_group_rank(group, self.rank)
+            start = int(sum(counts[:index])) * width
+            send_bytes = _bytes(recv)[start:start + counts[index] * width].clone()
+        else:
+            send_bytes = _bytes(send)
+        gather_bytes(self._dist, send_bytes, _bytes(recv), [c * width for c in counts], group)
 
     def broadcast(self, buf: Any, root: int, group: Any) -> None:
         self._dist.broadcast(_bytes(buf), group_src=root, group=group)

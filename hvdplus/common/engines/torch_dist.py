@@ -13,7 +13,7 @@ import numpy as np
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.settings import LaunchEnv
 
-__all__ = ["TorchDistEngine"]
+__all__ = ["TorchDistEngine", "gather_bytes"]
 
 # Gloo cannot reduce these; they are widened for the reduction and narrowed back.
 _WIDENED = {"int16": np.int32, "uint16": np.int32}
@@ -114,19 +114,8 @@ class TorchDistEngine:
             index = self._dist.get_group_rank(group, self.rank)
             start = int(sum(counts[:index]))
             send = recv[start:start + counts[index]].copy()
-        itemsize = send.dtype.itemsize
-        byte_counts = [c * itemsize for c in counts]
-        width = max(byte_counts)
-        padded = np.zeros(width, dtype=np.uint8)
-        padded[:send.nbytes] = send.view(np.uint8)
-        gathered = self._torch.empty(len(counts) * width, dtype=self._torch.uint8)
-        self._dist.all_gather_single(gathered, self._torch.from_numpy(padded), group=group)
-        rows = gathered.numpy().reshape(len(counts), width)
-        out = recv.view(np.uint8)
-        offset = 0
-        for row, nbytes in zip(rows, byte_counts):
-            out[offset:offset + nbytes] = row[:nbytes]
-            offset += nbytes
+        gather_bytes(self._dist, self._bytes(send), self._bytes(recv), [c * send.dtype.itemsize for c in counts],
+                     group)
 
     def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
         self._dist.broadcast(self._bytes(buf), group_src=root, group=group)
@@ -200,6 +189,23 @@ class TorchDistEngine:
             self._srun_server.close()
             with contextlib.suppress(OSError):
                 os.unlink(self._srun_secret_file)
+
+
+def gather_bytes(dist: Any, send: Any, recv: Any, byte_counts: Sequence[int], group: Any) -> None:
+    """Allgather of flat uint8 tensors, byte_counts[r] bytes from rank r into `recv` end to end (`send` must not
+    alias `recv`). Uneven parts travel padded to the longest: Gloo's allgather needs equal sizes."""
+    longest = max(byte_counts)
+    if all(count == longest for count in byte_counts):
+        dist.all_gather_single(recv, send, group=group)
+        return
+    padded = recv.new_zeros(longest)
+    padded[:send.numel()] = send
+    gathered = recv.new_empty(len(byte_counts) * longest)
+    dist.all_gather_single(gathered, padded, group=group)
+    offset = 0
+    for row, count in zip(gathered.view(len(byte_counts), longest), byte_counts):
+        recv[offset:offset + count] = row[:count]
+        offset += count
 
 
 def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -> Any:

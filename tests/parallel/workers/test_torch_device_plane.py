@@ -146,3 +146,29 @@ def test_join_contributes_zeros_on_the_plane(hvd):
         assert out.tolist() == [1.0] * 3  # the joined ranks sent zeros made by the plane
     assert hvd.join() in range(hvd.size())
 
+
+
+def test_a_process_set_without_rank_0_on_the_plane(hvd):
+    """The plane's groups exist for every process set: one of ranks 1.. (rank 0 outside) reduces, gathers,
+    broadcasts and reduce-scatters on it."""
+    rest = hvd.add_process_set(list(range(1, hvd.size())))
+    try:
+        if rest.included():
+            before, members = plane_runs(), rest.ranks
+            out = hvd.allreduce(torch.full((3,), float(hvd.rank())), op=hvd.Sum, name="plane.rest.sum",
+                                process_set=rest)
+            assert out.tolist() == [float(sum(members))] * 3
+            gathered = hvd.allgather(torch.full((hvd.rank(),), float(hvd.rank())), name="plane.rest.gather",
+                                     process_set=rest)
+            assert gathered.tolist() == [float(r) for r in members for _ in range(r)]
+            root = members[-1]
+            assert hvd.broadcast(torch.full((2,), float(hvd.rank())), root_rank=root, name="plane.rest.bcast",
+                                 process_set=rest).tolist() == [float(root)] * 2
+            shard = hvd.reducescatter(torch.ones(2 * len(members)), op=hvd.Sum, name="plane.rest.rs",
+                                      process_set=rest)
+            assert shard.tolist() == [float(len(members))] * 2
+            assert plane_runs() == before + 4
+        total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="plane.rest.after")  # the global set still works
+        assert total.item() == hvd.size()
+    finally:
+        assert hvd.remove_process_set(rest)
