@@ -18,6 +18,12 @@ __all__ = ["CROSS_ALGORITHMS", "Setting", "SETTINGS", "Settings", "LaunchEnv", "
 CROSS_ALGORITHMS = ("auto", "ring", "halving-doubling", "engine")
 
 
+def _parse_library(text: str) -> str:
+    """An operations library name, compared without case as Horovod does (strcasecmp: HOROVOD_CPU_OPERATIONS=MPI,
+    and HOROVOD_GPU_OPERATIONS=NCCL as Horovod's build instructions set it)."""
+    return text.strip().lower()
+
+
 def _parse_bool(text: str) -> bool:
     lowered = text.strip().lower()
     if lowered in ("1", "true", "yes", "on"):
@@ -118,10 +124,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log_level", str, "warning",
             "Logging level of the 'hvdplus' logger: trace, debug, info, warning, error, fatal.",
             "HVDPLUS_LOG_LEVEL", "HOROVOD_LOG_LEVEL"),
-    Setting("cpu_operations", str, "",
+    Setting("cpu_operations", _parse_library, "",
             "Engine for CPU tensors: 'mpi' or 'gloo'; empty chooses MPI when launched by mpirun.",
             "HVDPLUS_CPU_OPERATIONS", "HOROVOD_CPU_OPERATIONS"),
-    Setting("gpu_operations", str, "nccl",
+    Setting("gpu_operations", _parse_library, "nccl",
             "Engine for CUDA tensors: 'nccl' (torch.distributed's NCCL, on the GPU) or 'mpi' (staged through host "
             "memory to the CPU engine).",
             "HVDPLUS_GPU_OPERATIONS", "HOROVOD_GPU_OPERATIONS"),

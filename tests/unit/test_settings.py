@@ -165,3 +165,13 @@ def test_hierarchical_settings_and_the_cross_algorithm_is_checked():
     assert Settings.from_env({}).cross_algorithm == "auto"
     with pytest.raises(ValueError, match=r"must be one of.*\(set by environment variable HVDPLUS_CROSS_ALGORITHM\)"):
         Settings.from_env({"HVDPLUS_CROSS_ALGORITHM": "butterfly"})
+
+
+def test_operations_libraries_are_named_without_case_as_in_horovod():
+    """Horovod compares HOROVOD_CPU_OPERATIONS with strcasecmp, and its build instructions (often left in a
+    container's environment) set HOROVOD_GPU_OPERATIONS=NCCL."""
+    s = Settings.from_env({"HOROVOD_CPU_OPERATIONS": "MPI", "HOROVOD_GPU_OPERATIONS": "NCCL"})
+    assert (s.cpu_operations, s.gpu_operations) == ("mpi", "nccl")
+    assert Settings.from_env({"HOROVOD_CPU_OPERATIONS": "Gloo"}).cpu_operations == "gloo"
+    with pytest.raises(ValueError, match="HOROVOD_GPU_OPERATIONS"):
+        Settings.from_env({"HOROVOD_GPU_OPERATIONS": "RCCL"})
