@@ -95,6 +95,11 @@ class Runtime:
     def size(self) -> int:
         return self.topology.size
 
+    @property
+    def bucket_bytes(self) -> int:
+        """Gradient bucket size: HVDPLUS_BUCKET_BYTES if set, else the engine's (Engine.bucket_bytes)."""
+        return self.engine.bucket_bytes if self.settings.bucket_bytes is None else self.settings.bucket_bytes
+
     def auto_name(self, kind: str, process_set: int) -> str:
         """Names for unnamed collectives: equal on every rank that calls them in the same order."""
         key = f"{kind}.noname.ps{process_set}"

@@ -383,7 +383,7 @@ class Coordinator:
     def _execute(self, responses: list[Response]) -> None:
         runnable = [response for response in responses if self.rank in response.members]
         batches = [[(response, self._take_work(response)) for response in batch]
-                   for batch in plan_batches(runnable, self.tunables.fusion_threshold)]
+                   for batch in plan_batches(runnable, self.tunables.fusion_threshold, self._engine.alone_bytes)]
         timeline = self.timeline
         names = [[work.request.name for _, work in pairs if work is not None] if timeline else []
                  for pairs in batches]

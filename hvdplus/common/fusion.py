@@ -8,12 +8,7 @@ from __future__ import annotations
 from hvdplus.common.messages import Response
 from hvdplus.common.ops import OpKind, ReduceOp
 
-__all__ = ["plan_batches", "ALONE_BYTES"]
-
-# A response of at least this many bytes runs alone, reduced in place in its own engine call: copying it into
-# and out of a fusion buffer costs more than the call it would save (a 4 MB gradient: ~2 ms of copies on these
-# machines against ~50 us for a call).
-ALONE_BYTES = 1 << 20
+__all__ = ["plan_batches"]
 
 # Reduce-scatters fuse for the linear ops only: Min and Max need a NaN pass of their own (common/nan.py).
 _FUSED_SCATTER_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
@@ -25,15 +20,17 @@ def _fusable(response: Response) -> bool:
     return response.kind != OpKind.REDUCESCATTER or response.first.op in _FUSED_SCATTER_OPS
 
 
-def plan_batches(responses: list[Response], threshold: int) -> list[list[Response]]:
+def plan_batches(responses: list[Response], threshold: int, alone_bytes: int | None) -> list[list[Response]]:
     """Group successful responses of one kind with the same set, dtype, device, op and scales, up to `threshold`
-    bytes each (an allgather counts the bytes it gathers); every other response, and any of ALONE_BYTES or more,
-    runs alone. Batches keep the order of their first response."""
+    bytes each (an allgather counts the bytes it gathers); every other response, any larger than `threshold`, and
+    any of `alone_bytes` or more (the engine's policy, Engine.alone_bytes; None: no limit) runs alone, leaving the
+    open batch of its kind open. Batches keep the order of their first response."""
     batches: list[list[Response]] = []
     open_batch: dict[tuple, tuple[list[Response], int]] = {}
     for response in responses:
         size = response.fused_nbytes
-        if threshold <= 0 or size >= ALONE_BYTES or not _fusable(response):
+        if threshold <= 0 or size > threshold or (alone_bytes is not None and size >= alone_bytes) \
+                or not _fusable(response):
             batches.append([response])
             continue
         first = response.first

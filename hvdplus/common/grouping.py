@@ -46,18 +46,19 @@ def build_groups(params: Sequence[Any], groups: Any) -> dict[Any, tuple[Any, ...
 
 
 def bucket_indices(nbytes: Sequence[int], kinds: Sequence[Any], bucket_bytes: int,
-                   alone_bytes: int) -> list[tuple[int, ...]]:
+                   alone_bytes: int | None) -> list[tuple[int, ...]]:
     """DDP's gradient buckets, as positions: the parameters in reverse order (backward produces the last
     layers' gradients first) cut into contiguous runs of one kind (dtype) and at most `bucket_bytes`. A
-    parameter of `alone_bytes` or more is in no bucket: it is reduced alone and in place, since packing it would
-    cost two copies and save nothing. No buckets when `bucket_bytes` is 0. Every rank computes the same buckets."""
+    parameter of `alone_bytes` or more (None: no limit) is in no bucket: it is reduced alone and in place, where
+    packing it would cost more than the engine call it saves. No buckets when `bucket_bytes` is 0. Every rank
+    computes the same buckets."""
     if bucket_bytes <= 0:
         return []
     buckets: list[list[int]] = []
     current: list[int] | None = None
     filled = 0
     for i in reversed(range(len(nbytes))):
-        if nbytes[i] >= alone_bytes:
+        if alone_bytes is not None and nbytes[i] >= alone_bytes:
             current = None  # buckets stay contiguous: a large parameter closes the open one
             continue
         if current is None or kinds[current[-1]] != kinds[i] or filled + nbytes[i] > bucket_bytes:

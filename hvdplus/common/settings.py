@@ -63,10 +63,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("fusion_threshold", int, 128 * 1024 * 1024,
             "Bytes packed into one fused allreduce buffer; 0 disables fusion.",
             "HVDPLUS_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"),
-    Setting("bucket_bytes", int, 1024 * 1024,
-            "Bytes of small gradients a DistributedOptimizer allreduces as one packed bucket when groups= is not "
-            "given (DDP's first bucket size); gradients of 1 MiB or more always go alone, in place; 0 allreduces "
-            "each gradient on its own, as Horovod does.",
+    Setting("bucket_bytes", int, None,
+            "Bytes of gradients a DistributedOptimizer allreduces as one packed bucket when groups= is not given "
+            "(also ZeroOptimizer's reduce-scatter buckets); unset, the engine's: 1 MiB of gradients under 1 MiB "
+            "over MPI (larger ones go alone, in place), 25 MiB of any gradients over Gloo (DDP's bucket); 0 "
+            "allreduces each gradient on its own, as Horovod does.",
             "HVDPLUS_BUCKET_BYTES"),
     Setting("cycle_time_ms", float, 1.0,
             "Milliseconds the background thread waits between negotiation cycles.",
@@ -267,7 +268,7 @@ class Settings:
     """All hvdplus configuration, read once from the environment at init."""
 
     fusion_threshold: int = 128 * 1024 * 1024
-    bucket_bytes: int = 1024 * 1024
+    bucket_bytes: int | None = None  # None: the engine's (Engine.bucket_bytes)
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     negotiation_doubling_ranks: int = 16
@@ -296,7 +297,7 @@ class Settings:
     def __post_init__(self) -> None:
         if self.fusion_threshold < 0:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
-        if self.bucket_bytes < 0:
+        if self.bucket_bytes is not None and self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0 bytes, got {self.bucket_bytes}")
         if self.cycle_time_ms <= 0:
             raise ValueError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")

@@ -14,7 +14,6 @@ from hvdplus.common.basics import ProcessSet, global_process_set, runtime, size
 from hvdplus.common.ops import Adasum, Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.torch.compression import Compressor
-from hvdplus.common.fusion import ALONE_BYTES
 from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
 from hvdplus.torch.sparse import sparse_allreduce_async
@@ -78,7 +77,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         backward has produced all of its gradients (None, one allreduce per gradient, when set to 0)."""
         params = self._requires_update
         plan = bucket_indices([p.numel() * p.element_size() for p in params], [p.dtype for p in params],
-                              runtime().settings.bucket_bytes, ALONE_BYTES)
+                              runtime().bucket_bytes, runtime().engine.alone_bytes)
         return [[params[i] for i in bucket] for bucket in plan] or None
 
     def set_backward_passes_per_step(self, passes: int) -> None:

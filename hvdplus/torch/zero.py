@@ -71,7 +71,7 @@ class _Shards:
                     view.copy_(params[i].detach().reshape(-1))
                     params[i].data = view.view_as(params[i])
                     self.where[i] = (k, offset)
-        bucket_bytes = runtime().settings.bucket_bytes
+        bucket_bytes = runtime().bucket_bytes
         self.buckets = [_Bucket(k, start, end, members) for k, part in enumerate(self.plan)
                         for start, end, members in bucket_ranges(part, part.kind.itemsize, bucket_bytes)]
         self.bucket_of = {i: bucket for bucket in self.buckets for i in bucket.params}

@@ -66,3 +66,4 @@ def test_large_parameters_stay_out_of_buckets():
     assert bucket_indices(nbytes, kinds, 8, 10) == [(4, 5), (3,), (0, 1)]
     assert bucket_indices([10, 4, 10], kinds[:3], 100, 10) == [(1,)]
     assert bucket_indices([10, 10], kinds[:2], 100, 10) == []
+    assert bucket_indices(nbytes, kinds, 100, None) == [(0, 1, 2, 3, 4, 5)]  # no limit (Gloo): all in buckets

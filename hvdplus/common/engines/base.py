@@ -102,6 +102,12 @@ class DataEngine(Protocol):
 class Engine(DataEngine, Protocol):
     """The job's host engine: the data collectives on numpy buffers, and the control plane every rank runs."""
 
+    # Fusion policy, from what an engine call costs against a copy. A tensor of `alone_bytes` or more is reduced
+    # alone, in place, instead of being copied into and out of a fusion buffer (None: everything fuses); a
+    # DistributedOptimizer packs gradients into buckets of `bucket_bytes` unless HVDPLUS_BUCKET_BYTES is set.
+    alone_bytes: int | None
+    bucket_bytes: int
+
     def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
                  recv_counts: Sequence[int], group: Group) -> None:
         """Send send_counts[r] elements to rank r and receive recv_counts[r] from it."""

@@ -16,6 +16,8 @@ class LocalEngine:
     """The engine of a job with one rank (a script run without a launcher, as Horovod allows)."""
 
     name = "local"
+    alone_bytes: int | None = 1 << 20  # one rank: nothing travels, so nothing is worth a copy
+    bucket_bytes = 1 << 20
     rank = 0
     size = 1
     world = "world"

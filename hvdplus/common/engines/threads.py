@@ -89,6 +89,8 @@ class ThreadEngine:
     """Rank `rank` of a ThreadWorld. Only the world group exists (process sets are not simulated)."""
 
     name = "threads"
+    alone_bytes: int | None = 1 << 20  # simulated ranks: MPI's policy
+    bucket_bytes = 1 << 20
     world = "world"
 
     def __init__(self, world: ThreadWorld, rank: int) -> None:
