@@ -7,8 +7,9 @@ every rank derives the same ordered list of responses from the same table.
 
 The control allreduce is non-blocking and waited for without spinning a core (a peer that is busy
 computing would otherwise make this thread poll MPI for as long). While work is in flight on any rank,
-cycles follow HOROVOD_CYCLE_TIME; once a round shows no rank has work, every rank doubles its wait
-between rounds up to 40 ms, and a submit ends the wait at once.
+cycles follow HOROVOD_CYCLE_TIME. Once a round shows that no rank has work, no round runs at all: every rank
+sleeps until it has work of its own or a peer rings its doorbell (engines/base.py: Doorbell) for the next round,
+so an idle job, or one computing between steps, costs its peers nothing.
 """
 
 from __future__ import annotations
@@ -47,13 +48,17 @@ __all__ = ["Coordinator"]
 log = logging.getLogger("hvdplus")
 
 _HAS_UNCACHED, _SHUTDOWN, _STALL_ABORT, _BUSY = 1, 2, 4, 8
-# The longest wait between rounds while no rank has work. It bounds an idle process's cost (a round costs about
-# 0.5 ms of CPU on a 2-core VM: 25 rounds/s is ~1.2% of a core) and the delay before a rank that submitted
-# nothing notices a peer's work (only the first round after an idle spell).
-_IDLE_WAIT_S = 0.04
-# How a rank waits for the control round (see _exchange): spin while peers are expected at once; otherwise
-# sleep between tests, up to 1 ms while work is in flight and 4 ms between idle rounds.
-_SPIN_S, _BUSY_SLEEP_S, _IDLE_SLEEP_S = 2e-3, 1e-3, 4e-3
+# How a rank waits for the control round (see _exchange): spin while peers are expected at once, then sleep
+# between tests, up to 1 ms.
+_SPIN_S, _SLEEP_S = 2e-3, 1e-3
+# How often a rank with no work looks at a doorbell that must be polled (MPI's): the wait doubles from 1 ms to
+# 20 ms, so a rank that submits nothing joins a peer's work within 40 ms (two hops, through rank 0), and an idle
+# process wakes 50 times a second (a timed wake-up costs ~100 us of CPU on these VMs), running no round.
+_BELL_FIRST_POLL_S, _BELL_LAST_POLL_S = 1e-3, 2e-2
+# How long a rank woken by a peer's ring waits for work of its own before it joins: data-parallel ranks submit
+# their gradients within a few ms of each other, and joining at once would pull a rank still computing into
+# rounds that find nothing (each a round trip, and CPU taken from the compute on a shared host).
+_BELL_GRACE_S = 5e-3
 _FAILED_JOIN_S = 2.0
 # The collectives whose bytes autotune counts (control operations such as joins move none).
 _DATA_KINDS = frozenset({OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.REDUCESCATTER})
@@ -87,12 +92,13 @@ class Coordinator:
         self._planes: dict[str, DataPlane] = {}
         self._sets: dict[int, _ProcessSet] = {
             0: _ProcessSet(everyone, engine.world, self.rank, self._hierarchy_of(everyone))}
+        self._wake = threading.Event()
+        self._doorbell = engine.open_doorbell(self._wake.set)
         self._next_set_id = 1
         self._start_autotune(settings, topology)
         self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables, self._planes)
         self._frozen = FrozenPeerInspector(engine, settings)
         self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
-        self._wake = threading.Event()
         self._lock = threading.Lock()
         self._inflight: dict[Key, Work] = {}
         self._names_in_flight: set[str] = set()
@@ -112,7 +118,7 @@ class Coordinator:
         self._fatal: BaseException | None = None
         self._channels: list[Any] = []  # point-to-point channels opened for the user (closed at shutdown)
         self._last_stall_warning = 0.0
-        self.rounds = 0  # control rounds run so far (a test checks that idle ranks slow down)
+        self.rounds = 0  # control rounds run so far (a test checks that idle ranks run none)
         self.timeline: Timeline | None = None
         if settings.timeline and self.rank == 0:
             self.timeline = Timeline(settings.timeline, settings.timeline_mark_cycles)
@@ -198,15 +204,13 @@ class Coordinator:
 
     # ----------------------------------------------------------------- background thread
     def _loop(self) -> None:
-        busy, idle_rounds = True, 0
         try:
-            while (busy := self._cycle(busy)) is not None:
-                # Every rank saw the same round, so all slow down together once no rank has work in flight:
-                # the wait doubles up to _IDLE_WAIT_S, and a submit on this rank ends it at once.
-                idle_rounds = 0 if busy else idle_rounds + 1
-                cycle = self.tunables.cycle_time_ms / 1000.0
-                self._wake.wait(cycle if busy else min(_IDLE_WAIT_S, cycle * 2 ** min(idle_rounds, 16)))
-                self._wake.clear()
+            while (busy := self._cycle()) is not None:
+                if busy:
+                    self._wake.wait(self.tunables.cycle_time_ms / 1000.0)  # a submit ends the wait at once
+                    self._wake.clear()
+                else:  # every rank saw the same round, so all stop running rounds together
+                    self._sleep_until_work()
         except BaseException as exc:  # engine failure or a frozen peer: every pending and future call must fail
             log.error("hvdplus background thread failed: %s", exc)
             self._fatal = exc
@@ -215,7 +219,7 @@ class Coordinator:
         finally:
             if self.timeline:
                 self.timeline.close()
-            for release in [channel.close for channel in self._channels] + \
+            for release in [channel.close for channel in self._channels] + [self._doorbell.close] + \
                     [plane.engine.shutdown for plane in self._planes.values()] + [self._engine.shutdown]:
                 try:  # each on its own: a failing one must not keep the host engine's resources
                     release()
@@ -223,6 +227,25 @@ class Coordinator:
                     log.debug("shutdown of %s failed: %s", release, exc)
             for entry in self._sets.values():  # the engine destroyed the groups: keep no handle alive
                 entry.group = entry.hierarchy = None
+
+    def _sleep_until_work(self) -> None:
+        """The last round showed no rank with work: run none until this rank has work of its own (a submit, a
+        shutdown) or a peer rings for the next round. Rank 0 passes every wake-up on to all ranks; the others
+        tell rank 0 of their own (engines/base.py: bell_targets)."""
+        next_round = self.rounds + 1
+        delay = _BELL_FIRST_POLL_S if self._doorbell.polled else None
+        while True:
+            self._wake.wait(delay)
+            self._wake.clear()
+            own = self._shutdown_requested or not self._queue.empty()
+            if own or self._doorbell.rung(next_round):
+                break
+            if delay is not None:
+                delay = min(2 * delay, _BELL_LAST_POLL_S)
+        if own or self.rank == 0:
+            self._doorbell.ring(next_round)
+        if not own and self._wake.wait(_BELL_GRACE_S):
+            self._wake.clear()
 
     def _members(self, set_id: int) -> tuple[int, ...]:
         entry = self._sets.get(set_id)
@@ -281,14 +304,13 @@ class Coordinator:
     def _bytes(self, mask: int) -> bytes:
         return mask.to_bytes(self._words * 8, "little")
 
-    def _cycle(self, busy: bool) -> bool | None:
-        """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down.
-        `busy`: some rank had work in the last round."""
+    def _cycle(self) -> bool | None:
+        """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down."""
         if self.timeline:
             self.timeline.cycle()
         self._drain_queue()
         self.rounds += 1
-        words = self._exchange(self._control_words(), busy)
+        words = self._exchange(self._control_words())
         flags = int(~words[0])
         n = self._words
         all_hit, not_any_hit, not_any_invalid = (int.from_bytes(words[1 + i * n:1 + (i + 1) * n].tobytes(), "little")
@@ -321,14 +343,14 @@ class Coordinator:
         self._warn_stalls()
         return bool(flags & _BUSY)
 
-    def _exchange(self, words: np.ndarray, busy: bool) -> np.ndarray:
-        """The control round. While work is in flight the peers usually join within microseconds: spin for up
-        to 2 ms (a sleep would add its length to every collective), then sleep. Idle ranks join at their next
-        wake-up: no spin, and longer sleeps. A wait longer than a second is inspected for frozen peers."""
+    def _exchange(self, words: np.ndarray) -> np.ndarray:
+        """The control round. A round runs only while some rank has work, so the peers usually join within
+        microseconds: spin for up to 2 ms (a sleep would add its length to every collective), then sleep. A wait
+        longer than a second is inspected for frozen peers."""
         pending = self._engine.start_bitwise_and(words, self._engine.world)
-        spin, sleep = (_SPIN_S, _BUSY_SLEEP_S) if busy else (0.0, _IDLE_SLEEP_S)
+        spin = _SPIN_S
         started = time.monotonic()
-        while (result := pending.wait(spin, sleep, self._frozen.timeout_s)) is None:
+        while (result := pending.wait(spin, _SLEEP_S, self._frozen.timeout_s)) is None:
             self._frozen.waiting(self.rounds, time.monotonic() - started)  # raises once a peer is silent too long
             spin = 0.0
         return result

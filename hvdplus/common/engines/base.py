@@ -13,7 +13,7 @@ import numpy as np
 
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["Engine", "DataEngine", "Group", "Pending", "Done", "Channel", "Transfer"]
+__all__ = ["Engine", "DataEngine", "Group", "Pending", "Done", "Channel", "Transfer", "Doorbell", "bell_targets"]
 
 Group = Any  # an engine-specific communicator handle
 
@@ -35,6 +35,30 @@ class Done:
 
     def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray:
         return self._result
+
+
+class Doorbell(Protocol):
+    """Wakes idle ranks: while no rank has work, no control round runs; the first rank with work rings, and every
+    rank joins the round it names. Rings travel point to point through rank 0 (`bell_targets`), so waking N ranks
+    costs 2(N-1) messages however many of them ring at once."""
+
+    # Whether `rung` must be polled: MPI progresses only inside its calls. A doorbell that is not polled calls
+    # `on_ring` from a thread of its own when a ring arrives.
+    polled: bool
+
+    def ring(self, round_number: int) -> None:
+        """Without blocking, ask the ranks `bell_targets` names to join control round `round_number`."""
+
+    def rung(self, round_number: int) -> bool:
+        """Without blocking: whether a peer has rung for round `round_number` or a later one."""
+
+    def close(self) -> None:
+        """Release what the doorbell holds (best effort: a peer may already be gone)."""
+
+
+def bell_targets(rank: int, size: int) -> range:
+    """Whom a ring reaches: rank 0 rings everyone, the others ring rank 0 (which rings everyone in turn)."""
+    return range(1, size) if rank == 0 else range(0, 1)
 
 
 class Transfer(Protocol):
@@ -130,6 +154,10 @@ class Engine(DataEngine, Protocol):
 
     def beacons(self) -> dict[int, int]:
         """Stall path: the latest round each other rank has announced with `send_beacon` (never blocks long)."""
+
+    def open_doorbell(self, on_ring: Callable[[], None]) -> Doorbell:
+        """Collective over all ranks (at the coordinator's start): this rank's doorbell, which calls `on_ring`
+        when a ring arrives unless it is `polled`."""
 
     def open_channel(self) -> Channel:
         """Collective over all ranks (run on the coordinator's thread, in the agreed order): a new point-to-point

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -62,10 +62,28 @@ class LocalEngine:
     def beacons(self) -> dict[int, int]:
         return {}
 
+    def open_doorbell(self, on_ring: Callable[[], None]) -> "LocalDoorbell":
+        return LocalDoorbell()
+
     def open_channel(self) -> "LocalChannel":
         return LocalChannel()
 
     def shutdown(self) -> None:
+        return None
+
+
+class LocalDoorbell:
+    """A one-rank job's doorbell: no peer ever rings, and ringing reaches nobody."""
+
+    polled = False
+
+    def ring(self, round_number: int) -> None:
+        return None
+
+    def rung(self, round_number: int) -> bool:
+        return False
+
+    def close(self) -> None:
         return None
 
 

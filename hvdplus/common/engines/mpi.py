@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from hvdplus.common import halfops
+from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["MPIEngine", "check_launcher_size"]
@@ -141,6 +142,9 @@ class MPIEngine:
         buf = np.empty(1, dtype=np.int64)
         return self.world.Irecv(buf, source=peer, tag=_BEACON_TAG), buf
 
+    def open_doorbell(self, on_ring: Callable[[], None]) -> "MPIDoorbell":
+        return MPIDoorbell(self.world.Dup(), self._MPI.ANY_SOURCE)
+
     def open_channel(self) -> "MPIChannel":
         return MPIChannel(self.world.Dup(), self._MPI)
 
@@ -152,6 +156,40 @@ class MPIEngine:
         for op in self._half_ops.values():
             op.Free()
         self._half_ops.clear()
+
+
+class MPIDoorbell:
+    """Rings are 8-byte messages on a communicator of their own, received by one any-source receive that the
+    coordinator tests while it sleeps (an MPI wait would spin a core; messages this small complete eagerly)."""
+
+    polled = True
+
+    def __init__(self, comm: Any, any_source: int) -> None:
+        self._comm, self._any_source = comm, any_source
+        self._sends: list[tuple[Any, np.ndarray]] = []
+        self._heard = -1
+        self._buf = np.empty(1, dtype=np.int64)
+        self._recv = comm.Irecv(self._buf, source=self._any_source)
+
+    def ring(self, round_number: int) -> None:
+        self._sends = [(request, buf) for request, buf in self._sends if not request.Test()]
+        buf = np.array([round_number], dtype=np.int64)
+        self._sends += [(self._comm.Isend(buf, dest=peer), buf)
+                        for peer in bell_targets(self._comm.Get_rank(), self._comm.Get_size())]
+
+    def rung(self, round_number: int) -> bool:
+        while self._recv.Test():
+            self._heard = max(self._heard, int(self._buf[0]))
+            self._recv = self._comm.Irecv(self._buf, source=self._any_source)
+        return self._heard >= round_number
+
+    def close(self) -> None:
+        self._recv.Cancel()
+        self._recv.Wait()
+        for request, _ in self._sends:  # delivered eagerly, or to a peer that is gone: nothing to wait for
+            if not request.Test():
+                request.Free()
+        self._sends.clear()
 
 
 class MPIChannel:

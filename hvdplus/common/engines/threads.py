@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hvdplus.common.engines.base import Done
+from hvdplus.common.engines.base import Done, bell_targets
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["ThreadWorld", "ThreadEngine"]
@@ -48,6 +48,7 @@ class ThreadWorld:
         self._rounds: dict[int, _Round] = {}
         self._mail: defaultdict[tuple[int, int], queue.SimpleQueue] = defaultdict(queue.SimpleQueue)
         self.beacons: dict[int, int] = {}  # rank -> the control round it last said it waits in
+        self.doorbells: dict[int, ThreadDoorbell] = {}
         self.engines = [ThreadEngine(self, rank) for rank in range(size)]
 
     def join(self, sequence: int, rank: int, part: Any, combine: Callable[[list[Any]], Any]) -> "_Round":
@@ -73,6 +74,33 @@ class ThreadWorld:
     def mailbox(self, source: int, destination: int) -> queue.SimpleQueue:
         with self._lock:
             return self._mail[(source, destination)]
+
+
+class ThreadDoorbell:
+    """A simulated rank's doorbell: a ring raises the round its targets have heard of and wakes them."""
+
+    polled = False
+
+    def __init__(self, world: ThreadWorld, rank: int, on_ring: Callable[[], None]) -> None:
+        self._world, self._rank, self._on_ring = world, rank, on_ring
+        self._lock = threading.Lock()
+        self._heard = -1
+        world.doorbells[rank] = self
+
+    def ring(self, round_number: int) -> None:
+        for peer in bell_targets(self._rank, self._world.size):
+            self._world.doorbells[peer].hear(round_number)
+
+    def hear(self, round_number: int) -> None:
+        with self._lock:
+            self._heard = max(self._heard, round_number)
+        self._on_ring()
+
+    def rung(self, round_number: int) -> bool:
+        return self._heard >= round_number
+
+    def close(self) -> None:
+        return None
 
 
 class _ThreadPending:
@@ -200,6 +228,9 @@ class ThreadEngine:
 
     def beacons(self) -> dict[int, int]:
         return {peer: round_number for peer, round_number in dict(self._world.beacons).items() if peer != self.rank}
+
+    def open_doorbell(self, on_ring: Callable[[], None]) -> ThreadDoorbell:
+        return ThreadDoorbell(self._world, self.rank, on_ring)
 
     def shutdown(self) -> None:
         return None

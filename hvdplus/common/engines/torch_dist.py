@@ -5,15 +5,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import logging
 import os
+import queue
+import threading
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.settings import LaunchEnv
 
 __all__ = ["TorchDistEngine", "gather_bytes"]
+
+log = logging.getLogger("hvdplus")
 
 # Gloo cannot reduce these; they are widened for the reduction and narrowed back.
 _WIDENED = {"int16": np.int32, "uint16": np.int32}
@@ -179,6 +185,9 @@ class TorchDistEngine:
         return {peer: int(self._beacon_store.get(key)) for peer, key in keys.items()
                 if self._beacon_store.check([key])}
 
+    def open_doorbell(self, on_ring: Callable[[], None]) -> "GlooDoorbell":
+        return GlooDoorbell(self._dist, self._torch, self.rank, self.size, on_ring)
+
     def open_channel(self) -> "GlooChannel":
         return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
 
@@ -254,6 +263,62 @@ def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -
 
     return AuthenticatedStore(RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port,
                                                launch.secret_key, timeout_seconds))
+
+
+class GlooDoorbell:
+    """Rings travel on a Gloo group of their own. Gloo's point-to-point works report completion only through a
+    wait, and a wait that times out breaks the group, so a thread sleeps in an any-source receive (the group's
+    timeout is a year: an idle job may stay idle) and wakes the coordinator; another thread sends."""
+
+    polled = False
+
+    _TAG = 0
+    _NEVER = datetime.timedelta(days=365)
+
+    def __init__(self, dist: Any, torch: Any, rank: int, size: int, on_ring: Callable[[], None]) -> None:
+        self._dist, self._torch, self._rank, self._size = dist, torch, rank, size
+        self._on_ring = on_ring
+        self._group = dist.new_group(list(range(size)), backend="gloo", timeout=self._NEVER)
+        self._heard = -1
+        self._outbox: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=target, name=f"hvdplus-doorbell-{role}", daemon=True)
+                         for role, target in (("receive", self._receive), ("send", self._send))]
+        for thread in self._threads:
+            thread.start()
+
+    def ring(self, round_number: int) -> None:
+        self._outbox.put(round_number)
+
+    def rung(self, round_number: int) -> bool:
+        return self._heard >= round_number
+
+    def close(self) -> None:
+        """Stop the sender once its rings are out, and destroy the group. The receiver stays in its receive
+        (Gloo cannot cancel one, and destroying the group does not end it): a daemon, it ends with the process."""
+        self._outbox.put(None)
+        self._threads[1].join(1.0)
+        if self._dist.is_initialized():
+            self._dist.destroy_process_group(self._group)
+
+    def _receive(self) -> None:
+        buf = self._torch.zeros(1, dtype=self._torch.int64)
+        try:
+            while True:
+                self._dist.irecv(buf, src=None, group=self._group, tag=self._TAG).wait()
+                self._heard = max(self._heard, int(buf[0]))
+                self._on_ring()
+        except Exception as exc:  # the group was destroyed at shutdown, or a peer is gone
+            log.debug("doorbell receiver stopped: %s", exc)
+
+    def _send(self) -> None:
+        try:
+            while (round_number := self._outbox.get()) is not None:
+                bell = self._torch.tensor([round_number])
+                for work in [self._dist.isend(bell, dst=peer, group=self._group, tag=self._TAG)
+                             for peer in bell_targets(self._rank, self._size)]:
+                    work.wait()
+        except Exception as exc:  # as above
+            log.debug("doorbell sender stopped: %s", exc)
 
 
 class GlooChannel:

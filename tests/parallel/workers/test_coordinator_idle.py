@@ -1,4 +1,5 @@
-"""The background thread of an idle job: its control rounds slow down, and work still starts promptly."""
+"""The background thread of an idle job: it runs no control round, and work still starts promptly, on ranks that
+submit it and on ranks that must only join it."""
 
 from __future__ import annotations
 
@@ -7,15 +8,36 @@ import time
 import torch
 
 
-def test_idle_ranks_slow_their_control_rounds(hvd):
-    """With nothing in flight on any rank, rounds back off to one per 40 ms instead of one per cycle (1 ms); a
-    submit after the idle spell still completes (the submitting rank wakes at once, the others within 40 ms)."""
+def test_idle_ranks_run_no_control_rounds(hvd):
+    """Once a round shows no rank has work, no round runs until one does (1 ms cycles would be ~1000 a second);
+    a submit after the idle spell still completes on every rank."""
     from hvdplus.common.basics import runtime
 
     hvd.barrier()
-    time.sleep(0.3)  # let the back-off reach its longest wait
+    time.sleep(0.1)  # the round after the barrier's, which finds nothing in flight
     before = runtime().coordinator.rounds
     time.sleep(1.0)
-    idle_rounds = runtime().coordinator.rounds - before
-    assert 5 <= idle_rounds <= 100, idle_rounds  # 1 ms cycles would be ~1000; 40 ms waits give ~25
+    assert runtime().coordinator.rounds - before == 0
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.idle").item() == hvd.size()
+    assert runtime().coordinator.rounds > before
+
+
+def test_a_rank_without_work_is_woken_for_its_peers(hvd):
+    """The last rank sleeps and submits nothing while the others reduce on a process set without it: their
+    collective needs its control round, so its doorbell must wake it (otherwise they would wait 2 s for its
+    next submit)."""
+    others = hvd.add_process_set(list(range(hvd.size() - 1)))
+    try:
+        hvd.barrier()
+        time.sleep(0.1)  # every rank idle: nobody runs rounds
+        if hvd.rank() == hvd.size() - 1:
+            time.sleep(2.0)
+        else:
+            started = time.monotonic()
+            total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="without.last", process_set=others)
+            elapsed = time.monotonic() - started
+            assert total.item() == hvd.size() - 1
+            assert elapsed < 1.0, f"the idle rank joined after {elapsed:.2f} s"
+        hvd.barrier()
+    finally:
+        hvd.remove_process_set(others)
