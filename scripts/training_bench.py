@@ -129,6 +129,10 @@ def run_worker(args: argparse.Namespace, worker: Callable[[argparse.Namespace], 
         Path(args.result_file).write_text(json.dumps(results))
     # The measurement is written: leave without the interpreter's teardown, where torch's Gloo threads of a DDP
     # job abort now and then ("terminate called without an active exception"), which would fail the whole run.
+    # An MPI job must still finalize MPI first, or mpirun reports the rank as ended abnormally and fails.
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
