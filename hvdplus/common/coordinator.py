@@ -205,12 +205,14 @@ class Coordinator:
     # ----------------------------------------------------------------- background thread
     def _loop(self) -> None:
         try:
-            while (busy := self._cycle()) is not None:
+            spin = True
+            while (busy := self._cycle(spin)) is not None:
                 if busy:
                     self._wake.wait(self.tunables.cycle_time_ms / 1000.0)  # a submit ends the wait at once
                     self._wake.clear()
                 else:  # every rank saw the same round, so all stop running rounds together
                     self._sleep_until_work()
+                spin = busy
         except BaseException as exc:  # engine failure or a frozen peer: every pending and future call must fail
             log.error("hvdplus background thread failed: %s", exc)
             self._fatal = exc
@@ -304,13 +306,14 @@ class Coordinator:
     def _bytes(self, mask: int) -> bytes:
         return mask.to_bytes(self._words * 8, "little")
 
-    def _cycle(self) -> bool | None:
-        """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down."""
+    def _cycle(self, spin: bool) -> bool | None:
+        """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down. `spin`:
+        whether to spin while waiting for the peers in the control round (see _exchange)."""
         if self.timeline:
             self.timeline.cycle()
         self._drain_queue()
         self.rounds += 1
-        words = self._exchange(self._control_words())
+        words = self._exchange(self._control_words(), spin)
         flags = int(~words[0])
         n = self._words
         all_hit, not_any_hit, not_any_invalid = (int.from_bytes(words[1 + i * n:1 + (i + 1) * n].tobytes(), "little")
@@ -343,16 +346,17 @@ class Coordinator:
         self._warn_stalls()
         return bool(flags & _BUSY)
 
-    def _exchange(self, words: np.ndarray) -> np.ndarray:
-        """The control round. A round runs only while some rank has work, so the peers usually join within
-        microseconds: spin for up to 2 ms (a sleep would add its length to every collective), then sleep. A wait
-        longer than a second is inspected for frozen peers."""
+    def _exchange(self, words: np.ndarray, spin: bool) -> np.ndarray:
+        """The control round. While work is in flight the peers usually join within microseconds: spin for up to
+        2 ms (a sleep would add its length to every collective), then sleep. The first round after an idle spell
+        does not spin: the peers may still be computing, and a spin would take the core this rank's own compute
+        (or, on a shared host, a peer's) needs. A wait longer than a second is inspected for frozen peers."""
         pending = self._engine.start_bitwise_and(words, self._engine.world)
-        spin = _SPIN_S
+        spin_s = _SPIN_S if spin else 0.0
         started = time.monotonic()
-        while (result := pending.wait(spin, _SLEEP_S, self._frozen.timeout_s)) is None:
+        while (result := pending.wait(spin_s, _SLEEP_S, self._frozen.timeout_s)) is None:
             self._frozen.waiting(self.rounds, time.monotonic() - started)  # raises once a peer is silent too long
-            spin = 0.0
+            spin_s = 0.0
         return result
 
     def _evict(self, bit: int) -> None:
