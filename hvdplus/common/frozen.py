@@ -57,8 +57,8 @@ class FrozenPeerInspector:
         if (not self._settings.stall_check_disable and waited_s >= check + _GRACE_S
                 and self._warned_round != round_number and self._engine.rank == self._lowest_live(silent)):
             self._warned_round = round_number
-            log.warning("%s has not answered a control round for %.0f s: it may be frozen or hung (every "
-                        "collective waits for it)%s", _names(silent), waited_s,
+            log.warning("%s %s not answered a control round for %.0f s: it may be frozen or hung (every "
+                        "collective waits for it)%s", _names(silent), "have" if len(silent) > 1 else "has", waited_s,
                         f"; the job fails after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}" if shutdown > 0
                         else "")
 
