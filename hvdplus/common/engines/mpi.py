@@ -124,10 +124,8 @@ class MPIEngine:
         return _MPIPending(group.Iallreduce(words, out, op=self._MPI.BAND), words, out)
 
     def send_beacon(self, round_number: int) -> None:
-        buf = np.array([round_number], dtype=np.int64)
-        self._beacon_sends = [(r, b) for r, b in self._beacon_sends if not r.Test()]
-        self._beacon_sends += [(self.world.Isend(buf, dest=peer, tag=_BEACON_TAG), buf)
-                               for peer in range(self.size) if peer != self.rank]
+        others = [peer for peer in range(self.size) if peer != self.rank]
+        self._beacon_sends = _send_round(self.world, round_number, others, self._beacon_sends, _BEACON_TAG)
 
     def beacons(self) -> dict[int, int]:
         if not self._beacon_recvs:  # posted on the first stall only: a healthy job never has them pending
@@ -172,10 +170,8 @@ class MPIDoorbell:
         self._recv = comm.Irecv(self._buf, source=self._any_source)
 
     def ring(self, round_number: int) -> None:
-        self._sends = [(request, buf) for request, buf in self._sends if not request.Test()]
-        buf = np.array([round_number], dtype=np.int64)
-        self._sends += [(self._comm.Isend(buf, dest=peer), buf)
-                        for peer in bell_targets(self._comm.Get_rank(), self._comm.Get_size())]
+        self._sends = _send_round(self._comm, round_number,
+                                  bell_targets(self._comm.Get_rank(), self._comm.Get_size()), self._sends)
 
     def rung(self, round_number: int) -> bool:
         while self._recv.Test():
@@ -190,6 +186,15 @@ class MPIDoorbell:
             if not request.Test():
                 request.Free()
         self._sends.clear()
+
+
+def _send_round(comm: Any, round_number: int, peers: Sequence[int], in_flight: list[tuple[Any, np.ndarray]],
+                tag: int = 0) -> list[tuple[Any, np.ndarray]]:
+    """Start sending a round number (one int64) to each of `peers` without blocking. Returns the sends still in
+    flight: those of `in_flight` not yet complete, then the new ones, each with the buffer it reads."""
+    buf = np.array([round_number], dtype=np.int64)
+    return [(request, sent) for request, sent in in_flight if not request.Test()] + \
+        [(comm.Isend(buf, dest=peer, tag=tag), buf) for peer in peers]
 
 
 class MPIChannel:
