@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 
@@ -22,19 +23,21 @@ def test_idle_ranks_run_no_control_rounds(hvd):
     assert runtime().coordinator.rounds > before
 
 
-def test_a_rank_without_work_is_woken_for_its_peers(hvd):
-    """The last rank sleeps and submits nothing while the others reduce on a process set without it: their
-    collective needs its control round, so its doorbell must wake it (otherwise they would wait 2 s for its
-    next submit)."""
-    others = hvd.add_process_set(list(range(hvd.size() - 1)))
+@pytest.mark.parametrize("left_out", ["last", "first"])
+def test_a_rank_without_work_is_woken_for_its_peers(hvd, left_out):
+    """One rank sleeps and submits nothing while the others reduce on a process set without it: their collective
+    needs its control round, so its doorbell must wake it (otherwise they would wait 2 s for its next submit).
+    Left out: the last rank, or rank 0, which relays every ring and here has none of its own to send."""
+    idle = hvd.size() - 1 if left_out == "last" else 0
+    others = hvd.add_process_set([rank for rank in range(hvd.size()) if rank != idle])
     try:
         hvd.barrier()
         time.sleep(0.1)  # every rank idle: nobody runs rounds
-        if hvd.rank() == hvd.size() - 1:
+        if hvd.rank() == idle:
             time.sleep(2.0)
         else:
             started = time.monotonic()
-            total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="without.last", process_set=others)
+            total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name=f"without.{left_out}", process_set=others)
             elapsed = time.monotonic() - started
             assert total.item() == hvd.size() - 1
             assert elapsed < 1.0, f"the idle rank joined after {elapsed:.2f} s"
