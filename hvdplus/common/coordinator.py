@@ -30,7 +30,7 @@ from hvdplus.common.buffer_ops import DataPlane, DeviceKind
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
-from hvdplus.common.frozen import FrozenPeerInspector
+from hvdplus.common.frozen import FrozenPeerInspector, peer_failure
 from hvdplus.common.fusion import plan_batches
 from hvdplus.common.handles import Handle
 from hvdplus.common.hierarchical import HierarchicalGroups, hierarchical_groups
@@ -213,11 +213,11 @@ class Coordinator:
                 else:  # every rank saw the same round, so all stop running rounds together
                     self._sleep_until_work()
                 spin = busy
-        except BaseException as exc:  # engine failure or a frozen peer: every pending and future call must fail
-            log.error("hvdplus background thread failed: %s", exc)
-            self._fatal = exc
-            self._fail_everything(exc if isinstance(exc, HorovodInternalError)
-                                  else HorovodInternalError(f"collective failed on rank {self.rank}: {exc}"))
+        except BaseException as exc:  # engine failure, a failed or frozen peer: every pending and future call fails
+            error = self._failure(exc)
+            log.error("hvdplus background thread failed: %s", error)
+            self._fatal = error
+            self._fail_everything(error)
         finally:
             if self.timeline:
                 self.timeline.close()
@@ -229,6 +229,23 @@ class Coordinator:
                     log.debug("shutdown of %s failed: %s", release, exc)
             for entry in self._sets.values():  # the engine destroyed the groups: keep no handle alive
                 entry.group = entry.hierarchy = None
+
+    def _failure(self, exc: BaseException) -> HorovodInternalError:
+        """The error every pending and later call on this rank raises. A failure of this rank's own is announced
+        to the peers, so that they name it instead of hanging or reporting only its consequence; one that follows
+        a peer's failure names that peer."""
+        named = isinstance(exc, HorovodInternalError)  # hvdplus's own verdict: a failed, frozen or stalled peer
+        caused_by = peer_failure(self._engine)
+        if caused_by is not None:
+            return caused_by if named else HorovodInternalError(f"{caused_by} (here: {type(exc).__name__}: {exc})")
+        if named:
+            return exc
+        error = HorovodInternalError(f"collective failed on rank {self.rank}: {type(exc).__name__}: {exc}")
+        try:
+            self._engine.announce_failure(str(error))
+        except Exception as notice_failed:  # best effort: the transport may be what failed
+            log.debug("could not announce this rank's failure: %s", notice_failed)
+        return error
 
     def _sleep_until_work(self) -> None:
         """The last round showed no rank with work: run none until this rank has work of its own (a submit, a

@@ -1,5 +1,6 @@
-"""Frozen or hung ranks: a peer that stops answering the control rounds is named, warned about, and, after
-HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, fails every live rank.
+"""Frozen, hung or failed ranks: a peer that stops answering the control rounds is named, warned about, and, after
+HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, fails every live rank; a peer whose runtime failed says so (the engine's
+`announce_failure`), and every rank waiting for it fails at its next inspection, naming that peer's error.
 
 The control round is a collective, so while one rank is frozen (SIGSTOP, a hung driver call, a dead NFS mount)
 the others wait in it and learn nothing from it. So a rank that has waited HOROVOD_STALL_CHECK_TIME_SECONDS
@@ -16,7 +17,7 @@ from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.settings import Settings
 
-__all__ = ["FrozenPeerInspector", "INSPECT_EVERY_S"]
+__all__ = ["FrozenPeerInspector", "INSPECT_EVERY_S", "peer_failure"]
 
 log = logging.getLogger("hvdplus")
 
@@ -34,12 +35,16 @@ class FrozenPeerInspector:
 
     @property
     def timeout_s(self) -> float | None:
-        """How long to wait for a round before calling `waiting` (None: never, stall checks are off)."""
-        enabled = not self._settings.stall_check_disable or self._settings.stall_shutdown_time_seconds > 0
-        return INSPECT_EVERY_S if enabled and self._engine.size > 1 else None
+        """How long to wait for a round before calling `waiting` (None: never, a job of one rank)."""
+        return INSPECT_EVERY_S if self._engine.size > 1 else None
 
     def waiting(self, round_number: int, waited_s: float) -> None:
         """Called while this rank has waited `waited_s` for control round `round_number`."""
+        failed = peer_failure(self._engine)
+        if failed is not None:
+            raise failed
+        if self._settings.stall_check_disable and self._settings.stall_shutdown_time_seconds <= 0:
+            return
         check = self._settings.stall_check_time_seconds
         shutdown = self._settings.stall_shutdown_time_seconds
         first_limit = min(check, shutdown) if shutdown > 0 else check
@@ -69,6 +74,19 @@ class FrozenPeerInspector:
 
     def _lowest_live(self, silent: list[int]) -> int:
         return min(set(range(self._engine.size)) - set(silent))
+
+
+def peer_failure(engine: Engine) -> HorovodInternalError | None:
+    """The error that names the peers whose runtime failed (announced with `announce_failure`), if any."""
+    try:
+        failed = engine.failures()
+    except Exception as exc:  # the transport is gone too: nothing more to learn from it
+        log.debug("could not read the peers' failure notices: %s", exc)
+        return None
+    if not failed:
+        return None
+    lines = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failed.items()))
+    return HorovodInternalError(f"{_names(sorted(failed))} failed, so the collective cannot complete ({lines})")
 
 
 def _names(ranks: list[int]) -> str:

@@ -28,9 +28,11 @@ def plan_batches(responses: list[Response], threshold: int, alone_bytes: int | N
     batches: list[list[Response]] = []
     open_batch: dict[tuple, tuple[list[Response], int]] = {}
     for response in responses:
+        if threshold <= 0 or not _fusable(response):  # an error response may lack a joined rank's request
+            batches.append([response])
+            continue
         size = response.fused_nbytes
-        if threshold <= 0 or size > threshold or (alone_bytes is not None and size >= alone_bytes) \
-                or not _fusable(response):
+        if size > threshold or (alone_bytes is not None and size >= alone_bytes):
             batches.append([response])
             continue
         first = response.first

@@ -19,6 +19,14 @@ __all__ = ["MessageTable", "Stall", "validate", "device_kind", "disagreement", "
 JOIN_KEY: Key = (0, "__hvdplus_join__")
 
 _SAME_SHAPE = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
+# Horovod's words (controller.cc, ConstructResponse) for the collectives that fail while a member has joined.
+_NOT_WITH_JOIN = {
+    OpKind.ALLGATHER: "Allgather is not supported with Join at this time. "
+                      "Specify sparse_to_dense=True if using DistributedOptimizer",
+    OpKind.ALLTOALL: "Alltoall is not supported with Join at this time.",
+    OpKind.REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
+    OpKind.BROADCAST: "Broadcast is not supported with Join at this time.",
+}
 _REDUCING = (OpKind.ALLREDUCE, OpKind.REDUCESCATTER)
 
 
@@ -93,6 +101,16 @@ def validate(variants: Mapping[Request, int], members: tuple[int, ...]) -> str |
         return (f"Invalid root rank {first.root} for broadcast {what}: it is not a member of the process set, "
                 f"whose global ranks are {list(members)}.")
     return None
+
+
+def _join_error(request: Request, joined: int) -> str:
+    """Why a collective other than allreduce fails while the ranks of mask `joined` have joined (Horovod's
+    message first, so that code matching it keeps working)."""
+    who = f"{_ranks_text(_ranks_of(joined))} called join(), and only allreduce runs while ranks have joined"
+    known = _NOT_WITH_JOIN.get(request.kind)
+    if known is not None:
+        return f"{known} ({request.describe()}: {who})."
+    return f"{request.describe()} cannot run: {who}."
 
 
 @dataclass(frozen=True)
@@ -191,9 +209,7 @@ class MessageTable:
             return None
         requests = self._requests(key, members)
         if missing and first.kind != OpKind.ALLREDUCE:
-            return Response(key, first.kind, requests, members=members, error=(
-                f"{first.describe()} cannot run: {_ranks_text(_ranks_of(missing))} called join(), "
-                f"and only allreduce supports ranks that have joined."))
+            return Response(key, first.kind, requests, members=members, error=_join_error(first, missing))
         strangers = announced & ~member_mask
         if strangers:
             return Response(key, first.kind, requests, members=members, error=(

@@ -60,6 +60,25 @@ def test_dead_worker_raises_on_the_others_within_seconds():
 
 
 @on_both_engines
+@pytest.mark.parametrize("where", ["cycle", "execute"])
+def test_a_failure_in_one_background_thread_is_named_on_every_rank(engine, where):
+    """A rank whose background thread fails announces it: every pending and later call on every rank raises within
+    seconds naming rank 1's error, and no rank hangs. Over MPI, peers blocked inside a data collective that rank 1
+    never joined (`execute`) are released only when rank 1's process exits and mpirun ends the job."""
+    code, output = run_job(engine, 3, [str(SCENARIOS / "thread_failure.py"), where], timeout=60)
+    assert code == 1, output
+    injected = f"collective failed on rank 1: RuntimeError: injected failure in {where}"
+    reporting = [1] if engine == "mpi" and where == "execute" else [0, 1, 2]
+    for rank in reporting:
+        raised = re.search(rf"rank {rank}: raised after ([\d.]+) s: .*{injected}", output)
+        assert raised and float(raised.group(1)) < 5, output
+        assert re.search(rf"rank {rank}: later call raised: hvdplus can no longer run collectives: .*{injected}",
+                         output), output
+    for rank in set(range(3)) - {1}:
+        assert f"rank {rank}: no error" not in output, output
+
+
+@on_both_engines
 def test_stall_shutdown_names_the_tensor_and_the_missing_rank(engine):
     code, output = run_job(engine, 2, [str(SCENARIOS / "stall_shutdown.py")],
                            {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"})

@@ -155,6 +155,13 @@ class Engine(DataEngine, Protocol):
     def beacons(self) -> dict[int, int]:
         """Stall path: the latest round each other rank has announced with `send_beacon` (never blocks long)."""
 
+    def announce_failure(self, message: str) -> None:
+        """Failure path: tell every other rank, without blocking, that this rank's runtime stopped and why (best
+        effort: the peers read it with `failures` while they wait, and name this rank's error in their own)."""
+
+    def failures(self) -> dict[int, str]:
+        """Failure path: the message of each other rank that has announced a failure (never blocks long)."""
+
     def open_doorbell(self, on_ring: Callable[[], None]) -> Doorbell:
         """Collective over all ranks (at the coordinator's start): this rank's doorbell, which calls `on_ring`
         when a ring arrives unless it is `polled`."""

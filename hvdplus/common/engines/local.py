@@ -62,6 +62,12 @@ class LocalEngine:
     def beacons(self) -> dict[int, int]:
         return {}
 
+    def announce_failure(self, message: str) -> None:
+        return None
+
+    def failures(self) -> dict[int, str]:
+        return {}
+
     def open_doorbell(self, on_ring: Callable[[], None]) -> "LocalDoorbell":
         return LocalDoorbell()
 

@@ -17,6 +17,8 @@ __all__ = ["MPIEngine", "check_launcher_size"]
 # What MPI launchers declare as the job size: Open MPI's mpirun, and Hydra (MPICH, Intel MPI) or Slurm's PMI.
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _BEACON_TAG = 0x68766470  # point-to-point on the world communicator: collectives never match it
+_FAILURE_TAG = _BEACON_TAG + 1
+_FAILURE_BYTES = 2000  # a failure notice is cut to this: small enough to be sent eagerly, without a receiver
 
 
 def check_launcher_size(world_size: int, environ: Mapping[str, str], library: str) -> None:
@@ -64,6 +66,8 @@ class MPIEngine:
         self._beacon_sends: list[tuple[Any, np.ndarray]] = []
         self._beacon_recvs: dict[int, tuple[Any, np.ndarray]] = {}
         self._heard: dict[int, int] = {}
+        self._failure_sends: list[tuple[Any, np.ndarray]] = []
+        self._failures: dict[int, str] = {}
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         member = self.rank in ranks
@@ -136,6 +140,19 @@ class MPIEngine:
                 request, buf = self._beacon_recvs[peer] = self._post_beacon_recv(peer)
         return dict(self._heard)
 
+    def announce_failure(self, message: str) -> None:
+        buf = np.frombuffer(message.encode()[:_FAILURE_BYTES], dtype=np.uint8)
+        self._failure_sends = [(self.world.Isend(buf, dest=peer, tag=_FAILURE_TAG), buf)
+                               for peer in range(self.size) if peer != self.rank]
+
+    def failures(self) -> dict[int, str]:
+        status = self._MPI.Status()
+        while self.world.Iprobe(source=self._MPI.ANY_SOURCE, tag=_FAILURE_TAG, status=status):
+            buf = np.empty(status.Get_count(self._MPI.BYTE), dtype=np.uint8)
+            self.world.Recv(buf, source=status.Get_source(), tag=_FAILURE_TAG)
+            self._failures[status.Get_source()] = buf.tobytes().decode(errors="replace")
+        return dict(self._failures)
+
     def _post_beacon_recv(self, peer: int) -> tuple[Any, np.ndarray]:
         buf = np.empty(1, dtype=np.int64)
         return self.world.Irecv(buf, source=peer, tag=_BEACON_TAG), buf
@@ -151,6 +168,10 @@ class MPIEngine:
             request.Cancel()
             request.Wait()
         self._beacon_recvs.clear()
+        for request, _ in self._failure_sends:  # eager messages: complete, or their peer is gone
+            if not request.Test():
+                request.Free()
+        self._failure_sends.clear()
         for op in self._half_ops.values():
             op.Free()
         self._half_ops.clear()

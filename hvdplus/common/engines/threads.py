@@ -48,6 +48,7 @@ class ThreadWorld:
         self._rounds: dict[int, _Round] = {}
         self._mail: defaultdict[tuple[int, int], queue.SimpleQueue] = defaultdict(queue.SimpleQueue)
         self.beacons: dict[int, int] = {}  # rank -> the control round it last said it waits in
+        self.failures: dict[int, str] = {}  # rank -> why its runtime stopped
         self.doorbells: dict[int, ThreadDoorbell] = {}
         self.engines = [ThreadEngine(self, rank) for rank in range(size)]
 
@@ -228,6 +229,12 @@ class ThreadEngine:
 
     def beacons(self) -> dict[int, int]:
         return {peer: round_number for peer, round_number in dict(self._world.beacons).items() if peer != self.rank}
+
+    def announce_failure(self, message: str) -> None:
+        self._world.failures[self.rank] = message
+
+    def failures(self) -> dict[int, str]:
+        return {peer: message for peer, message in dict(self._world.failures).items() if peer != self.rank}
 
     def open_doorbell(self, on_ring: Callable[[], None]) -> ThreadDoorbell:
         return ThreadDoorbell(self._world, self.rank, on_ring)

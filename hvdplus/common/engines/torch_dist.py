@@ -185,6 +185,17 @@ class TorchDistEngine:
         return {peer: int(self._beacon_store.get(key)) for peer, key in keys.items()
                 if self._beacon_store.check([key])}
 
+    def announce_failure(self, message: str) -> None:
+        if self._beacon_store is not None:  # the store outlives this rank's process group
+            self._beacon_store.set(f"hvdplus/failure/{self.rank}", message)
+
+    def failures(self) -> dict[int, str]:
+        if self._beacon_store is None:
+            return {}
+        keys = {peer: f"hvdplus/failure/{peer}" for peer in range(self.size) if peer != self.rank}
+        return {peer: self._beacon_store.get(key).decode(errors="replace") for peer, key in keys.items()
+                if self._beacon_store.check([key])}
+
     def open_doorbell(self, on_ring: Callable[[], None]) -> "GlooDoorbell":
         return GlooDoorbell(self._dist, self._torch, self.rank, self.size, on_ring)
 

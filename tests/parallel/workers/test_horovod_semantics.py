@@ -7,6 +7,7 @@ Written to pass at any world size >= 2; ranks outside a set only take part in th
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -223,6 +224,43 @@ def test_sparse_optimizer_gets_sparse_gradients(hvd, sparse_as_dense):
     weight, reference, gradient = _embedding_reference_step(hvd, sparse_as_dense)
     assert gradient.is_sparse
     torch.testing.assert_close(weight, reference, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- 6. join with other collectives
+# horovod/common/controller.cc ConstructResponse: once a rank of the set has joined, allgather, alltoall,
+# reducescatter and broadcast fail on the ranks that submit them, with these messages; join() then completes.
+JOIN_ERRORS = {
+    "allgather": "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if using "
+                 "DistributedOptimizer",
+    "alltoall": "Alltoall is not supported with Join at this time.",
+    "reducescatter": "Reducescatter is not supported with Join at this time.",
+    "broadcast": "Broadcast is not supported with Join at this time.",
+}
+
+
+def _collective(hvd, kind, pset, root):
+    """Named: the joined rank skips it, so unnamed calls would get other automatic names on the other ranks."""
+    tensor = torch.ones(2 * len(global_ranks(hvd, pset)), 3) * hvd.rank()
+    name = f"join.{kind}.{root}"
+    if kind == "broadcast":
+        return hvd.broadcast(tensor, root_rank=root, process_set=pset, name=name)
+    return getattr(hvd, kind)(tensor, process_set=pset, name=name)
+
+
+@pytest.mark.parametrize("kind", sorted(JOIN_ERRORS))
+def test_join_fails_other_collectives_and_the_runtime_goes_on(hvd, pset, kind):
+    """Each member joins first in turn; every other member's collective fails with Horovod's message (a
+    RuntimeError), every rank's join() returns the same last rank, and the next collective succeeds."""
+    members = global_ranks(hvd, pset)
+    for first in members:
+        if pset.included() and hvd.rank() != first:
+            root = next(r for r in members if r != first)
+            with pytest.raises(RuntimeError, match=re.escape(JOIN_ERRORS[kind])) as raised:
+                _collective(hvd, kind, pset, root)
+            assert f"rank {first} called join()" in str(raised.value), str(raised.value)
+        last = hvd.join()
+        assert hvd.allgather_object(last) == [last] * hvd.size()
+        _job_still_works(hvd)
 
 
 # ----------------------------------------------------------------------------- the rest of the rank-dependent API
