@@ -48,11 +48,12 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.handles import Handle
 from hvdplus.common.naming import member_names
 
 __all__ = ["dtype_name", "storage", "values", "Finish", "finishing", "execute", "graph_name", "collective_names",
-           "VARIABLES_CHAIN"]
+           "VARIABLES_CHAIN", "as_tf_error"]
 
 _DTYPE_NAMES = {tf.uint8: "uint8", tf.int8: "int8", tf.uint16: "uint16", tf.int16: "int16", tf.int32: "int32",
                 tf.int64: "int64", tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
@@ -99,7 +100,10 @@ def execute(start: Start, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType
     """Run a collective now (eager), or add its submit and wait ops to the graph (outputs get static `shapes`);
     `chain` names the chain its wait joins (the default one, or VARIABLES_CHAIN)."""
     if tf.executing_eagerly():
-        results = start(*(t.numpy() for t in inputs))()
+        try:
+            results = start(*(t.numpy() for t in inputs))()
+        except HorovodInternalError as exc:
+            raise as_tf_error(exc) from exc
         return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, dtypes)]
     token = tf.numpy_function(functools.partial(_submit, start), list(inputs), tf.int64, stateful=True,
                               name="HorovodSubmit")
@@ -125,7 +129,25 @@ def _submit(start: Start, *arrays: np.ndarray) -> np.int64:
 
 def _wait(token: np.ndarray) -> list[np.ndarray]:
     """The wait op: finish the collective that `token` stands for."""
-    return list(_pending.pop(int(token))())
+    try:
+        return list(_pending.pop(int(token))())
+    except HorovodInternalError as exc:
+        raise as_tf_error(exc) from exc
+
+
+def as_tf_error(error: HorovodInternalError) -> HorovodInternalError:
+    """A collective's error as TensorFlow raises a failed op's: Horovod's TF kernels fail with FailedPrecondition
+    (its error responses), so `except tf.errors.OpError` works, and `except` of hvdplus's own class still does."""
+    kind = _TF_ERRORS.get(type(error))
+    if kind is None:
+        kind = _TF_ERRORS[type(error)] = type(type(error).__name__, (tf.errors.FailedPreconditionError, type(error)),
+                                              {"__module__": __name__})
+    converted = kind(None, None, str(error))
+    converted.__traceback__ = error.__traceback__
+    return converted
+
+
+_TF_ERRORS: dict[type, type] = {}
 
 
 def graph_name(base: str, ignore_name_scope: bool = True) -> str:

@@ -181,14 +181,15 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
 def broadcast_op(tensors: list[tf.Tensor], names: Names, root_rank: int, process_set: ProcessSet,
                  chain: str = "") -> list[tf.Tensor]:
     """One op copying the root's tensors to every member; `root_rank` is a global rank (Horovod's rule, checked
-    here on every member). The gradient is the gradient averaged over the set on the root, 0 elsewhere
-    (Horovod's `_broadcast_grad`)."""
+    here on every member). The gradient is the gradient averaged over the set on the root, times 0 elsewhere
+    (Horovod's `_broadcast_grad`): a product, so that a graph fetching it runs the average on every rank (tf.zeros_like
+    of a tensor of static shape does not depend on it, and the root would wait for the others forever)."""
     root_rank = core.check_root(root_rank, process_set)
 
     def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
         averaged = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0,
                                  process_set)
-        return averaged if rank() == root_rank else [tf.zeros_like(g) for g in averaged]
+        return averaged if rank() == root_rank else [g * tf.constant(0, g.dtype) for g in averaged]
 
     return _same_shape_op(tensors, names, lambda s, o, d, n, g: core.submit_broadcast(
         s, o, d, root_rank, n, process_set, group=g), gradient, chain)

@@ -43,6 +43,37 @@ def test_tf_graphs_with_one_inter_op_thread(engine: str, np: int) -> None:
     assert_every_rank_ran(engine, np, output, at_least=5)
 
 
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+def test_tf_graph_collectives_the_ranks_do_not_share_fail_on_every_rank(engine: str) -> None:
+    """Each rank's session runs a collective the other never submits: both runs raise a TensorFlow error naming
+    both collectives and their missing ranks once HOROVOD_STALL_SHUTDOWN_TIME_SECONDS has passed, and none hangs."""
+    _need(engine)
+    code, output = run_job(engine, 2, [str(ROOT / "tests" / "parallel" / "scenarios" / "tf_partial_fetch.py")],
+                           extra_env={"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3",
+                                      "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"}, timeout=120)
+    assert code == 0, output
+    for rank in (0, 1):
+        raised = re.search(rf"rank {rank}: raised UnknownError after (\d+) s: a collective stalled longer than "
+                           r"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=3: allreduce 'only.rank.0' \(missing ranks \[1\]\); "
+                           r"allreduce 'only.rank.1' \(missing ranks \[0\]\)", output)
+        assert raised and int(raised.group(1)) < 10, output
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine,np", [("gloo", 2), ("mpi", 3)])
+def test_tf_gradients_fetched_alone_on_the_other_pairs(engine: str, np: int) -> None:
+    """The gradient-alone tests at the (engine, ranks) pairs the whole suite's jobs do not run."""
+    _need(engine)
+    code, output = run_job(engine, np, pytest_argv("--color=no", str(WORKERS_TF / "test_tf_gradients_alone.py")),
+                           extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"},
+                           timeout=250)
+    assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran(engine, np, output, at_least=30)
+
+
 def _need(engine: str) -> None:
     """Skip unless TensorFlow, Keras 3 and the engine are installed."""
     pytest.importorskip("tensorflow")

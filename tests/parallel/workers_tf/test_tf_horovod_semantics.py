@@ -7,6 +7,8 @@ Written to pass at any world size >= 2; ranks outside a set only take part in th
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -156,3 +158,38 @@ def test_uint16_collectives(hvd, mode):
     assert total.numpy().tolist() == [n + n * (n - 1) // 2, 2 * n + n * (n - 1) // 2]
     assert gathered.numpy().tolist() == [v + r for r in range(n) for v in (1, 2)]
     assert root.numpy().tolist() == [n, n + 1]
+
+
+# ----------------------------------------------------------------------------- join with other collectives
+# horovod/common/controller.cc ConstructResponse (the messages) and horovod/tensorflow/mpi_ops.cc (an error
+# response fails the op with FailedPrecondition): once a member has joined, these collectives fail on the others.
+JOIN_ERRORS = {
+    "allgather": "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if using "
+                 "DistributedOptimizer",
+    "alltoall": "Alltoall is not supported with Join at this time.",
+    "reducescatter": "Reducescatter is not supported with Join at this time.",
+    "broadcast": "Broadcast is not supported with Join at this time.",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(JOIN_ERRORS))
+def test_join_fails_other_collectives_with_a_tf_error(hvd, pset, mode, kind):
+    """Each member joins first in turn; the others' collective raises a TF error (FailedPrecondition, eagerly and
+    in tf.function) with Horovod's message; every rank's join returns the same last rank; the job goes on."""
+    members = global_ranks(hvd, pset)
+    for first in members:
+        if pset.included() and hvd.rank() != first:
+            root = next(r for r in members if r != first)
+            name = f"tf.join.{kind}.{first}"  # the joined rank skips it: automatic names would differ
+
+            def collective(t):
+                if kind == "broadcast":
+                    return hvd.broadcast(t, root_rank=root, process_set=pset, name=name)
+                return getattr(hvd, kind)(t, process_set=pset, name=name)
+
+            with pytest.raises(tf.errors.OpError, match=re.escape(JOIN_ERRORS[kind])) as raised:
+                mode(collective)(tf.ones([2 * len(members), 3]))
+            assert f"rank {first} called join()" in raised.value.message
+        last = int(hvd.join())
+        assert hvd.allgather_object(last) == [last] * hvd.size()
+        _job_still_works(hvd)
