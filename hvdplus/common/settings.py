@@ -225,17 +225,23 @@ class LaunchEnv:
     slurm_nodelist: str | None = None
     slurm_tasks_per_node: str | None = None
     srun_secret_file: str | None = None  # under plain srun: where rank 0 publishes the rendezvous secret
+    agent_store: bool = False  # torchrun's agent already serves the store at MASTER_ADDR:MASTER_PORT
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "LaunchEnv":
-        """Read the launcher's variables (HVDPLUS_*, HOROVOD_*, then SLURM_*, then mpirun's)."""
+        """Read the launcher's variables (HVDPLUS_*, HOROVOD_*, then torchrun's, SLURM_*, then mpirun's). torchrun's
+        RANK, WORLD_SIZE and LOCAL_RANK count only where torchrun set them (TORCHELASTIC_RUN_ID): under
+        `srun torchrun`, SLURM_PROCID numbers the agents, not the ranks."""
+        torchrun = "TORCHELASTIC_RUN_ID" in environ
         env = cls(
-            rank=_launch_int(environ, "HVDPLUS_RANK", "HOROVOD_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK",
-                             "PMI_RANK"),
-            size=_launch_int(environ, "HVDPLUS_SIZE", "HOROVOD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
-                             "PMI_SIZE"),
-            local_rank=_launch_int(environ, "HVDPLUS_LOCAL_RANK", "HOROVOD_LOCAL_RANK", "SLURM_LOCALID",
+            rank=_launch_int(environ, "HVDPLUS_RANK", "HOROVOD_RANK", *(["RANK"] if torchrun else []),
+                             "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"),
+            size=_launch_int(environ, "HVDPLUS_SIZE", "HOROVOD_SIZE", *(["WORLD_SIZE"] if torchrun else []),
+                             "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
+            local_rank=_launch_int(environ, "HVDPLUS_LOCAL_RANK", "HOROVOD_LOCAL_RANK",
+                                   *(["LOCAL_RANK"] if torchrun else []), "SLURM_LOCALID",
                                    "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
+            agent_store=torchrun and environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             hostname=_launch_value(environ, "HVDPLUS_HOSTNAME", "HOROVOD_HOSTNAME"),
             rendezvous_addr=_launch_value(environ, "HVDPLUS_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
                                           "MASTER_ADDR"),

@@ -6,10 +6,10 @@ import argparse
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Mapping
 
 from hvdplus.common.settings import SETTINGS, LaunchEnv
+from hvdplus.runner.alias import ALIAS_PATH, real_horovod
 from hvdplus.runner.env import INHERITED_LAUNCH_VARIABLES
 from hvdplus.runner.hosts import Host, Slot, assign_slots, parse_hostfile, parse_hosts, slurm_hosts
 from hvdplus.runner.mpi_run import find_mpirun
@@ -17,7 +17,6 @@ from hvdplus.runner.ssh import SshOptions
 
 __all__ = ["JobSpec", "job_from_args", "tuning_env", "ALIAS_PATH"]
 
-ALIAS_PATH = str(Path(__file__).resolve().parent / "horovod_alias")
 
 @dataclass
 class JobSpec:
@@ -103,7 +102,7 @@ def _worker_env(args: argparse.Namespace, environ: Mapping[str, str], mode: str)
             env[name] = value
         elif name not in env:
             raise ValueError(f"-x {name}: {name} is not set in hvdplusrun's environment; use -x {name}=VALUE")
-    if args.horovod_alias and importlib.util.find_spec("horovod") is None:
+    if args.horovod_alias and real_horovod() is None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ALIAS_PATH, env.get("PYTHONPATH")) if p)
     return env
 

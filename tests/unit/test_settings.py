@@ -175,3 +175,17 @@ def test_operations_libraries_are_named_without_case_as_in_horovod():
     assert Settings.from_env({"HOROVOD_CPU_OPERATIONS": "Gloo"}).cpu_operations == "gloo"
     with pytest.raises(ValueError, match="HOROVOD_GPU_OPERATIONS"):
         Settings.from_env({"HOROVOD_GPU_OPERATIONS": "RCCL"})
+
+
+def test_torchrun_ranks_count_only_under_torchrun():
+    """torchrun's RANK/WORLD_SIZE/LOCAL_RANK win over SLURM_* (srun torchrun numbers agents with SLURM_PROCID), and
+    are ignored without TORCHELASTIC_RUN_ID (RANK alone is too common a name to trust); the agent's store is joined,
+    not served again."""
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "SLURM_PROCID": "1",
+                "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "MASTER_ADDR": "node1", "MASTER_PORT": "29500",
+                "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    env = LaunchEnv.from_env(torchrun)
+    assert (env.rank, env.size, env.local_rank, env.agent_store) == (3, 4, 1, True)
+    assert (env.rendezvous_addr, env.rendezvous_port) == ("node1", 29500)
+    plain = LaunchEnv.from_env({"RANK": "3", "WORLD_SIZE": "4"})
+    assert (plain.rank, plain.size, plain.agent_store) == (None, None, False)

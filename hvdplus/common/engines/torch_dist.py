@@ -79,7 +79,8 @@ class TorchDistEngine:
             return self._store
         if launch.rendezvous_addr and launch.rendezvous_port:
             return self._dist.TCPStore(launch.rendezvous_addr, launch.rendezvous_port, self.size,
-                                       is_master=self.rank == 0, timeout=timeout, wait_for_workers=False)
+                                       is_master=self.rank == 0 and not launch.agent_store, timeout=timeout,
+                                       wait_for_workers=False)
         raise RuntimeError("the gloo engine needs a rendezvous: set HVDPLUS_RENDEZVOUS_ADDR and "
                            "HVDPLUS_RENDEZVOUS_PORT (rank 0 listens there) or HVDPLUS_RENDEZVOUS_FILE")
 
