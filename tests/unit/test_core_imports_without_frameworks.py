@@ -41,7 +41,7 @@ CORE = ["hvdplus.common", "hvdplus.common.coordinator", "hvdplus.common.engines"
         "hvdplus.common.grouping", "hvdplus.common.naming", "hvdplus.common.optimizer_options",
         "hvdplus.common.schedules"]
 RUNNER = ["hvdplus.runner", "hvdplus.runner.launch", "hvdplus.runner.api", "hvdplus.runner.task",
-          "hvdplus.runner.agent", "hvdplus.runner.horovod_alias.horovod"]
+          "hvdplus.runner.agent", "hvdplus.runner.horovod_alias.horovod", "hvdplus.runner.alias"]
 
 
 def _import_with_blocked(modules: list[str], blocked: tuple[str, ...]) -> subprocess.CompletedProcess:
