@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hvdplus.common.exceptions import HorovodInternalError
+from tests.parallel.horovod_messages import JOIN_ERRORS
 from tests.parallel.process_sets import global_ranks, pset, rest  # noqa: F401 (fixtures)
 
 
@@ -228,14 +229,7 @@ def test_sparse_optimizer_gets_sparse_gradients(hvd, sparse_as_dense):
 
 # ----------------------------------------------------------------------------- 6. join with other collectives
 # horovod/common/controller.cc ConstructResponse: once a rank of the set has joined, allgather, alltoall,
-# reducescatter and broadcast fail on the ranks that submit them, with these messages; join() then completes.
-JOIN_ERRORS = {
-    "allgather": "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if using "
-                 "DistributedOptimizer",
-    "alltoall": "Alltoall is not supported with Join at this time.",
-    "reducescatter": "Reducescatter is not supported with Join at this time.",
-    "broadcast": "Broadcast is not supported with Join at this time.",
-}
+# reducescatter and broadcast fail on the ranks that submit them, with JOIN_ERRORS' messages; join() then completes.
 
 
 def _collective(hvd, kind, pset, root):

@@ -15,6 +15,7 @@ import pytest
 import tensorflow as tf
 
 import hvdplus.keras as hvd_keras
+from tests.parallel.horovod_messages import JOIN_ERRORS
 from tests.parallel.process_sets import global_ranks, pset, rest  # noqa: F401 (fixtures)
 
 
@@ -163,13 +164,6 @@ def test_uint16_collectives(hvd, mode):
 # ----------------------------------------------------------------------------- join with other collectives
 # horovod/common/controller.cc ConstructResponse (the messages) and horovod/tensorflow/mpi_ops.cc (an error
 # response fails the op with FailedPrecondition): once a member has joined, these collectives fail on the others.
-JOIN_ERRORS = {
-    "allgather": "Allgather is not supported with Join at this time. Specify sparse_to_dense=True if using "
-                 "DistributedOptimizer",
-    "alltoall": "Alltoall is not supported with Join at this time.",
-    "reducescatter": "Reducescatter is not supported with Join at this time.",
-    "broadcast": "Broadcast is not supported with Join at this time.",
-}
 
 
 @pytest.mark.parametrize("kind", sorted(JOIN_ERRORS))
