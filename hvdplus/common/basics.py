@@ -288,16 +288,14 @@ def mpi_threads_supported() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start writing a Chrome-trace timeline of every collective to `file_path` (rank 0 writes)."""
-    coordinator = runtime().coordinator
-    stop_timeline()
-    if runtime().rank == 0:
-        coordinator.timeline = Timeline(file_path, mark_cycles)
+    """Start writing a Chrome-trace timeline of every collective to `file_path` (rank 0 writes), closing the one
+    being written. Collectives submitted after this returns are on it; any thread may call it while collectives
+    run."""
+    state = runtime()
+    state.coordinator.set_timeline(Timeline(file_path, mark_cycles) if state.rank == 0 else None)
 
 
 def stop_timeline() -> None:
-    """Finish and close the timeline started by HOROVOD_TIMELINE or start_timeline()."""
-    coordinator = runtime().coordinator
-    timeline, coordinator.timeline = coordinator.timeline, None
-    if timeline is not None:
-        timeline.close()
+    """Finish and close the timeline started by HOROVOD_TIMELINE or start_timeline(); the file is complete when
+    this returns."""
+    runtime().coordinator.set_timeline(None)

@@ -39,7 +39,7 @@ from hvdplus.common.negotiation import JOIN_KEY, MessageTable, device_kind
 from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
 from hvdplus.common.response_cache import Lookup, ResponseCache
 from hvdplus.common.settings import Settings
-from hvdplus.common.timeline import Timeline
+from hvdplus.common.timeline import Timeline, TimelineSlot
 from hvdplus.common.topology import Topology
 from hvdplus.common.tunables import Tunables
 
@@ -119,9 +119,9 @@ class Coordinator:
         self._channels: list[Any] = []  # point-to-point channels opened for the user (closed at shutdown)
         self._last_stall_warning = 0.0
         self.rounds = 0  # control rounds run so far (a test checks that idle ranks run none)
-        self.timeline: Timeline | None = None
-        if settings.timeline and self.rank == 0:
-            self.timeline = Timeline(settings.timeline, settings.timeline_mark_cycles)
+        # Only this thread writes the timeline; others replace it through the slot, between cycles (set_timeline).
+        self._timeline = TimelineSlot(Timeline(settings.timeline, settings.timeline_mark_cycles)
+                                      if settings.timeline and self.rank == 0 else None)
         self._thread = threading.Thread(target=self._loop, name="hvdplus-coordinator", daemon=True)
         self._thread.start()
 
@@ -149,6 +149,16 @@ class Coordinator:
         if self._fatal is not None:  # the thread stopped while we queued: nobody will run this work
             work.handle.set_error(HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}"))
         return work.handle
+
+    def set_timeline(self, timeline: Timeline | None) -> None:
+        """Write `timeline` from the next cycle on (None: stop) and close the one it replaces. The background
+        thread makes the swap between its cycles, where it holds no timeline; this returns once it has (at once
+        if the thread has stopped), so the replaced file is complete and closed."""
+        swap = self._timeline.replace(timeline)
+        if swap is None or threading.current_thread() is self._thread:  # a callback of this thread: cannot wait
+            return
+        self._wake.set()  # an idle thread settles it where it sleeps, without starting a round
+        swap.wait()
 
     def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
         entry = self._sets.get(set_id)
@@ -219,10 +229,9 @@ class Coordinator:
             self._fatal = error
             self._fail_everything(error)
         finally:
-            if self.timeline:
-                self.timeline.close()
-            for release in [channel.close for channel in self._channels] + [self._doorbell.close] + \
-                    [plane.engine.shutdown for plane in self._planes.values()] + [self._engine.shutdown]:
+            for release in [self._timeline.retire, *(channel.close for channel in self._channels),
+                            self._doorbell.close, *(plane.engine.shutdown for plane in self._planes.values()),
+                            self._engine.shutdown]:
                 try:  # each on its own: a failing one must not keep the host engine's resources
                     release()
                 except Exception as exc:  # pragma: no cover - best effort at exit
@@ -256,6 +265,7 @@ class Coordinator:
         while True:
             self._wake.wait(delay)
             self._wake.clear()
+            self._timeline.settle()  # a timeline swap asked for while idle needs no round
             own = self._shutdown_requested or not self._queue.empty()
             if own or self._doorbell.rung(next_round):
                 break
@@ -285,10 +295,10 @@ class Coordinator:
             self._inflight[work.request.key] = work
             yield work
 
-    def _drain_queue(self) -> None:
+    def _drain_queue(self, timeline: Timeline | None) -> None:
         for work in self._queued():
-            if self.timeline:
-                self.timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
+            if timeline:
+                timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
             status, bit = self._cache.lookup(self._index_in(work.request.process_set), work.request)
             if status == Lookup.HIT:
                 self._hits[bit] = work
@@ -326,9 +336,10 @@ class Coordinator:
     def _cycle(self, spin: bool) -> bool | None:
         """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down. `spin`:
         whether to spin while waiting for the peers in the control round (see _exchange)."""
-        if self.timeline:
-            self.timeline.cycle()
-        self._drain_queue()
+        timeline = self._timeline.settle()  # the one this cycle writes, whatever other threads ask meanwhile
+        if timeline:
+            timeline.cycle()
+        self._drain_queue(timeline)
         self.rounds += 1
         words = self._exchange(self._control_words(), spin)
         flags = int(~words[0])
@@ -357,7 +368,7 @@ class Coordinator:
                 self._foreign |= 1 << bit
         if len(self._planes) < len(self._device_kinds):
             self._build_planes(responses)
-        self._execute(responses)
+        self._execute(responses, timeline)
         if self._tuning is not None:
             self._autotune(int(words[-1]), responses)
         self._warn_stalls()
@@ -423,11 +434,10 @@ class Coordinator:
                         else plane.engine.new_group(entry.ranks)
                 self._planes[kind] = plane
 
-    def _execute(self, responses: list[Response]) -> None:
+    def _execute(self, responses: list[Response], timeline: Timeline | None) -> None:
         runnable = [response for response in responses if self.rank in response.members]
         batches = [[(response, self._take_work(response)) for response in batch]
                    for batch in plan_batches(runnable, self.tunables.fusion_threshold, self._engine.alone_bytes)]
-        timeline = self.timeline
         names = [[work.request.name for _, work in pairs if work is not None] if timeline else []
                  for pairs in batches]
         if timeline:  # agreed: each tensor leaves negotiation and queues behind the batches before its own
@@ -451,6 +461,8 @@ class Coordinator:
                     if work is not None and not work.handle.done():
                         self._inflight[work.request.key] = work
             raise
+        finally:
+            self._executor.trace(None, [])  # the timeline may be replaced before the next cycle
 
     def _run_batch(self, pairs: list[tuple[Response, Work | None]]) -> None:
         head, work = pairs[0]

@@ -7,6 +7,10 @@ MEMCPY_OUT_FUSION_BUFFER. Horovod's format and variables (HOROVOD_TIMELINE, HORO
 
 Events are buffered and written at most every `flush_seconds`, each time followed by the closing bracket, which
 the next write overwrites: the file is valid JSON after every flush, so a job that dies keeps a readable trace.
+
+One thread writes a timeline (the coordinator's); `TimelineSlot` lets other threads (hvd.start_timeline,
+hvd.stop_timeline) replace it without ever closing it under that thread: the writer makes the swap itself,
+between its cycles. A closed timeline refuses events, so a write that came too late raises instead of vanishing.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import threading
 import time
 from typing import Iterable
 
-__all__ = ["Timeline"]
+__all__ = ["Timeline", "TimelineSlot"]
 
 _CLOSE = b"\n]\n"
 
@@ -27,6 +31,7 @@ class Timeline:
 
     def __init__(self, path: str, mark_cycles: bool = False, flush_seconds: float = 1.0) -> None:
         self.mark_cycles = mark_cycles
+        self.path = path
         self._flush_seconds = flush_seconds
         self._file = open(path, "wb")
         self._file.write(b"[" + _CLOSE)
@@ -40,6 +45,8 @@ class Timeline:
 
     def _emit(self, event: dict) -> None:
         with self._lock:
+            if self._file.closed:
+                raise RuntimeError(f"timeline {self.path} is closed: an event reached it after stop_timeline()")
             self._pending.append(event)
 
     def _row(self, name: str) -> int:
@@ -84,8 +91,88 @@ class Timeline:
             self._pending.clear()
             self._last_flush = time.perf_counter()
 
+    @property
+    def closed(self) -> bool:
+        return self._file.closed
+
     def close(self) -> None:
         """Write what is left and close the file (idempotent)."""
         self.flush()
         with self._lock:
             self._file.close()
+
+
+class TimelineSlot:
+    """The timeline its owner thread writes (None: none), replaced by other threads only between the owner's cycles.
+
+    `replace()` queues the new timeline and returns a swap to wait for; the owner applies queued replacements in
+    `settle()`, where it holds no timeline, closing each replaced one itself; `retire()` (the owner stops for good)
+    closes the last one and makes later replacements take effect at once. So no timeline is closed while the
+    owner writes to it. Every change of the current timeline happens under the lock."""
+
+    def __init__(self, timeline: Timeline | None = None) -> None:
+        self._current = timeline
+        self._lock = threading.Lock()
+        self._queued: list[tuple[Timeline | None, _Swap]] = []
+        self._retired = False
+
+    def replace(self, timeline: Timeline | None) -> "_Swap | None":
+        """Any thread but the owner: make `timeline` the one written from the owner's next cycle on. Returns the
+        swap to wait for (its `wait()` returns once the replaced timeline is closed), or None if there is nothing
+        to wait for: the owner has retired (the swap happened here), or there is no timeline to stop."""
+        with self._lock:
+            if not self._retired:
+                if timeline is None and self._current is None and not self._queued:
+                    return None
+                swap = _Swap()
+                self._queued.append((timeline, swap))
+                return swap
+            replaced, self._current = self._current, timeline
+        if replaced is not None:
+            replaced.close()
+        return None
+
+    def settle(self) -> Timeline | None:
+        """The owner, between cycles: apply the queued replacements; the timeline to write this cycle."""
+        if self._queued:  # a replacement queued just after this look is applied at the next call
+            with self._lock:
+                self._apply()
+        return self._current
+
+    def retire(self) -> None:
+        """The owner, when it stops writing for good: apply what is queued, then close the timeline."""
+        with self._lock:
+            self._retired = True
+            self._apply()
+            last, self._current = self._current, None
+        if last is not None:
+            last.close()
+
+    def _apply(self) -> None:
+        for timeline, swap in self._queued:
+            replaced, self._current = self._current, timeline
+            swap.finish(replaced)
+        self._queued.clear()
+
+
+class _Swap:
+    """A queued replacement: done once the owner made it and closed the timeline it replaced."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def finish(self, replaced: Timeline | None) -> None:
+        try:
+            if replaced is not None:
+                replaced.close()
+        except OSError as exc:  # the file could not be finished: the caller of replace() hears of it
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        """Block until the swap is made; raise the error that finishing the replaced file met, if any."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error

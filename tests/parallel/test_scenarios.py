@@ -149,6 +149,23 @@ def test_timeline_is_a_valid_chrome_trace_with_horovods_phases(tmp_path):
         assert depth == 0
 
 
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine,np", [
+    pytest.param("mpi", 2, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+    pytest.param("mpi", 3, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+    ("gloo", 2), ("gloo", 3)])
+def test_timelines_started_and_stopped_while_collectives_run(tmp_path, engine, np):
+    """Rank 0 starts and stops 30 timelines from a thread while every rank runs async allreduces and allgathers:
+    no error, every result right, every file a valid Chrome trace, the job ends normally."""
+    code, output = run_job(engine, np, [str(SCENARIOS / "timeline_swaps.py")], {"TIMELINE_DIR": str(tmp_path)},
+                           timeout=120)
+    assert code == 0, output
+    assert re.search(r"30 timelines valid over \d+ steps, [1-9]\d* spans", output), output
+    assert output.count("timeline swaps done") == np, output
+    assert "Error" not in output and "Traceback" not in output, output
+
+
 @on_both_engines
 def test_negotiation_by_recursive_doubling(engine):
     """3 ranks (not a power of two: one rank folds in and out) swap merged tables over the real engine."""
