@@ -20,6 +20,7 @@ import numpy as np
 
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.messages import Request
+from hvdplus.common.pickled import pickled
 
 __all__ = ["exchange_announcements"]
 
@@ -75,7 +76,7 @@ def _swap(engine: Engine, group: Any, merged: _Merged, peer: int) -> _Merged:
     has the same mask, so an entry costs its request, not N bits."""
     masks: dict[int, int] = {}
     entries = [(request, masks.setdefault(mask, len(masks)), order) for request, (mask, order) in merged.items()]
-    data = np.frombuffer(pickle.dumps((list(masks), entries), pickle.HIGHEST_PROTOCOL), dtype=np.uint8)
+    data = pickled((list(masks), entries))
     lengths = np.empty(1, dtype=np.int64)
     engine.sendrecv(np.array([data.size], dtype=np.int64), lengths, peer, group)
     received = np.empty(int(lengths[0]), dtype=np.uint8)

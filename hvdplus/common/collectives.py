@@ -18,6 +18,7 @@ from hvdplus.common.executor import even_splits
 from hvdplus.common.handles import Handle
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind, ReduceOp, check_reducible, storage_dtype
+from hvdplus.common.pickled import pickled
 
 __all__ = ["resolve_op", "process_set_size", "check_root", "check_counts", "check_reducescatter_op", "submit_allreduce",
            "submit_allgather", "submit_broadcast", "submit_alltoall", "submit_reducescatter", "submit_barrier",
@@ -229,10 +230,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     Collective: every rank in the process set must call this, in the same order."""
     name = name or runtime().auto_name("broadcast_object", _set_id(process_set))
     root_rank = check_root(root_rank, process_set)
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if runtime().rank == root_rank else None
+    payload = pickled(obj) if runtime().rank == root_rank else None
     length = np.array([0 if payload is None else payload.size], dtype=np.int64)
     submit_broadcast(length, length, "int64", root_rank, f"{name}.size", process_set).wait()
-    buffer = payload.copy() if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
+    buffer = payload if payload is not None else np.empty(int(length[0]), dtype=np.uint8)
     submit_broadcast(buffer, buffer, "uint8", root_rank, f"{name}.data", process_set).wait()
     return obj if payload is not None else pickle.loads(buffer.tobytes())
 
@@ -242,7 +243,7 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
 
     Collective: every rank in the process set must call this, in the same order."""
     name = name or runtime().auto_name("allgather_object", _set_id(process_set))
-    payload = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
+    payload = pickled(obj)
     sizes = submit_allgather(np.array([payload.size], dtype=np.int64), "int64", f"{name}.sizes", process_set).wait()
     data = submit_allgather(payload, "uint8", f"{name}.data", process_set).wait()
     offsets = np.concatenate([[0], np.cumsum(sizes)])

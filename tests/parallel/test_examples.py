@@ -27,6 +27,20 @@ def _final_accuracy(output: str) -> float:
 
 
 @pytest.mark.parallel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine,np", [("mpi", 2), ("mpi", 3), ("gloo", 2), ("gloo", 3)])
+def test_the_demo_runs_every_collective_without_a_warning(engine, np):
+    """The README's demo script: every collective prints its result on every rank, and no rank prints a warning
+    (Gloo used to get torch's "NumPy array is not writable" from the pickled object collectives)."""
+    if engine == "mpi":
+        _need_mpi()
+    code, output = run_job(engine, np, ["examples/pytorch_collectives.py"])
+    assert code == 0, output[-5000:]
+    assert output.count("allgather_object: [") == np and output.count("mismatched shapes raise") == np, output
+    assert "Warning" not in output and "warnings.warn" not in output, output
+
+
+@pytest.mark.parallel
 @pytest.mark.timeout(300)
 def test_train_learns_digits_and_resumes_from_its_checkpoint(tmp_path):
     _need_mpi()
