@@ -31,6 +31,7 @@ class Failure:
     rank: int
     line: str
     seen_at: float
+    frozen: bool = False  # the rank printed nothing: its peers named it as not answering (it may still run)
 
     @property
     def consequence(self) -> bool:
@@ -65,7 +66,7 @@ class Blame:
             silent = _SILENT.search(failure.line)
             if silent:
                 rank = int(silent.group(1) or silent.group(2))
-                return Failure(rank, "no answer to the control rounds (frozen or hung)", failure.seen_at)
+                return Failure(rank, "frozen or hung: no answer to the control rounds", failure.seen_at, frozen=True)
         return failures[0] if failures else None
 
     def consequences(self, cause: Failure) -> list[int]:

@@ -68,7 +68,7 @@ def run_gloo(spec: JobSpec, prepare: Callable[[RendezvousServer], None] | None =
     try:
         if prepare:
             prepare(server)
-        supervisor = Supervisor(spec.output_dir)
+        supervisor = Supervisor(spec.output_dir, {slot.rank: slot.hostname for slot in spec.slots})
         try:
             _start_ranks(spec, supervisor, addresses, server, secret)
         except BaseException:

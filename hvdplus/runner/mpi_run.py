@@ -128,6 +128,7 @@ def run_mpi(spec: "JobSpec") -> int:
     command = mpirun_command(mpirun, flavor, spec, exported, as_root=os.geteuid() == 0)
     if spec.verbose:
         print(f"hvdplusrun: {shlex.join(command)}", file=sys.stderr, flush=True)
-    supervisor = Supervisor(spec.output_dir)
+    # Both mpiruns place ranks on the hosts in order, filling each host's slots (--map-by slot).
+    supervisor = Supervisor(spec.output_dir, {slot.rank: slot.hostname for slot in spec.slots})
     supervisor.start("mpirun", command, env=env)
     return supervisor.wait()

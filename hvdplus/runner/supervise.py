@@ -13,14 +13,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO, Callable, Mapping, Sequence
 
-from hvdplus.runner.blame import Blame
+from hvdplus.runner.blame import Blame, Failure
 
 __all__ = ["Supervisor", "Process", "RankFiles", "describe_exit"]
 
 POLL_SECONDS = 0.05
 STOP_SECONDS = 2.5  # agents escalate to SIGKILL after 1 s; this bounds a stuck ssh
+CULPRIT_EXIT_SECONDS = 2.0  # how long the report waits for the failed rank's exception line and exit status
 _console_lock = threading.Lock()
 
 
@@ -159,11 +160,22 @@ def _ranks_text(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
 
 
+def _workers_text(count: int) -> str:
+    return f"{count} other worker" + ("s" if count > 1 else "")
+
+
+def _running_text(running: list[Process]) -> str:
+    if len(running) == 1:
+        return running[0].label if running[0].rank is None else "the running worker"  # mpirun runs them all
+    return f"all {len(running)} running workers"
+
+
 class Supervisor:
     """Starts children, relays their output, and ends the job at the first failure or signal."""
 
-    def __init__(self, output_dir: str | None = None) -> None:
+    def __init__(self, output_dir: str | None = None, hosts: Mapping[int, str] | None = None) -> None:
         self.files = RankFiles(output_dir) if output_dir else None
+        self.hosts = dict(hosts or {})  # rank -> host, to name where the failed rank ran
         self.blame = Blame()
         self.processes: list[Process] = []
         self._signal: int | None = None
@@ -226,7 +238,7 @@ class Supervisor:
         while running:
             if self._signal is not None:
                 name = signal.Signals(self._signal).name
-                self._say(f"hvdplusrun: got {name}; stopping all {len(running)} running worker(s)")
+                self._say(f"hvdplusrun: got {name}; stopping {_running_text(running)}")
                 self.stop_all()
                 return 128 + self._signal
             ended = sorted((p for p in running if p.exited.is_set()), key=lambda p: p.exited_at)
@@ -235,29 +247,59 @@ class Supervisor:
             failed = [p for p in ended if p.proc.returncode != 0]
             if failed:  # the first to exit, by time; the report then names the root cause if another rank's
                 code = failed[0].proc.returncode
-                self._report(failed[0], code, len(running))
+                self._report(failed[0], running)
                 self.stop_all()
                 return code if code > 0 else 128 - code
             time.sleep(POLL_SECONDS)
         self._drain(self.processes)
         return 0
 
-    def _report(self, process: Process, code: int, others: int) -> None:
-        """Name the failure: the first process to exit with an error and, from the exceptions the ranks
-        printed, the rank that failed first when that is another one (its peers' errors are consequences)."""
-        self._drain([process])
-        last = "".join(f"\n    {line}" for line in process.tail)
-        failed = f"{process.label} failed with {describe_exit(code)}"
+    def _report(self, first: Process, running: list[Process]) -> None:
+        """Name the failure once: the rank that failed first (from the exceptions the ranks printed, which may
+        not be the first process to exit), its host, its exit status and exception; then the ranks that failed
+        as a consequence, and how many workers are being stopped, if any."""
+        self._drain([first])
+        cause = self._root_cause()
+        culprit = self._process_of(cause.rank) if cause else None
+        if culprit is not None and not cause.frozen:  # it printed its exception and is exiting: wait for its status
+            culprit.exited.wait(CULPRIT_EXIT_SECONDS)
+        tail = culprit or first
+        self._drain([tail] if tail.exited.is_set() else [])
+        stopped = [p for p in running if p is not culprit and not p.exited.is_set()]
+        parts = [self._culprit_text(first, cause, culprit)]
+        then = self.blame.consequences(cause) if cause else []
+        if then:
+            parts.append(f"then {_ranks_text(then)} failed as a consequence")
+        if culprit is not None and not culprit.exited.is_set():
+            parts.append("stopping it" + (f" and {_workers_text(len(stopped))}" if stopped else ""))
+        elif stopped:
+            parts.append(f"stopping {_workers_text(len(stopped))}")
+        last = "".join(f"\n    {line}" for line in tail.tail)
+        self._say(f"hvdplusrun: {'; '.join(parts)}.{' Last output:' + last if last else ''}")
+
+    def _root_cause(self) -> Failure | None:
+        """The blamed failure; while only consequences are known, give the rank they name a moment to print
+        its own exception (it may exit after its peers, which fail within milliseconds of it)."""
+        deadline = time.monotonic() + CULPRIT_EXIT_SECONDS
         cause = self.blame.root_cause()
-        if cause is not None and cause.rank != process.rank:
-            then = self.blame.consequences(cause)
-            after = f" (then {_ranks_text(then)} failed as a consequence)" if then else ""
-            failed = f"rank {cause.rank} failed first with {cause.line}{after}; {failed}"
-        elif cause is not None:
-            then = self.blame.consequences(cause)
-            failed += f" ({cause.line})" + (f" (then {_ranks_text(then)} failed as a consequence)" if then else "")
-        self._say(f"hvdplusrun: {failed}; stopping the other {others} worker(s)."
-                  f"{' Last output:' + last if last else ''}")
+        while cause is not None and cause.consequence and time.monotonic() < deadline:
+            time.sleep(POLL_SECONDS)
+            cause = self.blame.root_cause()
+        return cause
+
+    def _process_of(self, rank: int) -> Process | None:
+        """The supervised process that runs only `rank` (Gloo mode's agents); None under mpirun."""
+        return next((p for p in self.processes if p.rank == rank), None)
+
+    def _culprit_text(self, first: Process, cause: Failure | None, culprit: Process | None) -> str:
+        if cause is None:  # nothing printed an exception: the first process to fail is all we know
+            return f"{first.label} failed with {describe_exit(first.proc.returncode)}"
+        who = f"rank {cause.rank}" + (f" on {self.hosts[cause.rank]}" if cause.rank in self.hosts else "")
+        if culprit is None:  # mpirun ran every rank: its exit status is the job's
+            return f"{who} failed ({cause.line}); {first.label} exited with {describe_exit(first.proc.returncode)}"
+        if culprit.exited.is_set():
+            return f"{who} failed with {describe_exit(culprit.proc.returncode)} ({cause.line})"
+        return f"{who} failed ({cause.line}) and has not exited"
 
     def stop_all(self) -> None:
         """End every child: polite first, then SIGKILL whatever is left after STOP_SECONDS."""
