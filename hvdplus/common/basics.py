@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib.util
 import logging
 import socket
@@ -11,11 +12,12 @@ from typing import Any, Iterable, Sequence
 
 from hvdplus.common.buffer_ops import agreed_device_kinds
 from hvdplus.common.coordinator import Coordinator
+from hvdplus.common.elastic_rendezvous import ElasticWorker
 from hvdplus.common.engines import create_engine
 from hvdplus.common.exceptions import NotInitializedError
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
-from hvdplus.common.settings import Settings
+from hvdplus.common.settings import LaunchEnv, Settings
 from hvdplus.common.timeline import Timeline
 from hvdplus.common.topology import Topology
 
@@ -23,7 +25,7 @@ __all__ = ["ProcessSet", "global_process_set", "init", "shutdown", "is_initializ
            "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous",
            "add_process_set", "remove_process_set", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
            "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_threads_supported",
-           "start_timeline", "stop_timeline"]
+           "start_timeline", "stop_timeline", "elastic_worker"]
 
 log = logging.getLogger("hvdplus")
 _LOG_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
@@ -46,6 +48,7 @@ class ProcessSet:
             raise ValueError(f"process set ranks must be unique, got {list(ranks_or_comm)}")
         self.ranks: list[int] = ranks
         self.process_set_id: int | None = None
+        self.registered_in: Runtime | None = None  # an elastic reset makes a new runtime, without this set
 
     def _runtime_ranks(self) -> list[int]:
         return list(range(runtime().size)) if self.process_set_id == 0 else self.ranks
@@ -110,6 +113,7 @@ class Runtime:
 
 
 _runtime: Runtime | None = None
+_elastic: ElasticWorker | None = None  # elastic mode: outlives each generation's runtime
 _init_lock = threading.Lock()
 
 
@@ -125,11 +129,27 @@ def init(comm: Any = None, process_sets: Iterable[ProcessSet] | str | None = Non
         settings = Settings.from_env()
         logging.basicConfig()
         log.setLevel(_LOG_LEVELS.get(settings.log_level.lower(), logging.WARNING))
+        if settings.launch.elastic_worker:
+            settings = dataclasses.replace(settings, launch=_join_elastic_generation(settings))
         _runtime = Runtime(settings, comm)
     global_process_set.ranks = list(range(_runtime.size))
     if process_sets is not None and process_sets != "dynamic":
         for process_set in process_sets:
             _add(process_set)
+
+
+def _join_elastic_generation(settings: Settings) -> LaunchEnv:
+    """Elastic mode: this worker's place in the next generation of the job (see elastic_rendezvous)."""
+    global _elastic
+    if _elastic is None:
+        _elastic = ElasticWorker(settings.launch, settings.timeout_seconds)
+    return _elastic.join(settings.launch, settings.elastic_timeout)
+
+
+def elastic_worker() -> ElasticWorker | None:
+    """This process's membership in an elastic job (hvdplusrun with --min-np/--max-np or
+    --host-discovery-script), or None when the job is not elastic."""
+    return _elastic
 
 
 def runtime() -> Runtime:
@@ -192,13 +212,14 @@ def is_homogeneous() -> bool:
 
 def _add(process_set: ProcessSet) -> ProcessSet:
     rt = runtime()
-    if process_set.process_set_id is not None:
+    if process_set.process_set_id is not None and process_set.registered_in is rt:
         raise ValueError(f"{process_set} is already registered")
     bad = [r for r in process_set.ranks if not 0 <= r < rt.size]
     if bad or not process_set.ranks:
         raise ValueError(f"process set ranks must be non-empty and within 0..{rt.size - 1}, got {process_set.ranks}")
     request = Request(rt.auto_name("add_process_set", 0), OpKind.ADD_PROCESS_SET, ranks=tuple(process_set.ranks))
     process_set.process_set_id = rt.coordinator.submit(request).wait()
+    process_set.registered_in = rt
     return process_set
 
 

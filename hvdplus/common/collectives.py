@@ -43,6 +43,10 @@ def _set_id(process_set: ProcessSet) -> int:
         raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
     if process_set.process_set_id is None:
         raise ValueError(f"{process_set} is not registered; call hvd.add_process_set() on every rank first")
+    if process_set.process_set_id != 0 and process_set.registered_in is not runtime():
+        raise ValueError(f"{process_set} belongs to a job that has ended (an elastic reset or a shutdown started "
+                         "a new one, whose ranks may differ): register the ranks you want in this one with "
+                         "hvd.add_process_set(), for instance in a reset callback")
     return process_set.process_set_id
 
 

@@ -14,7 +14,13 @@ class CollectiveMismatchError(HorovodInternalError, ValueError):
 
 
 class HostsUpdatedInterrupt(RuntimeError):
-    """Raised by elastic training when the set of hosts changed (kept for Horovod compatibility)."""
+    """Elastic training: the job's hosts changed; raised on every rank at the same commit or check_host_updates().
+    `skip_sync`: only hosts were removed, so the survivors' states already agree (Horovod's meaning)."""
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the job's hosts changed: the workers reset to the next generation of the job"
+                         + (" (hosts removed only)" if skip_sync else ""))
+        self.skip_sync = skip_sync
 
 
 class NotInitializedError(ValueError):

@@ -251,6 +251,7 @@ class RendezvousServer:
     def __init__(self, addresses: Iterable[str], secret: str, port: int = 0) -> None:
         """Listen on each address, at `port` (0: an ephemeral port each)."""
         self.store = _Store()
+        self._secret = secret.encode()
         self._listeners = {addr: _Listener(addr, secret.encode(), self.store, port)
                            for addr in dict.fromkeys(addresses)}
         self._threads = [threading.Thread(target=listener.serve_forever, kwargs={"poll_interval": 0.1},
@@ -258,6 +259,16 @@ class RendezvousServer:
                          for addr, listener in self._listeners.items()]
         for thread in self._threads:
             thread.start()
+
+    def listen(self, address: str) -> int:
+        """Also serve the store on `address` (an elastic job's new host may reach the launcher there); its port."""
+        if address not in self._listeners:
+            listener = self._listeners[address] = _Listener(address, self._secret, self.store)
+            thread = threading.Thread(target=listener.serve_forever, kwargs={"poll_interval": 0.1},
+                                      name=f"hvdplus-rendezvous-{address}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self.port(address)
 
     def port(self, address: str) -> int:
         """The port this server listens on at `address`."""

@@ -142,6 +142,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("timeout_seconds", float, 60.0,
             "Seconds to wait for peers at rendezvous and inside one engine call before failing.",
             "HVDPLUS_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
+    Setting("elastic_timeout", float, 600.0,
+            "Elastic jobs: seconds a worker waits for the next generation of the job at a reset (and the launcher "
+            "for --min-np slots) before failing.",
+            "HVDPLUS_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"),
 )
 
 
@@ -226,6 +230,9 @@ class LaunchEnv:
     slurm_tasks_per_node: str | None = None
     srun_secret_file: str | None = None  # under plain srun: where rank 0 publishes the rendezvous secret
     agent_store: bool = False  # torchrun's agent already serves the store at MASTER_ADDR:MASTER_PORT
+    elastic_worker: str | None = None  # hvdplusrun's elastic mode: this worker's lasting id, "host/slot"
+    elastic_generation: int = 0  # elastic mode: the first generation of the job this worker belongs to
+    store_prefix: str = ""  # elastic mode: the generation's namespace in the rendezvous store
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "LaunchEnv":
@@ -253,6 +260,8 @@ class LaunchEnv:
                                     "MPI_LOCALNRANKS") is not None,
             slurm_nodelist=_launch_value(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
             slurm_tasks_per_node=_launch_value(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
+            elastic_worker=_launch_value(environ, "HVDPLUS_ELASTIC_WORKER"),
+            elastic_generation=_launch_int(environ, "HVDPLUS_ELASTIC_GENERATION") or 0,
         )
         return env._with_srun_rendezvous(environ)
 
@@ -297,6 +306,7 @@ class Settings:
     device_path_on_cpu: bool = False
     dynamic_process_sets: bool = False
     timeout_seconds: float = 60.0
+    elastic_timeout: float = 600.0
     launch: LaunchEnv = field(default_factory=LaunchEnv)
     explicit: frozenset[str] = frozenset()  # fields the user set (environment or override): autotune leaves them
 

@@ -94,6 +94,29 @@ def _add_autotune_flags(parser: argparse.ArgumentParser) -> None:
                                "Gaussian process)")
 
 
+def _add_elastic_flags(parser: argparse.ArgumentParser) -> None:
+    elastic = parser.add_argument_group("elastic (Gloo mode; any of --min-np and --host-discovery-script makes the "
+                                        "job elastic)")
+    elastic.add_argument("--min-np", "--min-num-proc", dest="min_np", type=_positive_int,
+                         help="fewest workers to train with; below it the job waits (up to --elastic-timeout) for "
+                              "hosts (default: -np)")
+    elastic.add_argument("--max-np", "--max-num-proc", dest="max_np", type=_positive_int,
+                         help="most workers to start (default: every slot discovery offers)")
+    elastic.add_argument("--host-discovery-script", help="executable printing the available hosts, one 'host' or "
+                                                         "'host:slots' per line; run about every second")
+    elastic.add_argument("--slots-per-host", "--slots", dest="slots_per_host", type=_positive_int,
+                         help="slots of a discovered host that prints no ':slots' (default: 1)")
+    elastic.add_argument("--elastic-timeout", type=_positive_int,
+                         help="seconds to wait for --min-np slots, and a worker for the next generation "
+                              "(default: HOROVOD_ELASTIC_TIMEOUT, else 600)")
+    elastic.add_argument("--reset-limit", type=_whole_number,
+                         help="end the job once it has been reset (grown or shrunk) this many times")
+    elastic.add_argument("--blacklist-cooldown-range", dest="cooldown_range", type=_whole_number, nargs=2,
+                         metavar=("MIN", "MAX"),
+                         help="a failed host comes back after a random cooldown in MIN..MAX seconds, doubling "
+                              "with each failure (default: never)")
+
+
 def make_parser() -> argparse.ArgumentParser:
     """The argument parser, with horovodrun's flag names."""
     parser = argparse.ArgumentParser(
@@ -103,6 +126,7 @@ def make_parser() -> argparse.ArgumentParser:
     _add_launch_flags(parser)
     _add_tuning_flags(parser)
     _add_autotune_flags(parser)
+    _add_elastic_flags(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="the program to run on every rank")
     return parser
 
@@ -124,6 +148,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         parser.error("give the program to run, e.g. hvdplusrun -np 2 python train.py")
     if args.hosts and args.hostfile:
         parser.error("give -H/--hosts or --hostfile, not both")
+    if args.host_discovery_script and (args.hosts or args.hostfile):
+        parser.error("give --host-discovery-script or -H/--hostfile, not both")
+    if args.cooldown_range and not 0 < args.cooldown_range[0] <= args.cooldown_range[1]:
+        parser.error(f"--blacklist-cooldown-range {args.cooldown_range[0]} {args.cooldown_range[1]}: expected "
+                     "0 < MIN <= MAX")
     try:
         args.mpi_args = shlex.split(args.mpi_args)
     except ValueError as exc:

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Callable, Mapping
 
 from hvdplus.common.settings import SETTINGS, LaunchEnv
 from hvdplus.runner.alias import ALIAS_PATH, real_horovod
+from hvdplus.runner.elastic_hosts import discover_with_script
 from hvdplus.runner.env import INHERITED_LAUNCH_VARIABLES
 from hvdplus.runner.hosts import Host, Slot, assign_slots, parse_hostfile, parse_hosts, slurm_hosts
 from hvdplus.runner.mpi_run import find_mpirun
 from hvdplus.runner.ssh import SshOptions
 
-__all__ = ["JobSpec", "job_from_args", "tuning_env", "ALIAS_PATH"]
+__all__ = ["JobSpec", "ElasticOptions", "job_from_args", "elastic_options", "tuning_env", "ALIAS_PATH"]
 
 
 @dataclass
@@ -40,6 +42,50 @@ class JobSpec:
         for slot in self.slots:
             counts[slot.hostname] = counts.get(slot.hostname, 0) + 1
         return [Host(name, n) for name, n in counts.items()]
+
+
+@dataclass(frozen=True)
+class ElasticOptions:
+    """The elastic flags: how many workers, where from, and when to give up."""
+
+    np: int  # workers to wait for before the first generation starts
+    min_np: int
+    max_np: int | None
+    discover: Callable[[], dict[str, int]]  # runs the discovery script, or returns the fixed hosts
+    timeout: float  # --elastic-timeout
+    reset_limit: int | None = None
+    cooldown_range: tuple[float, float] | None = None
+
+
+def elastic_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ElasticOptions | None:
+    """The elastic job the flags ask for (--min-np or --host-discovery-script, as horovodrun decides), or None."""
+    if args.min_np is None and args.host_discovery_script is None:
+        for flag, value in (("--max-np", args.max_np), ("--reset-limit", args.reset_limit),
+                            ("--blacklist-cooldown-range", args.cooldown_range)):
+            if value is not None:
+                raise ValueError(f"{flag} is an elastic flag: add --min-np (or --host-discovery-script)")
+        return None
+    if args.mpi:
+        raise ValueError("elastic training runs in Gloo mode, as Horovod's does: drop --mpi")
+    if args.host_discovery_script:
+        script = os.path.abspath(args.host_discovery_script)
+        if not os.access(script, os.X_OK):
+            raise ValueError(f"--host-discovery-script {args.host_discovery_script}: not an executable file")
+        discover = functools.partial(discover_with_script, script, args.slots_per_host or 1)
+    else:
+        hosts = _hosts(args, LaunchEnv.from_env(environ)) or [Host("localhost", args.np or 0)]
+        fixed = {h.name: h.slots for h in hosts}
+        discover = lambda: fixed  # noqa: E731
+    np = args.np or args.min_np
+    if np is None:
+        raise ValueError("give -np N (the workers to start with) or --min-np N")
+    min_np = args.min_np or np
+    if args.max_np is not None and args.max_np < min_np:
+        raise ValueError(f"--max-np {args.max_np} is below --min-np {min_np}")
+    timeout = args.elastic_timeout or next(s for s in SETTINGS if s.field == "elastic_timeout").read(environ)
+    return ElasticOptions(np=np, min_np=min_np, max_np=args.max_np, discover=discover, timeout=float(timeout),
+                          reset_limit=args.reset_limit,
+                          cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None)
 
 
 def tuning_env(args: argparse.Namespace) -> dict[str, str]:
@@ -110,16 +156,17 @@ def _worker_env(args: argparse.Namespace, environ: Mapping[str, str], mode: str)
 def job_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> JobSpec:
     """Decide the job: hosts (-H, --hostfile or the Slurm allocation), slots, mode and worker environment."""
     hosts = _hosts(args, LaunchEnv.from_env(environ))
+    elastic = args.min_np is not None or args.host_discovery_script is not None
     if hosts is None:
-        if args.np is None:
+        if args.np is None and not elastic:
             raise ValueError("give -np N (and -H/--hostfile for several machines)")
-        hosts = [Host("localhost", args.np)]
+        hosts = [] if args.host_discovery_script else [Host("localhost", args.np or args.min_np)]
     np = args.np if args.np is not None else sum(h.slots for h in hosts)
-    mode = _mode(args)
+    mode = "gloo" if elastic else _mode(args)
     ssh = SshOptions(args.ssh_port, args.ssh_identity_file, min(args.start_timeout or 10, 30))
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         raise ValueError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
-    return JobSpec(command=list(args.command), slots=assign_slots(hosts, np), mode=mode,
+    return JobSpec(command=list(args.command), slots=assign_slots(hosts, np) if hosts else [], mode=mode,
                    env=_worker_env(args, environ, mode), ssh=ssh,
                    nics=[n for n in (args.nics or "").split(",") if n], start_timeout=args.start_timeout,
                    output_dir=args.output_filename, verbose=args.verbose, mpi_args=list(args.mpi_args))

@@ -9,7 +9,8 @@ from typing import Callable, Sequence
 from hvdplus.runner.args import parse_args
 from hvdplus.runner.check_build import check_build
 from hvdplus.runner.gloo_run import run_gloo
-from hvdplus.runner.job import JobSpec, job_from_args
+from hvdplus.runner.elastic_run import run_elastic
+from hvdplus.runner.job import JobSpec, elastic_options, job_from_args
 from hvdplus.runner.mpi_run import run_mpi
 from hvdplus.runner.preflight import LaunchError
 from hvdplus.common.rendezvous import RendezvousServer
@@ -33,7 +34,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         spec = job_from_args(args, os.environ)
-        code, _ = run_job(spec)
+        elastic = elastic_options(args, os.environ)
+        code = run_elastic(spec, elastic) if elastic else run_job(spec)[0]
     except (ValueError, LaunchError) as exc:
         print(f"hvdplusrun: error: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ValueError) else 1

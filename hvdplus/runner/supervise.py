@@ -181,9 +181,9 @@ class Supervisor:
         self._signal: int | None = None
 
     def start(self, label: str, argv: Sequence[str], rank: int | None = None, payload: bytes | None = None,
-              env: dict[str, str] | None = None) -> Process:
+              env: dict[str, str] | None = None, tag: str | None = None) -> Process:
         """Start `argv` in its own session; with `payload`, its stdin gets it and stays open as a lifeline (the
-        agent ends its rank when it closes). Without one (mpirun), the kernel sends the child SIGTERM if this
+        agent ends its rank when it closes); `tag` prefixes its output lines instead of the rank. Without one (mpirun), the kernel sends the child SIGTERM if this
         process dies, even by SIGKILL, and mpirun then ends its ranks."""
         proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if payload else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
@@ -195,7 +195,8 @@ class Supervisor:
             proc.stdin.flush()
         for name, stream, console in (("stdout", proc.stdout, sys.stdout.buffer),
                                       ("stderr", proc.stderr, sys.stderr.buffer)):
-            prefix = f"[{rank}]<{name}>:".encode() if rank is not None else b""
+            tagged = tag if tag is not None else rank  # an elastic worker is tagged by its id: ranks change
+            prefix = f"[{tagged}]<{name}>:".encode() if tagged is not None else b""
             pump = threading.Thread(target=_pump, args=(stream, console, prefix, self._sink(rank, name), process.tail),
                                     name=f"hvdplusrun-{label}-{name}", daemon=True)
             pump.start()

@@ -29,7 +29,7 @@ from hvdplus.torch.optimizer import DistributedOptimizer
 from hvdplus.torch.sparse import sparse_allreduce_async
 from hvdplus.torch.sync_batch_norm import SyncBatchNorm
 from hvdplus.torch.zero import ZeroOptimizer
-from hvdplus.torch import _half_kernels, device_plane
+from hvdplus.torch import _half_kernels, device_plane, elastic
 
 _half_kernels.register()
 device_plane.register()

@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from hvdplus.common.basics import ProcessSet, global_process_set, runtime, size
+from hvdplus.common.basics import ProcessSet, elastic_worker, global_process_set, runtime, size
 from hvdplus.common.ops import Adasum, Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.torch.compression import Compressor
@@ -68,7 +68,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hook_handles: list[Any] = []
         self._synchronized = False
         self._should_synchronize = True
-        if process_set.included() and size() > 1:
+        if process_set.included() and (size() > 1 or elastic_worker() is not None):  # elastic: size may grow
             self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
                                   for p in self._requires_update]
 
@@ -181,12 +181,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 elif result is not p.grad:
                     p.grad.copy_(result)
         finally:
-            self._handles.clear()
-            for p in self._allreduce_delay:
-                self._allreduce_delay[p] = self.backward_passes_per_step
-            for group in self._group_counts:
-                self._group_counts[group] = 0
+            self.discard_pending()
         self._synchronized = True
+
+    def discard_pending(self) -> None:
+        """Forget the gradient allreduces in flight and the backward passes counted towards the next one: after
+        synchronize(), and after an elastic reset, whose new job never finishes the old job's handles."""
+        self._handles.clear()
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        for group in self._group_counts:
+            self._group_counts[group] = 0
 
     @contextmanager
     def skip_synchronize(self) -> Iterator[None]:

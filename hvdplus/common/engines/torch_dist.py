@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from hvdplus.common.elastic_plan import failure_key
 from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.settings import LaunchEnv
@@ -63,8 +64,10 @@ class TorchDistEngine:
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
 
     def _make_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
-        """The job's store; also kept for stall beacons (`send_beacon`)."""
-        self._beacon_store = self._new_store(launch, timeout)
+        """The job's store (an elastic generation's namespace of it); also kept for stall beacons and failure
+        notices."""
+        store = self._new_store(launch, timeout)
+        self._beacon_store = self._dist.PrefixStore(launch.store_prefix, store) if launch.store_prefix else store
         return self._beacon_store
 
     def _new_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
@@ -188,12 +191,12 @@ class TorchDistEngine:
 
     def announce_failure(self, message: str) -> None:
         if self._beacon_store is not None:  # the store outlives this rank's process group
-            self._beacon_store.set(f"hvdplus/failure/{self.rank}", message)
+            self._beacon_store.set(failure_key(self.rank), message)
 
     def failures(self) -> dict[int, str]:
         if self._beacon_store is None:
             return {}
-        keys = {peer: f"hvdplus/failure/{peer}" for peer in range(self.size) if peer != self.rank}
+        keys = {peer: failure_key(peer) for peer in range(self.size) if peer != self.rank}
         return {peer: self._beacon_store.get(key).decode(errors="replace") for peer, key in keys.items()
                 if self._beacon_store.check([key])}
 

@@ -1,0 +1,132 @@
+"""Elastic training, framework-agnostic: Horovod's State, ObjectState and run loop (horovod/common/elastic.py).
+
+`run_fn(func, reset)` runs `func(state)` until it returns. A HorovodInternalError (a peer died, a collective
+failed) restores the last commit; a HostsUpdatedInterrupt (the launcher planned a new generation) keeps the
+current state. Either way `reset()` (shutdown and init) joins the next generation, the reset callbacks run,
+and every rank syncs rank 0's state before `func` runs again. Whether to sync is decided collectively: a worker
+that just joined always needs it, so no rank skips a sync that another one runs (horovod#3494's deadlock).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import numpy as np
+
+from hvdplus.common.basics import elastic_worker, rank
+from hvdplus.common.collectives import broadcast_object, submit_allreduce
+from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from hvdplus.common.ops import ReduceOp
+
+__all__ = ["State", "ObjectState", "run_fn"]
+
+
+def _agreed_max(value: int, name: str) -> int:
+    """The largest `value` over all ranks (a collective)."""
+    found = np.array([value], dtype=np.int64)
+    submit_allreduce(found, found, "int64", name, ReduceOp.MAX).wait()
+    return int(found[0])
+
+
+class State:
+    """What a job must keep across resets: saved at each commit, restored after a failure, synced from rank 0."""
+
+    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object,
+                 get_rank: Callable[[], int] = rank) -> None:
+        self._bcast_object = bcast_object
+        self._rank = get_rank
+        self._reset_callbacks: list[Callable[[], None]] = []
+
+    def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
+        """Run `callbacks` after every reset, once the new generation has started (e.g. to rescale the learning
+        rate to the new hvd.size())."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def commit(self) -> None:
+        """Save the state in memory, then check for host changes (HostsUpdatedInterrupt on every rank)."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise HostsUpdatedInterrupt, on every rank at the same call, if the launcher has planned a newer
+        generation of the job (hosts added or removed). A collective: every rank must call it."""
+        worker = elastic_worker()
+        if worker is None or worker.plan is None:  # not an elastic job: hosts never change
+            return
+        newest = _agreed_max(worker.latest(), "hvdplus.elastic.check_host_updates")
+        if newest > worker.plan.generation:
+            newer = worker.planned(newest)
+            raise HostsUpdatedInterrupt(skip_sync=set(newer.workers) <= set(worker.plan.workers))
+
+    def wait_for_host_updates(self, timeout: float) -> bool:
+        """Block until the launcher has planned a newer generation (hosts added or removed; it is acted on at the
+        next commit or check_host_updates), or `timeout` seconds pass; whether it has. Not a collective."""
+        worker = elastic_worker()
+        return worker is not None and worker.wait_for_newer(timeout)
+
+    def save(self) -> None:
+        """Keep the current state in memory (the commit that a failure restores)."""
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        """Go back to the last saved state, undoing what came after it."""
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        """Make every rank's state rank 0's."""
+        raise NotImplementedError()
+
+    def reset(self) -> None:
+        """Adjust objects to the new generation, before the sync (a hook for subclasses)."""
+
+
+class ObjectState(State):
+    """State of plain Python objects, given as keyword arguments and kept as attributes."""
+
+    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank,
+                 **kwargs: Any) -> None:
+        self._saved_state = kwargs
+        self._set_attrs()
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    def save(self) -> None:
+        self._saved_state = {name: getattr(self, name) for name in self._saved_state}
+
+    def restore(self) -> None:
+        self._set_attrs()
+
+    def sync(self) -> None:
+        if self._saved_state:
+            self._saved_state = self._bcast_object(self._saved_state)
+            self._set_attrs()
+
+    def _set_attrs(self) -> None:
+        for name, value in self._saved_state.items():
+            setattr(self, name, value)
+
+
+def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
+    """Wrap `func(state, ...)` in the elastic loop (see the module's docstring); `reset` starts the next generation
+    (the adapter's shutdown and init)."""
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        needs_sync = True  # a worker's first run (a worker that joined late included) always syncs
+        while True:
+            try:
+                if _agreed_max(int(needs_sync), "hvdplus.elastic.sync"):
+                    state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError:
+                state.restore()
+                needs_sync = True
+            except HostsUpdatedInterrupt as interrupt:
+                needs_sync = not interrupt.skip_sync
+            reset()
+            state.on_reset()
+    return wrapper

@@ -1,0 +1,90 @@
+"""A worker's side of an elastic job: join the next generation the launcher planned, and see newer ones coming.
+
+At each `init()` the worker waits for the first generation after the one it last ran, takes the latest, finds its
+rank there and meets the generation's other workers in the store before any engine connects. A worker that died
+before arriving therefore costs no engine timeout: the launcher plans a newer generation and the others move on
+to it. A worker the latest plan leaves out (its host was removed) exits cleanly, with status 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+from hvdplus.common.elastic_plan import LATEST_KEY, Plan, arrived_key, generation_prefix, plan_key
+from hvdplus.common.rendezvous import RendezvousClient, RendezvousTimeout
+from hvdplus.common.settings import LaunchEnv
+
+__all__ = ["ElasticWorker"]
+
+_POLL_SECONDS = 0.005
+
+
+class ElasticWorker:
+    """This process's membership in an elastic job, across the generations it runs (one per init)."""
+
+    def __init__(self, launch: LaunchEnv, connect_timeout: float) -> None:
+        if not (launch.rendezvous_addr and launch.rendezvous_port and launch.secret_key and launch.elastic_worker):
+            raise RuntimeError("an elastic worker needs hvdplusrun's rendezvous (address, port, secret) and its "
+                               "worker id: start elastic jobs with hvdplusrun --min-np/--max-np/-H/--host-discovery-script")
+        self.worker = launch.elastic_worker
+        self._client = RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port, launch.secret_key,
+                                        connect_timeout)
+        self._next = launch.elastic_generation
+        self.plan: Plan | None = None  # the generation this worker runs now
+
+    def join(self, launch: LaunchEnv, timeout: float) -> LaunchEnv:
+        """Wait (up to `timeout` s) for the next generation, meet its workers; `launch` with this worker's rank,
+        size and the generation's store namespace. SystemExit(0) if the latest plan leaves this worker out."""
+        deadline = time.monotonic() + timeout
+        try:
+            self._client.wait([plan_key(self._next)], timeout=timeout)
+        except RendezvousTimeout:
+            raise RuntimeError(f"elastic worker {self.worker}: the launcher planned no generation {self._next} of the "
+                               f"job within {timeout:g} s (HOROVOD_ELASTIC_TIMEOUT)") from None
+        while True:
+            plan = Plan.decode(self._client.get(plan_key(self.latest())))
+            rank = plan.rank_of(self.worker)
+            if rank is None:
+                print(f"hvdplus: elastic worker {self.worker} is not part of generation {plan.generation} of the job "
+                      "(its host was removed): exiting", file=sys.stderr, flush=True)
+                raise SystemExit(0)
+            if self._meet(plan, rank, deadline):
+                break
+        self.plan, self._next = plan, plan.generation + 1
+        host = self.worker.rsplit("/", 1)[0]
+        local_rank = sum(1 for w in plan.workers[:rank] if w.rsplit("/", 1)[0] == host)
+        return dataclasses.replace(launch, rank=rank, size=plan.size, local_rank=local_rank,
+                                   store_prefix=generation_prefix(plan.generation))
+
+    def _meet(self, plan: Plan, rank: int, deadline: float) -> bool:
+        """Announce this worker in `plan` and wait for all of its workers; False if a newer plan replaced it."""
+        self._client.set(arrived_key(plan.generation, rank), b"1")
+        everyone = [arrived_key(plan.generation, r) for r in range(plan.size)]
+        while not self._client.check(everyone):
+            if self.latest() != plan.generation:
+                return False
+            if time.monotonic() > deadline:
+                missing = [plan.workers[r] for r in range(plan.size) if not self._client.check([everyone[r]])]
+                raise RuntimeError(f"elastic worker {self.worker}: workers {missing} never joined generation "
+                                   f"{plan.generation} of the job (HOROVOD_ELASTIC_TIMEOUT)")
+            time.sleep(_POLL_SECONDS)
+        return True
+
+    def latest(self) -> int:
+        """The newest generation the launcher has planned."""
+        return int(self._client.get(LATEST_KEY))
+
+    def planned(self, generation: int) -> Plan:
+        return Plan.decode(self._client.get(plan_key(generation)))
+
+    def wait_for_newer(self, timeout: float | None) -> bool:
+        """Block until the launcher plans a generation after the running one (or `timeout` s pass); whether it has."""
+        if self.plan is None:
+            return False
+        try:
+            self._client.wait([plan_key(self.plan.generation + 1)], timeout=timeout)
+            return True
+        except RendezvousTimeout:
+            return False

@@ -1,0 +1,290 @@
+"""Elastic mode: hvdplusrun keeps a job running while workers fail and hosts come and go (Horovod Elastic's driver).
+
+The job runs in generations. Each is a plan (hvdplus/common/elastic_plan.py): the workers, by their lasting ids
+("host/slot"), in rank order, published in the authenticated rendezvous store. The driver:
+- polls discovery (the script, or the fixed -H/--hostfile hosts) about every second in a thread of its own;
+- plans a new generation when a worker fails (its host is blacklisted, its host's other workers are stopped, and
+  its failure is written where the old generation's peers look, so they raise within a second instead of waiting
+  for a transport timeout), or when the usable hosts would change the plan (workers see it at their next commit);
+- starts the workers a plan adds at once, so they import and connect while the others finish their step;
+- gives the lowest ranks to the longest-lived hosts, and rank 0 always to a worker that holds the state;
+- ends the job with a message naming the cause when every worker failed, every host is blacklisted, fewer than
+  --min-np slots stay available for --elastic-timeout seconds, or the resets pass --reset-limit.
+The job succeeds once a worker of the current generation exits 0 and the rest of that generation ends the same
+way; a worker that a plan left out exits by itself (status 0) and counts for nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Callable
+
+from hvdplus.common.elastic_plan import LATEST_KEY, Plan, arrived_key, failure_notice_key, plan_key, worker_id
+from hvdplus.common.rendezvous import RendezvousServer, new_secret
+from hvdplus.runner.agent import source_address
+from hvdplus.runner.elastic_hosts import HostManager
+from hvdplus.runner.env import exportable
+from hvdplus.runner.gloo_run import AGENT
+from hvdplus.runner.hosts import Host, assign_slots, is_local
+from hvdplus.runner.job import ElasticOptions, JobSpec
+from hvdplus.runner.preflight import preflight
+from hvdplus.runner.supervise import POLL_SECONDS, Process, Supervisor, describe_exit
+
+__all__ = ["ElasticOptions", "run_elastic"]
+
+DISCOVERY_SECONDS = 1.0
+
+
+class ElasticJobError(RuntimeError):
+    """The elastic job cannot go on; the message names why."""
+
+
+class _Discovery(threading.Thread):
+    """Runs discovery about every second and hands each result to the host manager."""
+
+    def __init__(self, discover: Callable[[], dict[str, int]], hosts: HostManager) -> None:
+        super().__init__(name="hvdplusrun-discovery", daemon=True)
+        self._discover, self._hosts = discover, hosts
+        self.stopped = threading.Event()
+        self.error: Exception | None = None
+        self.rounds = 0
+
+    def run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self._hosts.update(self._discover())
+                self.error = None
+            except Exception as exc:  # a transient failure is retried; the first one ends the job (see _wait_first)
+                self.error = exc
+            self.rounds += 1
+            self.stopped.wait(DISCOVERY_SECONDS)
+
+
+class ElasticDriver:
+    """Plans the generations of one elastic job and runs its workers (see the module docstring)."""
+
+    def __init__(self, spec: JobSpec, options: ElasticOptions) -> None:
+        self.spec, self.options = spec, options
+        self.hosts = HostManager(options.cooldown_range)
+        self.discovery = _Discovery(options.discover, self.hosts)
+        self.secret = new_secret()
+        self.server = RendezvousServer(["127.0.0.1"], self.secret)
+        self.supervisor = Supervisor(spec.output_dir)
+        self.workers: dict[str, Process] = {}  # the latest process of each worker id, running or ended
+        self._handled: set[int] = set()  # ids of the ended processes already acted on
+        self._holders: set[str] = set()  # workers of the last generation that met: they hold the training state
+        self.plan: Plan | None = None
+        self.resets = 0
+        self._plan_version = -1  # the host manager's version the current plan was made from
+        self._short_since: float | None = None  # when the usable slots fell below --min-np
+        self._failed: list[str] = []  # what failed since the last plan, for the log
+        self._finishing = False
+
+    def run(self) -> int:
+        self.discovery.start()
+        try:
+            self._wait_first()
+            return self._watch()
+        except ElasticJobError as exc:
+            self._say(f"hvdplusrun: elastic job failed: {exc}")
+            self.supervisor.stop_all()
+            return 1
+        finally:
+            self.discovery.stopped.set()
+            self.server.close()
+
+    def _wait_first(self) -> None:
+        """Wait until discovery offers --np slots (or --min-np after --elastic-timeout), then start generation 0."""
+        deadline = time.monotonic() + self.options.timeout
+        while True:
+            if self.discovery.error is not None and self.discovery.rounds <= 1:
+                raise ElasticJobError(f"host discovery failed: {self.discovery.error}")
+            slots = sum(n for _, n in self.hosts.usable())
+            if self.discovery.rounds and (slots >= self.options.np or
+                                          (time.monotonic() > deadline and slots >= self.options.min_np)):
+                self._replan("start")
+                self._holders = set(self.plan.workers)  # the first generation's state is every worker's own
+                return
+            if time.monotonic() > deadline:
+                raise ElasticJobError(f"only {slots} slot(s) became available within --elastic-timeout "
+                                      f"{self.options.timeout:g} s; the job needs at least {self.options.min_np}")
+            time.sleep(POLL_SECONDS)
+
+    def _watch(self) -> int:
+        while True:
+            code = self._check_exits()
+            if code is not None:
+                return code
+            if not self._finishing and self.hosts.version != self._plan_version:
+                self._replan("hosts changed")
+            self._after_meeting()
+            time.sleep(POLL_SECONDS)
+
+    def _check_exits(self) -> int | None:
+        """Act on workers that ended; the job's exit status once it is over."""
+        assert self.plan is not None
+        members = set(self.plan.workers)
+        for wid, process in list(self.workers.items()):
+            if not process.exited.is_set() or id(process) in self._handled:
+                continue
+            self._handled.add(id(process))
+            code = process.proc.returncode
+            if wid not in members:
+                continue  # left out of the plan (it exits by itself) or stopped by the driver
+            if code == 0:
+                self._finishing = True
+                continue
+            if self._finishing:  # the job was ending well, then a worker of its last generation failed
+                self._say(f"hvdplusrun: worker {wid} failed with {describe_exit(code)} after the job finished")
+                self.supervisor.stop_all()
+                return code if code > 0 else 1
+            self._on_failure(wid, code)
+            members = set(self.plan.workers)
+        if self._finishing and all(self.workers[w].exited.is_set() for w in self.plan.workers):
+            codes = [self.workers[w].proc.returncode for w in self.plan.workers]
+            return next((c for c in codes if c != 0), 0)
+        return None
+
+    def _on_failure(self, wid: str, code: int) -> None:
+        """A worker of the running generation failed: blacklist its host, stop its host's other workers, tell the
+        old generation's peers, and plan the next one."""
+        assert self.plan is not None
+        host = wid.rsplit("/", 1)[0]
+        rank = self.plan.rank_of(wid)
+        self._say(f"hvdplusrun: worker {wid} (rank {rank} of generation {self.plan.generation}) failed with "
+                  f"{describe_exit(code)}; blacklisting host {host}")
+        self.server.put(failure_notice_key(self.plan.generation, rank),
+                        f"rank {rank} (worker {wid}) exited with {describe_exit(code)}".encode())
+        self.hosts.blacklist(host)
+        for other, process in self.workers.items():
+            if other.rsplit("/", 1)[0] == host and not process.exited.is_set():
+                process.stop()
+        self._failed.append(wid)
+        self._replan(f"worker {wid} failed")
+
+    def _holding(self) -> set[str]:
+        """The workers that hold the training state and still run on usable hosts."""
+        return {w for w in self._holders if not self.workers[w].exited.is_set()
+                and not self.hosts.is_blacklisted(w.rsplit("/", 1)[0])}
+
+    def _candidates(self, holding: set[str]) -> list[str]:
+        """The next plan's workers: every usable slot, hosts whose workers hold the state first (rank 0 is the
+        sync's root), each group by age; at most --max-np."""
+        usable = self.hosts.usable()
+        usable.sort(key=lambda hs: not any(w.rsplit("/", 1)[0] == hs[0] for w in holding))  # stable
+        workers = [worker_id(host, slot) for host, slots in usable for slot in range(slots)]
+        return workers[:self.options.max_np] if self.options.max_np else workers
+
+    def _replan(self, reason: str) -> None:
+        """Publish the next generation if the usable hosts give enough slots (else wait, up to --elastic-timeout)."""
+        version = self.hosts.version
+        holding = self._holding()
+        if self.plan is not None and not holding:
+            raise ElasticJobError(self._nobody_left())
+        workers = self._candidates(holding)
+        if self.plan is not None and tuple(workers) == self.plan.workers and not self._failed:
+            self._plan_version = version  # the change does not change the plan
+            return
+        if len(workers) < self.options.min_np:
+            self._short_of_slots(len(workers))
+            return
+        self._short_since = None
+        if self.plan is not None:
+            if self.options.reset_limit is not None and self.resets >= self.options.reset_limit:
+                raise ElasticJobError(f"the job was reset {self.resets} time(s), the --reset-limit; the last "
+                                      f"reset was asked for because {reason}")
+            self.resets += 1
+        generation = 0 if self.plan is None else self.plan.generation + 1
+        self.plan = Plan(generation, tuple(workers))
+        self._plan_version = version
+        self.server.put(plan_key(generation), self.plan.encode())
+        self.server.put(LATEST_KEY, str(generation).encode())
+        if self.spec.verbose or generation:
+            self._say(f"hvdplusrun: generation {generation} ({reason}): {self.plan.size} worker(s): "
+                      f"{', '.join(workers)}")
+        self._failed.clear()
+        for wid in workers:
+            if wid not in self.workers or self.workers[wid].exited.is_set():
+                self._start(wid)
+
+    def _nobody_left(self) -> str:
+        discovered = self.hosts.discovered()
+        if discovered and all(self.hosts.is_blacklisted(h) for h in discovered):
+            return f"every host is blacklisted ({', '.join(discovered)}): workers failed on each of them"
+        return (f"every worker that held the training state has failed or left ({', '.join(sorted(self._holders))}): "
+                "there is no state to carry on from")
+
+    def _short_of_slots(self, slots: int) -> None:
+        now = time.monotonic()
+        if self._short_since is None:
+            self._short_since = now
+            self._say(f"hvdplusrun: {slots} slot(s) usable, fewer than --min-np {self.options.min_np}: waiting up "
+                      f"to {self.options.timeout:g} s (--elastic-timeout) for more hosts")
+        elif now - self._short_since > self.options.timeout:
+            raise ElasticJobError(f"fewer than --min-np {self.options.min_np} slots ({slots}) stayed available for "
+                                  f"--elastic-timeout {self.options.timeout:g} s")
+        self._plan_version = -1  # look again at the next round
+
+    def _after_meeting(self) -> None:
+        """Once every worker of the plan has met, they hold the state; stop those it left out that still run."""
+        if self.plan is None or set(self.plan.workers) <= self._holders:
+            return
+        if not all(self.server.get(arrived_key(self.plan.generation, r)) is not None for r in range(self.plan.size)):
+            return
+        self._holders = set(self.plan.workers)
+        for wid, process in self.workers.items():
+            if wid not in self.plan.workers and not process.exited.is_set():
+                process.stop()
+
+    def _start(self, wid: str) -> None:
+        assert self.plan is not None
+        host, slot = wid.rsplit("/", 1)
+        address = "127.0.0.1" if is_local(host) else source_address(host)
+        port = self.server.listen(address)
+        env = self._worker_env(wid, address, port)
+        local = is_local(host)
+        if not local:
+            env = {k: v for k, v in env.items() if exportable(k)}
+        payload = json.dumps({"argv": self.spec.command, "env": env, "cwd": os.getcwd(), "route_to": address})
+        argv = [sys.executable, AGENT] if local else self.spec.ssh.command(host, [sys.executable, AGENT])
+        self.workers[wid] = self.supervisor.start(f"worker {wid}", argv, payload=(payload + "\n").encode(), tag=wid)
+
+    def _worker_env(self, wid: str, address: str, port: int) -> dict[str, str]:
+        """Horovod's variables for the worker's place in the current plan, and how to reach the driver."""
+        assert self.plan is not None
+        slots = assign_slots([Host(h, n) for h, n in _host_counts(self.plan.workers)], self.plan.size)
+        slot = slots[self.plan.rank_of(wid)]
+        env = dict(self.spec.env)
+        env.update({"HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
+                    "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+                    "HOROVOD_CROSS_RANK": str(slot.cross_rank), "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+                    "HOROVOD_HOSTNAME": slot.hostname, "HOROVOD_ELASTIC": "1", "HVDPLUS_ELASTIC_WORKER": wid,
+                    "HVDPLUS_ELASTIC_GENERATION": str(self.plan.generation),
+                    "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout), "HVDPLUS_CPU_OPERATIONS": "gloo",
+                    "HVDPLUS_RENDEZVOUS_ADDR": address, "HVDPLUS_RENDEZVOUS_PORT": str(port),
+                    "HVDPLUS_SECRET_KEY": self.secret})
+        if self.spec.nics:
+            env.setdefault("GLOO_SOCKET_IFNAME", self.spec.nics[0])
+        return env
+
+    @staticmethod
+    def _say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _host_counts(workers: tuple[str, ...]) -> list[tuple[str, int]]:
+    counts: dict[str, int] = {}
+    for wid in workers:
+        host = wid.rsplit("/", 1)[0]
+        counts[host] = counts.get(host, 0) + 1
+    return list(counts.items())
+
+
+def run_elastic(spec: JobSpec, options: ElasticOptions) -> int:
+    """Run an elastic job in Gloo mode until it ends; its exit status."""
+    preflight(spec)
+    return ElasticDriver(spec, options).run()
