@@ -62,3 +62,16 @@ def test_unknown_host_is_named(ssh_hosts):
     assert done.returncode == 1
     assert "cannot reach hostC over ssh" in done.output, done.output
     assert done.seconds < 20
+
+
+def test_elastic_job_loses_a_remote_worker_and_goes_on(ssh_hosts):
+    """Elastic mode over real ssh: a worker on hostB is SIGKILLed after step 4; hostB is blacklisted and the two
+    workers on hostA go on from the commit to the end (the tiny model's result does not depend on the size)."""
+    script = ROOT / "tests" / "integration" / "scripts" / "elastic_train.py"
+    done = run(_on_launcher(ssh_hosts, "-np", "4", "--min-np", "2", "-H", "hostA:2,hostB:2", "-x", "STEPS=8",
+                            "-x", "FAIL=hostB/1:4:kill", PY, str(script)), timeout=120)
+    assert done.returncode == 0, done.output
+    assert "worker hostB/1 (rank 3 of generation 0) failed with exit code 137 (killed by SIGKILL)" in done.output
+    assert "generation 1 (worker hostB/1 failed): 2 worker(s): hostA/0, hostA/1" in done.output
+    finals = [line for line in done.output.splitlines() if '"final"' in line]
+    assert len(finals) == 2 and all('"size": 2' in line for line in finals), done.output
