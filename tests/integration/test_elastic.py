@@ -198,9 +198,14 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
     hosts.write_text(f"localhost:{slots}\n")
     stop = tmp_path / "stop"
     job = _LiveJob([HVDPLUSRUN, "-np", str(slots), "--min-np", "1", "--host-discovery-script", str(script), PY,
-                    TRAIN], job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop)))
+                    TRAIN], job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), WAIT_AT_STEP="3"))
     try:
         job.wait_for_size(slots)
+        deadline = time.monotonic() + 60
+        while job.output.count('"waiting": true') < slots:  # the public way to wait for a host change
+            assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-4000:]
+            time.sleep(0.05)
+        assert '"waited"' not in job.output
         hosts.write_text(f"localhost:{slots}\n127.0.0.1:{slots}\n")
         job.wait_for_size(2 * slots)
         hosts.write_text(f"localhost:{slots}\n")
@@ -224,10 +229,39 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
     grown = {(f"localhost/{s}", s, 2 * slots) for s in range(slots)} | \
             {(f"127.0.0.1/{s}", slots + s, 2 * slots) for s in range(slots)}
     assert generations[0] == local and generations[1] == grown and generations[2] == local, generations
+    assert output.count('"waited": true') == slots, output[-4000:]
     removed = [f"127.0.0.1/{s}" for s in range(slots)]
     assert all(f"elastic worker {w} is not part of generation 2 of the job" in output for w in removed), output
     finals = _finals(output)
     assert len(finals) == slots and len({tuple(f["final"]) for f in finals}) == 1, output[-4000:]
+
+
+def test_every_original_host_replaced_the_job_goes_on(tmp_path):
+    """localhost, then localhost and 127.0.0.1, then 127.0.0.1 only (horovod#3197): the state moves with the
+    workers that hold it, rank 0 moves to 127.0.0.1, and the result is a one-process run's."""
+    hosts, script = _discovery_script(tmp_path)
+    hosts.write_text("localhost:1\n")
+    stop = tmp_path / "stop"
+    job = _LiveJob([HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
+                   job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop)))
+    try:
+        job.wait_for_size(1)
+        hosts.write_text("localhost:1\n127.0.0.1:1\n")
+        job.wait_for_size(2)
+        hosts.write_text("127.0.0.1:1\n")
+        deadline = time.monotonic() + 60
+        while not any(s["worker"] == "127.0.0.1/0" and s["size"] == 1 for s in _steps(job.output)):
+            assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-4000:]
+            time.sleep(0.05)
+        stop.write_text("")
+        code = job.finish()
+    finally:
+        if job.proc.poll() is None:
+            job.proc.kill()
+    assert code == 0, job.output[-4000:]
+    [final] = _finals(job.output)
+    assert final["worker"] == "127.0.0.1/0" and final["rank"] == 0, final
+    assert final["final"] == pytest.approx(_reference(final["steps"]), abs=1e-6), final
 
 
 def test_the_sampler_resumes_without_repeating_or_skipping_samples():

@@ -5,7 +5,8 @@ Environment: STEPS (default 30), SLEEP between steps (s), FAIL="<worker id>:<ste
 worker fails right after the commit of that step, in its first life only: a restarted worker id does not fail
 again), STOP_FILE (train until this file exists, agreed by an allreduce, instead of STEPS), SAMPLER=1 (an
 ElasticSampler over 103 samples in batches of 4, printing each committed batch's indices), PROCESS_SET=1 (use a
-process set registered before the first reset after it).
+process set registered before the first reset after it), WAIT_AT_STEP (after that step's commit, every rank waits for
+a host change with state.wait_for_host_updates).
 Prints one JSON line per committed step: {"step", "rank", "size", "worker", "generation", "t"}, and {"final": ...}.
 """
 
@@ -23,6 +24,7 @@ from hvdplus.common.basics import elastic_worker
 STEPS = int(os.environ.get("STEPS", "30"))
 SLEEP = float(os.environ.get("SLEEP", "0"))
 STOP_FILE = os.environ.get("STOP_FILE")
+WAIT_AT_STEP = int(os.environ.get("WAIT_AT_STEP", "0"))
 WORKER = os.environ["HVDPLUS_ELASTIC_WORKER"]
 FIRST_LIFE = os.environ["HVDPLUS_ELASTIC_GENERATION"] == "0" or os.environ.get("FAIL_LATE") == "1"
 FAILURES = {int(step): how for wid, step, how in (f.split(":") for f in os.environ.get("FAIL", "").split(",") if f)
@@ -100,10 +102,13 @@ def train(state):
         state.commit()
         say(step=state.step, rank=hvd.rank(), size=hvd.size(), worker=WORKER,
             generation=elastic_worker().plan.generation, t=time.time())
+        if state.step == WAIT_AT_STEP:
+            say(waiting=True, rank=hvd.rank())
+            say(waited=state.wait_for_host_updates(60), rank=hvd.rank())
         fail_if_asked(state.step)
         time.sleep(SLEEP)
 
 
 train(state)
 say(final=[round(v, 7) for v in model.weight.flatten().tolist() + model.bias.tolist()], rank=hvd.rank(),
-    size=hvd.size(), worker=WORKER)
+    size=hvd.size(), worker=WORKER, steps=state.step)
