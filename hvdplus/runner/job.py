@@ -67,6 +67,9 @@ def elastic_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Ela
         return None
     if args.mpi:
         raise ValueError("elastic training runs in Gloo mode, as Horovod's does: drop --mpi")
+    if args.output_filename:
+        raise ValueError("--output-filename does not work in elastic mode yet (a worker's rank changes with each "
+                         "generation): redirect hvdplusrun's output, whose lines carry each worker's host/slot")
     if args.host_discovery_script:
         script = os.path.abspath(args.host_discovery_script)
         if not os.access(script, os.X_OK):
