@@ -292,6 +292,13 @@ def test_a_process_set_from_before_a_reset_raises_a_clear_error():
     assert "register the ranks you want in this one with hvd.add_process_set()" in errors[0]["process_set_error"]
 
 
+def test_a_zero_optimizer_in_a_torch_state_is_refused_with_what_to_do():
+    done = _elastic("-np", "1", "--min-np", "1", env={"ZERO": "1"})
+    assert done.returncode == 0, done.output[-4000:]
+    [error] = [line["zero_error"] for line in _lines(done.output) if "zero_error" in line]
+    assert "TorchState cannot keep a ZeroOptimizer yet" in error and "Use hvd.DistributedOptimizer" in error
+
+
 @pytest.mark.parametrize("flags,words", [
     (["--mpi", "--min-np", "2"], "elastic training runs in Gloo mode, as Horovod's does: drop --mpi"),
     (["--max-np", "4"], "--max-np is an elastic flag: add --min-np (or --host-discovery-script)"),

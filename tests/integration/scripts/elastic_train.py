@@ -5,7 +5,8 @@ Environment: STEPS (default 30), SLEEP between steps (s), FAIL="<worker id>:<ste
 worker fails right after the commit of that step, in its first life only: a restarted worker id does not fail
 again), STOP_FILE (train until this file exists, agreed by an allreduce, instead of STEPS), SAMPLER=1 (an
 ElasticSampler over 103 samples in batches of 4, printing each committed batch's indices), PROCESS_SET=1 (use a
-process set registered before the first reset after it), WAIT_AT_STEP (after that step's commit, every rank waits for
+process set registered before the first reset after it), ZERO=1 (print the error TorchState gives a ZeroOptimizer
+and exit), WAIT_AT_STEP (after that step's commit, every rank waits for
 a host change with state.wait_for_host_updates).
 Prints one JSON line per committed step: {"step", "rank", "size", "worker", "generation", "t"}, and {"final": ...}.
 """
@@ -35,6 +36,13 @@ torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
                                      named_parameters=model.named_parameters())
+if os.environ.get("ZERO"):
+    try:
+        hvd.elastic.TorchState(model, hvd.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                                        named_parameters=model.named_parameters()))
+    except TypeError as exc:
+        print(json.dumps({"zero_error": str(exc)}), flush=True)
+    sys.exit(0)
 sampler = hvd.elastic.ElasticSampler(list(range(103)), shuffle=True, seed=7) if os.environ.get("SAMPLER") else None
 extra = {"sampler": sampler} if sampler is not None else {}
 state = hvd.elastic.TorchState(model, optimizer, step=0, epoch=0, **extra)
