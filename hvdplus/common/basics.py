@@ -17,7 +17,7 @@ from hvdplus.common.engines import create_engine
 from hvdplus.common.exceptions import NotInitializedError
 from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
-from hvdplus.common.settings import LaunchEnv, Settings
+from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline
 from hvdplus.common.topology import Topology
 
@@ -129,21 +129,28 @@ def init(comm: Any = None, process_sets: Iterable[ProcessSet] | str | None = Non
         settings = Settings.from_env()
         logging.basicConfig()
         log.setLevel(_LOG_LEVELS.get(settings.log_level.lower(), logging.WARNING))
-        if settings.launch.elastic_worker:
-            settings = dataclasses.replace(settings, launch=_join_elastic_generation(settings))
-        _runtime = Runtime(settings, comm)
+        _runtime = _elastic_runtime(settings, comm) if settings.launch.elastic_worker else Runtime(settings, comm)
     global_process_set.ranks = list(range(_runtime.size))
     if process_sets is not None and process_sets != "dynamic":
         for process_set in process_sets:
             _add(process_set)
 
 
-def _join_elastic_generation(settings: Settings) -> LaunchEnv:
-    """Elastic mode: this worker's place in the next generation of the job (see elastic_rendezvous)."""
+def _elastic_runtime(settings: Settings, comm: Any) -> Runtime:
+    """Elastic mode: the runtime of this worker's next generation of the job (see elastic_rendezvous); if the
+    launcher replaces that generation while its workers connect (one died), the one after it."""
     global _elastic
     if _elastic is None:
         _elastic = ElasticWorker(settings.launch, settings.timeout_seconds)
-    return _elastic.join(settings.launch, settings.elastic_timeout)
+    while True:
+        launch = _elastic.join(settings.launch, settings.elastic_timeout)
+        try:
+            return Runtime(dataclasses.replace(settings, launch=launch), comm)
+        except Exception:
+            if _elastic.latest() == launch.elastic_generation:
+                raise
+            log.warning("generation %d of the elastic job was replaced while connecting: joining the next",
+                        launch.elastic_generation)
 
 
 def elastic_worker() -> ElasticWorker | None:

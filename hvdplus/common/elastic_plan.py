@@ -13,10 +13,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-__all__ = ["Plan", "worker_id", "LATEST_KEY", "ADDED_KEY", "REMOVED_KEY", "plan_key", "arrived_key",
+__all__ = ["Plan", "GenerationReplaced", "worker_id", "LATEST_KEY", "ADDED_KEY", "REMOVED_KEY", "plan_key", "arrived_key",
            "generation_prefix", "failure_notice_key", "failure_key"]
 
 LATEST_KEY = "elastic/latest"
+
+
+class GenerationReplaced(RuntimeError):
+    """The launcher planned a newer generation while this one's workers were still connecting."""
 ADDED_KEY = "elastic/added"
 REMOVED_KEY = "elastic/removed"
 

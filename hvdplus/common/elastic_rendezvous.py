@@ -56,7 +56,7 @@ class ElasticWorker:
         host = self.worker.rsplit("/", 1)[0]
         local_rank = sum(1 for w in plan.workers[:rank] if w.rsplit("/", 1)[0] == host)
         return dataclasses.replace(launch, rank=rank, size=plan.size, local_rank=local_rank,
-                                   store_prefix=generation_prefix(plan.generation))
+                                   store_prefix=generation_prefix(plan.generation), elastic_generation=plan.generation)
 
     def _meet(self, plan: Plan, rank: int, deadline: float) -> bool:
         """Announce this worker in `plan` and wait for all of its workers; False if a newer plan replaced it."""

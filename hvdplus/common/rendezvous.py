@@ -330,9 +330,10 @@ class RendezvousClient:
     def set(self, key: str, value: bytes) -> None:
         self._call("set", key.encode(), value)
 
-    def get(self, key: str) -> bytes:
-        """The value of `key`, waiting for it to be set."""
-        return self._call("get", key.encode(), self._seconds())[0]
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        """The value of `key`, waiting for it to be set (up to `timeout` s, default the client's)."""
+        seconds = self._seconds() if timeout is None else repr(timeout).encode()
+        return self._call("get", key.encode(), seconds)[0]
 
     def add(self, key: str, amount: int) -> int:
         return int(self._call("add", key.encode(), str(amount).encode())[0])

@@ -9,11 +9,12 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from hvdplus.common.elastic_plan import failure_key
+from hvdplus.common.elastic_plan import LATEST_KEY, GenerationReplaced, failure_key
 from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.settings import LaunchEnv
@@ -21,6 +22,8 @@ from hvdplus.common.settings import LaunchEnv
 __all__ = ["TorchDistEngine", "gather_bytes"]
 
 log = logging.getLogger("hvdplus")
+
+_SUPERSEDED_POLL_SECONDS = 0.5  # an elastic worker's store reads look this often for a newer generation
 
 # Gloo cannot reduce these; they are widened for the reduction and narrowed back.
 _WIDENED = {"int16": np.int32, "uint16": np.int32}
@@ -58,7 +61,12 @@ class TorchDistEngine:
         elif dist.get_world_size() != self.size:
             raise RuntimeError(f"torch.distributed is already initialized with world size {dist.get_world_size()}, "
                                f"but the launcher says {self.size}")
-        self.world = dist.new_group(list(range(self.size)), backend="gloo", timeout=timeout)
+        try:
+            self.world = dist.new_group(list(range(self.size)), backend="gloo", timeout=timeout)
+        except BaseException:
+            if self._owns_group:  # leave torch.distributed as it was: an elastic worker tries the next generation
+                dist.destroy_process_group()
+            raise
         self._timeout = timeout
         self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
                      ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
@@ -237,8 +245,10 @@ def gather_bytes(dist: Any, send: Any, recv: Any, byte_counts: Sequence[int], gr
 
 
 def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -> Any:
-    """A torch.distributed Store backed by hvdplusrun's rendezvous server (HMAC-authenticated)."""
-    from hvdplus.common.rendezvous import RendezvousClient  # hvdplusrun's authenticated store protocol
+    """A torch.distributed Store backed by hvdplusrun's rendezvous server (HMAC-authenticated). In an elastic job
+    its blocking reads give up as soon as the launcher replaces this generation (a peer died before connecting):
+    the worker then joins the next one instead of waiting out the timeout."""
+    from hvdplus.common.rendezvous import RendezvousClient, RendezvousTimeout
 
     class AuthenticatedStore(dist.Store):
         def __init__(self, client: RendezvousClient) -> None:
@@ -250,7 +260,18 @@ def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -
             self._client.set(key, value.encode() if isinstance(value, str) else bytes(value))
 
         def get(self, key: str) -> bytes:
-            return self._client.get(key)
+            if not launch.elastic_worker:
+                return self._client.get(key)
+            deadline = time.monotonic() + self._client.timeout
+            while True:  # in slices, looking for a newer generation in between
+                try:
+                    return self._client.get(key, min(_SUPERSEDED_POLL_SECONDS, self._client.timeout))
+                except RendezvousTimeout:
+                    if int(self._client.get(LATEST_KEY)) > launch.elastic_generation:
+                        raise GenerationReplaced(f"generation {launch.elastic_generation} of the elastic job was "
+                                                 f"replaced while its workers connected (waiting for {key})")
+                    if time.monotonic() > deadline:
+                        raise
 
         def add(self, key: str, amount: int) -> int:
             return self._client.add(key, amount)
