@@ -19,7 +19,7 @@ from hvdplus.common.collectives import broadcast_object, submit_allreduce
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["State", "ObjectState", "run_fn"]
+__all__ = ["State", "ObjectState", "StateHandler", "HandledState", "run_fn"]
 
 
 def _agreed_max(value: int, name: str) -> int:
@@ -109,6 +109,73 @@ class ObjectState(State):
     def _set_attrs(self) -> None:
         for name, value in self._saved_state.items():
             setattr(self, name, value)
+
+
+class StateHandler:
+    """How a HandledState keeps one attribute of a kind it knows (a model, an optimizer, a sampler)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+        self.save()
+
+    def save(self) -> None:
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        raise NotImplementedError()
+
+    def reset(self) -> None:
+        """After a reset, before the sync."""
+
+
+class HandledState(ObjectState):
+    """ObjectState whose attributes of the kinds `handler_for` knows are kept by their handlers (tensors copied
+    into buffers, synced by broadcasts); the others are plain Python objects. The frameworks' states build on it."""
+
+    def __init__(self, handler_for: Callable[[Any], StateHandler | None],
+                 bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank,
+                 **kwargs: Any) -> None:
+        self._handlers: dict[str, StateHandler] = {}
+        plain = {}
+        for name, value in kwargs.items():
+            handler = handler_for(value)
+            if handler is None:
+                plain[name] = value
+            else:
+                self._handlers[name] = handler
+                setattr(self, name, value)
+        super().__init__(bcast_object=bcast_object, get_rank=get_rank, **plain)
+
+    def save(self) -> None:
+        for handler in self._handlers.values():
+            handler.save()
+        super().save()
+
+    def restore(self) -> None:
+        for handler in self._handlers.values():
+            handler.restore()
+        super().restore()
+
+    def sync(self) -> None:
+        for handler in self._handlers.values():
+            handler.sync()
+        super().sync()
+
+    def reset(self) -> None:
+        for handler in self._handlers.values():
+            handler.reset()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        handlers = self.__dict__.get("_handlers", {})
+        if name in handlers and name in self.__dict__:  # a new model or optimizer: keep it from now on
+            handlers[name].set_value(value)
+        super().__setattr__(name, value)
 
 
 def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:

@@ -18,6 +18,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -166,12 +167,16 @@ class _LiveJob:
     def output(self) -> str:
         return "".join(self.lines)
 
-    def wait_for_size(self, size: int, timeout: float = 60) -> None:
+    def wait_until(self, done: Callable[[str], bool], what: str, timeout: float = 60) -> None:
+        """Until `done(output so far)`; fails naming `what` if the job ends or `timeout` s pass first."""
         deadline = time.monotonic() + timeout
-        while not any(s.get("size") == size for s in _steps(self.output)):
-            assert self.proc.poll() is None, self.output[-4000:]
-            assert time.monotonic() < deadline, f"no step at size {size}:\n{self.output[-4000:]}"
+        while not done(self.output):
+            assert self.proc.poll() is None, f"the job ended before {what}:\n{self.output[-4000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout} s:\n{self.output[-4000:]}"
             time.sleep(0.05)
+
+    def wait_for_size(self, size: int) -> None:
+        self.wait_until(lambda output: any(s["size"] == size for s in _steps(output)), f"step at size {size}")
 
     def finish(self, timeout: float = 60) -> int:
         try:
@@ -201,19 +206,15 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
                     TRAIN], job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), WAIT_AT_STEP="3"))
     try:
         job.wait_for_size(slots)
-        deadline = time.monotonic() + 60
-        while job.output.count('"waiting": true') < slots:  # the public way to wait for a host change
-            assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-4000:]
-            time.sleep(0.05)
+        job.wait_until(lambda output: output.count('"waiting": true') == slots,  # the public way to wait
+                       "rank waiting for a host change")
         assert '"waited"' not in job.output
         hosts.write_text(f"localhost:{slots}\n127.0.0.1:{slots}\n")
         job.wait_for_size(2 * slots)
         hosts.write_text(f"localhost:{slots}\n")
         added = max(s["generation"] for s in _steps(job.output))
-        deadline = time.monotonic() + 60
-        while not any(s["size"] == slots and s["generation"] > added for s in _steps(job.output)):
-            assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-4000:]
-            time.sleep(0.05)
+        job.wait_until(lambda output: any(s["size"] == slots and s["generation"] > added for s in _steps(output)),
+                       "step after the host's removal")
         stop.write_text("")
         code = job.finish()
     finally:
@@ -249,10 +250,8 @@ def test_every_original_host_replaced_the_job_goes_on(tmp_path):
         hosts.write_text("localhost:1\n127.0.0.1:1\n")
         job.wait_for_size(2)
         hosts.write_text("127.0.0.1:1\n")
-        deadline = time.monotonic() + 60
-        while not any(s["worker"] == "127.0.0.1/0" and s["size"] == 1 for s in _steps(job.output)):
-            assert time.monotonic() < deadline and job.proc.poll() is None, job.output[-4000:]
-            time.sleep(0.05)
+        job.wait_until(lambda output: any(s["worker"] == "127.0.0.1/0" and s["size"] == 1 for s in _steps(output)),
+                       "step on 127.0.0.1 alone")
         stop.write_text("")
         code = job.finish()
     finally:

@@ -8,7 +8,7 @@ import torch
 
 from hvdplus.common.basics import rank
 from hvdplus.common.collectives import broadcast_object
-from hvdplus.common.elastic import ObjectState
+from hvdplus.common.elastic import HandledState, StateHandler
 from hvdplus.torch.elastic.sampler import ElasticSampler
 from hvdplus.torch.elastic.snapshot import Snapshot
 from hvdplus.torch.functions import broadcast_optimizer_state, broadcast_parameters
@@ -16,30 +16,15 @@ from hvdplus.torch.functions import broadcast_optimizer_state, broadcast_paramet
 __all__ = ["TorchState"]
 
 
-class _Handler:
-    """How one kind of tracked object is saved, restored, synced and reset."""
+class _ModelHandler(StateHandler):
+    """A module's state dict, committed into a Snapshot."""
 
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def set_value(self, value: Any) -> None:
-        self.value = value
-        self.save()
-
-    def reset(self) -> None:
-        """After a reset, before the sync."""
-
-
-class _ModelHandler(_Handler):
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__(model)
-        self.save()
+        self._snapshot = Snapshot(model.state_dict())
 
     def save(self) -> None:
-        if hasattr(self, "_snapshot"):
-            self._snapshot.save(self.value.state_dict())
-        else:
-            self._snapshot = Snapshot(self.value.state_dict())
+        self._snapshot.save(self.value.state_dict())
 
     def restore(self) -> None:
         self.value.load_state_dict(self._snapshot.tree)  # copies into the live parameters
@@ -49,6 +34,8 @@ class _ModelHandler(_Handler):
 
 
 class _OptimizerHandler(_ModelHandler):
+    """An optimizer's state dict (a DistributedOptimizer's pending allreduces are dropped at a reset)."""
+
     def restore(self) -> None:
         self.reset()
         self.value.load_state_dict(self._snapshot.fresh())  # the optimizer keeps these tensors: not our buffers
@@ -62,7 +49,9 @@ class _OptimizerHandler(_ModelHandler):
             discard()
 
 
-class _SamplerHandler(_Handler):
+class _SamplerHandler(StateHandler):
+    """An ElasticSampler's progress through its epoch."""
+
     def __init__(self, sampler: ElasticSampler) -> None:
         super().__init__(sampler)
         self.save()
@@ -80,7 +69,7 @@ class _SamplerHandler(_Handler):
         self.value.reset()  # the new size: re-partition what is left of the epoch, even when no sync follows
 
 
-def _handler(value: Any) -> _Handler | None:
+def _handler(value: Any) -> StateHandler | None:
     if isinstance(value, torch.nn.Module):
         return _ModelHandler(value)
     if isinstance(value, torch.optim.Optimizer):
@@ -94,45 +83,11 @@ def _handler(value: Any) -> _Handler | None:
     return None
 
 
-class TorchState(ObjectState):
+class TorchState(HandledState):
     """State of a PyTorch job: `model`, `optimizer`, and keyword attributes; modules, optimizers and
     ElasticSamplers among them are committed as tensors (preallocated host copies), the rest as Python objects."""
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
                  **kwargs: Any) -> None:
-        kwargs.update(model=model, optimizer=optimizer)
-        self._handlers: dict[str, _Handler] = {}
-        plain = {}
-        for name, value in kwargs.items():
-            handler = _handler(value)
-            if handler is None:
-                plain[name] = value
-            else:
-                self._handlers[name] = handler
-                setattr(self, name, value)
-        super().__init__(bcast_object=broadcast_object, get_rank=rank, **plain)
-
-    def save(self) -> None:
-        for handler in self._handlers.values():
-            handler.save()
-        super().save()
-
-    def restore(self) -> None:
-        for handler in self._handlers.values():
-            handler.restore()
-        super().restore()
-
-    def sync(self) -> None:
-        for handler in self._handlers.values():
-            handler.sync()
-        super().sync()
-
-    def reset(self) -> None:
-        for handler in self._handlers.values():
-            handler.reset()
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        handlers = self.__dict__.get("_handlers", {})
-        if name in handlers and name in self.__dict__:
-            handlers[name].set_value(value)
-        super().__setattr__(name, value)
+        super().__init__(_handler, bcast_object=broadcast_object, get_rank=rank, model=model, optimizer=optimizer,
+                         **kwargs)
