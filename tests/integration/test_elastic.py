@@ -100,6 +100,17 @@ def test_recovery_after_a_sigkill_takes_under_three_seconds():
     assert 0 < after - before < 3.0, done.output[-4000:]
 
 
+def test_a_worker_dying_between_a_reset_and_the_state_sync_costs_one_more_reset():
+    """The first failure makes generation 1; a worker of it dies in its reset callback, while the others wait in
+    the state sync: they restore, meet in generation 2 and finish like a one-process run."""
+    done = _elastic("-np", "3", "--min-np", "1", "-H", f"localhost:1,127.0.0.1:1,{THIRD_HOST}:1",
+                    env={"STEPS": "10", "FAIL": f"{THIRD_HOST}/0:3:kill", "KILL_IN_RESET": "127.0.0.1/0"}, timeout=60)
+    assert done.returncode == 0, done.output[-4000:]
+    assert "generation 2 (worker 127.0.0.1/0 failed): 1 worker(s): localhost/0" in done.output, done.output[-4000:]
+    assert _sizes(done.output) == [3] * 3 + [1] * 7, done.output[-4000:]
+    _assert_finished_like_one_process(done.output, 10, 1)
+
+
 def test_every_worker_failing_ends_the_job_with_the_reason():
     done = _elastic("-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
                     env={"STEPS": "20", "FAIL": "localhost/0:3:raise,127.0.0.1/0:3:exit"}, timeout=60)

@@ -6,7 +6,8 @@ worker fails right after the commit of that step, in its first life only: a rest
 again), STOP_FILE (train until this file exists, agreed by an allreduce, instead of STEPS), SAMPLER=1 (an
 ElasticSampler over 103 samples in batches of 4, printing each committed batch's indices), PROCESS_SET=1 (use a
 process set registered before the first reset after it), ZERO=1 (print the error TorchState gives a ZeroOptimizer
-and exit), WAIT_AT_STEP (after that step's commit, every rank waits for
+and exit), KILL_IN_RESET=<worker id> (that worker is killed by its reset callback: after it joined the next
+generation, before the state sync), WAIT_AT_STEP (after that step's commit, every rank waits for
 a host change with state.wait_for_host_updates).
 Prints one JSON line per committed step: {"step", "rank", "size", "worker", "generation", "t"}, and {"final": ...}.
 """
@@ -46,6 +47,8 @@ if os.environ.get("ZERO"):
 sampler = hvd.elastic.ElasticSampler(list(range(103)), shuffle=True, seed=7) if os.environ.get("SAMPLER") else None
 extra = {"sampler": sampler} if sampler is not None else {}
 state = hvd.elastic.TorchState(model, optimizer, step=0, epoch=0, **extra)
+if os.environ.get("KILL_IN_RESET") == WORKER:  # dies in the new generation, before its state sync
+    state.register_reset_callbacks([lambda: os.kill(os.getpid(), signal.SIGKILL)])
 process_set = hvd.add_process_set([0, 1]) if os.environ.get("PROCESS_SET") and hvd.size() > 1 else None
 
 
