@@ -74,12 +74,26 @@ def _elastic(*flags: str, env: dict[str, str] | None = None, timeout: float = 90
     return run([HVDPLUSRUN, *flags, PY, TRAIN], timeout=timeout, env=job_env(**(env or {})))
 
 
+def _discovery_script(folder: Path) -> tuple[Path, Path]:
+    hosts, script = folder / "hosts", folder / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return hosts, script
+
+
+@pytest.mark.parametrize("hosts", ["-H", "discovery"])
 @pytest.mark.parametrize("how", ["kill", "raise"])
-def test_a_failed_worker_is_dropped_and_training_goes_on_from_the_commit(how):
-    """4 workers on 2 hosts; one fails right after its 5th commit: its host is blacklisted (both its workers go),
-    and the other two go on at size 2 from step 5, ending like a one-process run."""
-    done = _elastic("-np", "4", "--min-np", "2", "-H", "localhost:2,127.0.0.1:2",
-                    env={"STEPS": "12", "FAIL": f"127.0.0.1/1:5:{how}"})
+def test_a_failed_worker_is_dropped_and_training_goes_on_from_the_commit(tmp_path, how, hosts):
+    """4 workers on 2 hosts (given by -H, or by a discovery script); one fails right after its 5th commit: its
+    host is blacklisted (both its workers go), and the other two go on at size 2 from step 5, ending like a
+    one-process run."""
+    if hosts == "-H":
+        where = ["-H", "localhost:2,127.0.0.1:2"]
+    else:
+        listing, script = _discovery_script(tmp_path)
+        listing.write_text("localhost:2\n127.0.0.1:2\n")
+        where = ["--host-discovery-script", str(script)]
+    done = _elastic("-np", "4", "--min-np", "2", *where, env={"STEPS": "12", "FAIL": f"127.0.0.1/1:5:{how}"})
     assert done.returncode == 0, done.output[-4000:]
     assert _sizes(done.output) == [4] * 5 + [2] * 7, done.output[-4000:]
     assert "worker 127.0.0.1/1 (rank 3 of generation 0) failed with" in done.output
@@ -196,13 +210,6 @@ class _LiveJob:
             if self.proc.poll() is None:
                 self.proc.kill()
             self._reader.join(5)
-
-
-def _discovery_script(folder: Path) -> tuple[Path, Path]:
-    hosts, script = folder / "hosts", folder / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    return hosts, script
 
 
 @pytest.mark.parametrize("slots", [1, 2])
