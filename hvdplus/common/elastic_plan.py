@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 __all__ = ["Plan", "GenerationReplaced", "worker_id", "LATEST_KEY", "ADDED_KEY", "REMOVED_KEY", "plan_key", "arrived_key",
-           "generation_prefix", "failure_notice_key", "failure_key"]
+           "generation_prefix", "failure_notice_key", "failure_key", "waiting_key"]
 
 LATEST_KEY = "elastic/latest"
 
@@ -23,6 +23,11 @@ class GenerationReplaced(RuntimeError):
     """The launcher planned a newer generation while this one's workers were still connecting."""
 ADDED_KEY = "elastic/added"
 REMOVED_KEY = "elastic/removed"
+
+
+def waiting_key(worker: str) -> str:
+    """Set by a worker once it reaches hvd.init, to the generation it was started for: the launcher lets it join."""
+    return f"elastic/waiting/{worker}"
 
 
 def failure_key(rank: int) -> str:

@@ -1,9 +1,11 @@
 """A worker's side of an elastic job: join the next generation the launcher planned, and see newer ones coming.
 
-At each `init()` the worker waits for the first generation after the one it last ran, takes the latest, finds its
-rank there and meets the generation's other workers in the store before any engine connects. A worker that died
-before arriving therefore costs no engine timeout: the launcher plans a newer generation and the others move on
-to it. A worker the latest plan leaves out (its host was removed) exits cleanly, with status 0.
+A new worker first tells the launcher it has reached hvd.init (its start and imports are done), and waits for a
+generation that includes it. At each `init()` a worker waits for the first generation after the one it last ran,
+takes the latest, finds its rank there and meets the generation's other workers in the store before any engine
+connects. A worker that died before arriving therefore costs no engine timeout: the launcher plans a newer
+generation and the others move on to it. A worker that has run and that the latest plan leaves out (its host was
+removed) exits cleanly, with status 0.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import sys
 import time
 
-from hvdplus.common.elastic_plan import LATEST_KEY, Plan, arrived_key, generation_prefix, plan_key
+from hvdplus.common.elastic_plan import LATEST_KEY, Plan, arrived_key, generation_prefix, plan_key, waiting_key
 from hvdplus.common.rendezvous import RendezvousClient, RendezvousTimeout
 from hvdplus.common.settings import LaunchEnv
 
@@ -33,25 +35,31 @@ class ElasticWorker:
                                         connect_timeout)
         self._next = launch.elastic_generation
         self.plan: Plan | None = None  # the generation this worker runs now
+        self._client.set(waiting_key(self.worker), str(launch.elastic_generation).encode())  # ready to join
 
     def join(self, launch: LaunchEnv, timeout: float) -> LaunchEnv:
         """Wait (up to `timeout` s) for the next generation, meet its workers; `launch` with this worker's rank,
         size and the generation's store namespace. SystemExit(0) if the latest plan leaves this worker out."""
         deadline = time.monotonic() + timeout
-        try:
-            self._client.wait([plan_key(self._next)], timeout=timeout)
-        except RendezvousTimeout:
-            raise RuntimeError(f"elastic worker {self.worker}: the launcher planned no generation {self._next} of the "
-                               f"job within {timeout:g} s (HOROVOD_ELASTIC_TIMEOUT)") from None
+        wanted = self._next
         while True:
+            try:
+                self._client.wait([plan_key(wanted)], timeout=max(0.0, deadline - time.monotonic()))
+            except RendezvousTimeout:
+                raise RuntimeError(f"elastic worker {self.worker}: the launcher planned no generation {wanted} of "
+                                   f"the job with this worker within {timeout:g} s (HOROVOD_ELASTIC_TIMEOUT)") from None
             plan = Plan.decode(self._client.get(plan_key(self.latest())))
             rank = plan.rank_of(self.worker)
+            if rank is None and self.plan is None:  # not let in yet (the plan was made before this worker was ready)
+                wanted = plan.generation + 1
+                continue
             if rank is None:
                 print(f"hvdplus: elastic worker {self.worker} is not part of generation {plan.generation} of the job "
                       "(its host was removed): exiting", file=sys.stderr, flush=True)
                 raise SystemExit(0)
             if self._meet(plan, rank, deadline):
                 break
+            wanted = plan.generation + 1
         self.plan, self._next = plan, plan.generation + 1
         host = self.worker.rsplit("/", 1)[0]
         local_rank = sum(1 for w in plan.workers[:rank] if w.rsplit("/", 1)[0] == host)

@@ -6,7 +6,8 @@ The job runs in generations. Each is a plan (hvdplus/common/elastic_plan.py): th
 - plans a new generation when a worker fails (its host is blacklisted, its host's other workers are stopped, and
   its failure is written where the old generation's peers look, so they raise within a second instead of waiting
   for a transport timeout), or when the usable hosts would change the plan (workers see it at their next commit);
-- starts the workers a plan adds at once, so they import and connect while the others finish their step;
+- starts workers for new slots at once, and lets them join a generation once they reach hvd.init, so the
+  others train on while they start and import;
 - gives the lowest ranks to the longest-lived hosts, and rank 0 always to a worker that holds the state;
 - ends the job with a message naming the cause when every worker failed, every host is blacklisted, fewer than
   --min-np slots stay available for --elastic-timeout seconds, or the resets pass --reset-limit.
@@ -23,7 +24,8 @@ import threading
 import time
 from typing import Callable
 
-from hvdplus.common.elastic_plan import LATEST_KEY, Plan, arrived_key, failure_notice_key, plan_key, worker_id
+from hvdplus.common.elastic_plan import (LATEST_KEY, Plan, arrived_key, failure_notice_key, plan_key, waiting_key,
+                                         worker_id)
 from hvdplus.common.rendezvous import RendezvousServer, new_secret
 from hvdplus.runner.agent import source_address
 from hvdplus.runner.elastic_hosts import HostManager
@@ -77,6 +79,8 @@ class ElasticDriver:
         self.workers: dict[str, Process] = {}  # the latest process of each worker id, running or ended
         self._handled: set[int] = set()  # ids of the ended processes already acted on
         self._holders: set[str] = set()  # workers of the last generation that met: they hold the training state
+        self._joining: set[str] = set()  # started, in no generation yet: they join one once they reach hvd.init
+        self._started_for: dict[str, int] = {}  # the generation each worker's latest process was started for
         self.plan: Plan | None = None
         self.resets = 0
         self._plan_version = -1  # the host manager's version the current plan was made from
@@ -121,13 +125,15 @@ class ElasticDriver:
                 return code
             if not self._finishing and self.hosts.version != self._plan_version:
                 self._replan("hosts changed")
+            elif not self._finishing and self._joining and all(self._ready(w) for w in self._joining):
+                self._replan("new workers ready")
             self._after_meeting()
             time.sleep(POLL_SECONDS)
 
     def _check_exits(self) -> int | None:
         """Act on workers that ended; the job's exit status once it is over."""
         assert self.plan is not None
-        members = set(self.plan.workers)
+        members = set(self.plan.workers) | self._joining
         for wid, process in list(self.workers.items()):
             if not process.exited.is_set() or id(process) in self._handled:
                 continue
@@ -143,27 +149,29 @@ class ElasticDriver:
                 self.supervisor.stop_all()
                 return code if code > 0 else 1
             self._on_failure(wid, code)
-            members = set(self.plan.workers)
+            members = set(self.plan.workers) | self._joining
         if self._finishing and all(self.workers[w].exited.is_set() for w in self.plan.workers):
             codes = [self.workers[w].proc.returncode for w in self.plan.workers]
             return next((c for c in codes if c != 0), 0)
         return None
 
     def _on_failure(self, wid: str, code: int) -> None:
-        """A worker of the running generation failed: blacklist its host, stop its host's other workers, tell the
-        old generation's peers, and plan the next one."""
+        """A worker of the running generation (or one starting to join) failed: blacklist its host, stop its host's
+        other workers, tell the running generation's peers, and plan the next one."""
         assert self.plan is not None
         host = wid.rsplit("/", 1)[0]
         rank = self.plan.rank_of(wid)
-        self._say(f"hvdplusrun: worker {wid} (rank {rank} of generation {self.plan.generation}) failed with "
-                  f"{describe_exit(code)}; blacklisting host {host}")
-        self.server.put(failure_notice_key(self.plan.generation, rank),
-                        f"rank {rank} (worker {wid}) exited with {describe_exit(code)}".encode())
+        where = f"rank {rank} of generation {self.plan.generation}" if rank is not None else "starting"
+        self._say(f"hvdplusrun: worker {wid} ({where}) failed with {describe_exit(code)}; blacklisting host {host}")
+        if rank is not None:
+            self.server.put(failure_notice_key(self.plan.generation, rank),
+                            f"rank {rank} (worker {wid}) exited with {describe_exit(code)}".encode())
+            self._failed.append(wid)
+        self._joining.discard(wid)
         self.hosts.blacklist(host)
         for other, process in self.workers.items():
             if other.rsplit("/", 1)[0] == host and not process.exited.is_set():
                 process.stop()
-        self._failed.append(wid)
         self._replan(f"worker {wid} failed")
 
     def _holding(self) -> set[str]:
@@ -179,13 +187,27 @@ class ElasticDriver:
         workers = [worker_id(host, slot) for host, slots in usable for slot in range(slots)]
         return workers[:self.options.max_np] if self.options.max_np else workers
 
+    def _ready(self, wid: str) -> bool:
+        """Whether a started worker has reached hvd.init (started, imported) and waits to join a generation."""
+        return self.server.get(waiting_key(wid)) == str(self._started_for[wid]).encode()
+
     def _replan(self, reason: str) -> None:
-        """Publish the next generation if the usable hosts give enough slots (else wait, up to --elastic-timeout)."""
+        """Publish the next generation if the usable hosts give enough slots (else wait, up to --elastic-timeout).
+
+        Workers for new slots start at once, but join a generation only once they have reached hvd.init: until
+        then the others train on (a scale-up does not pause training for a new worker's start and imports)."""
         version = self.hosts.version
         holding = self._holding()
         if self.plan is not None and not holding:
             raise ElasticJobError(self._nobody_left())
-        workers = self._candidates(holding)
+        candidates = self._candidates(holding)
+        generation = 0 if self.plan is None else self.plan.generation + 1
+        for wid in candidates:
+            if wid not in self.workers or self.workers[wid].exited.is_set():
+                self._start(wid, generation, candidates)
+        joining = [w for w in candidates if w not in holding]
+        everyone_ready = self.plan is None or all(self._ready(w) for w in joining)  # one reset for a whole scale-up
+        workers = [w for w in candidates if w in holding or everyone_ready]
         if self.plan is not None and tuple(workers) == self.plan.workers and not self._failed:
             self._plan_version = version  # the change does not change the plan
             return
@@ -198,8 +220,8 @@ class ElasticDriver:
                 raise ElasticJobError(f"the job was reset {self.resets} time(s), the --reset-limit; the last "
                                       f"reset was asked for because {reason}")
             self.resets += 1
-        generation = 0 if self.plan is None else self.plan.generation + 1
         self.plan = Plan(generation, tuple(workers))
+        self._joining -= set(workers)
         self._plan_version = version
         self.server.put(plan_key(generation), self.plan.encode())
         self.server.put(LATEST_KEY, str(generation).encode())
@@ -207,11 +229,12 @@ class ElasticDriver:
             self._say(f"hvdplusrun: generation {generation} ({reason}): {self.plan.size} worker(s): "
                       f"{', '.join(workers)}")
         self._failed.clear()
-        for wid in workers:
-            if wid not in self.workers or self.workers[wid].exited.is_set():
-                self._start(wid)
 
     def _nobody_left(self) -> str:
+        for wid in self._holders:  # failures not acted on yet (they ended together) blacklist their hosts too
+            host = wid.rsplit("/", 1)[0]
+            if self.workers[wid].proc.returncode not in (None, 0) and not self.hosts.is_blacklisted(host):
+                self.hosts.blacklist(host)
         discovered = self.hosts.discovered()
         if discovered and all(self.hosts.is_blacklisted(h) for h in discovered):
             return f"every host is blacklisted ({', '.join(discovered)}): workers failed on each of them"
@@ -230,40 +253,41 @@ class ElasticDriver:
         self._plan_version = -1  # look again at the next round
 
     def _after_meeting(self) -> None:
-        """Once every worker of the plan has met, they hold the state; stop those it left out that still run."""
+        """Once every worker of the plan has met, they hold the state; stop those it removed that still run."""
         if self.plan is None or set(self.plan.workers) <= self._holders:
             return
         if not all(self.server.get(arrived_key(self.plan.generation, r)) is not None for r in range(self.plan.size)):
             return
         self._holders = set(self.plan.workers)
         for wid, process in self.workers.items():
-            if wid not in self.plan.workers and not process.exited.is_set():
+            if wid not in self.plan.workers and wid not in self._joining and not process.exited.is_set():
                 process.stop()
 
-    def _start(self, wid: str) -> None:
-        assert self.plan is not None
-        host, slot = wid.rsplit("/", 1)
+    def _start(self, wid: str, generation: int, workers: list[str]) -> None:
+        """Start worker `wid` to join generation `generation` or a later one; `workers`: the planned ranks."""
+        host = wid.rsplit("/", 1)[0]
         address = "127.0.0.1" if is_local(host) else source_address(host)
         port = self.server.listen(address)
-        env = self._worker_env(wid, address, port)
+        env = self._worker_env(wid, generation, tuple(workers), address, port)
         local = is_local(host)
         if not local:
             env = {k: v for k, v in env.items() if exportable(k)}
         payload = json.dumps({"argv": self.spec.command, "env": env, "cwd": os.getcwd(), "route_to": address})
         argv = [sys.executable, AGENT] if local else self.spec.ssh.command(host, [sys.executable, AGENT])
         self.workers[wid] = self.supervisor.start(f"worker {wid}", argv, payload=(payload + "\n").encode(), tag=wid)
+        self._started_for[wid] = generation
+        self._joining.add(wid)
 
-    def _worker_env(self, wid: str, address: str, port: int) -> dict[str, str]:
-        """Horovod's variables for the worker's place in the current plan, and how to reach the driver."""
-        assert self.plan is not None
-        slots = assign_slots([Host(h, n) for h, n in _host_counts(self.plan.workers)], self.plan.size)
-        slot = slots[self.plan.rank_of(wid)]
+    def _worker_env(self, wid: str, generation: int, workers: tuple[str, ...], address: str,
+                    port: int) -> dict[str, str]:
+        """Horovod's variables for the worker's planned place among `workers`, and how to reach the driver."""
+        slot = assign_slots([Host(h, n) for h, n in _host_counts(workers)], len(workers))[workers.index(wid)]
         env = dict(self.spec.env)
         env.update({"HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
                     "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
                     "HOROVOD_CROSS_RANK": str(slot.cross_rank), "HOROVOD_CROSS_SIZE": str(slot.cross_size),
                     "HOROVOD_HOSTNAME": slot.hostname, "HOROVOD_ELASTIC": "1", "HVDPLUS_ELASTIC_WORKER": wid,
-                    "HVDPLUS_ELASTIC_GENERATION": str(self.plan.generation),
+                    "HVDPLUS_ELASTIC_GENERATION": str(generation),
                     "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout), "HVDPLUS_CPU_OPERATIONS": "gloo",
                     "HVDPLUS_RENDEZVOUS_ADDR": address, "HVDPLUS_RENDEZVOUS_PORT": str(port),
                     "HVDPLUS_SECRET_KEY": self.secret})
