@@ -114,6 +114,8 @@ class ObjectState(State):
 class StateHandler:
     """How a HandledState keeps one attribute of a kind it knows (a model, an optimizer, a sampler)."""
 
+    sync_first = False  # optimizers: their sync may move parameters, which the models' sync then carries
+
     def __init__(self, value: Any) -> None:
         self.value = value
 
@@ -163,7 +165,7 @@ class HandledState(ObjectState):
         super().restore()
 
     def sync(self) -> None:
-        for handler in self._handlers.values():
+        for handler in sorted(self._handlers.values(), key=lambda handler: not handler.sync_first):
             handler.sync()
         super().sync()
 

@@ -62,9 +62,10 @@ def _strip(value: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> An
 
 
 def _fill(value: Any, tensors: list[tuple[str, torch.Tensor]]) -> Any:
-    """Inverse of `_strip`: a fresh zero tensor for each slot, appended to `tensors` in the same order."""
+    """Inverse of `_strip`: a fresh tensor for each slot (the broadcast fills it), appended to `tensors` in the
+    same order."""
     if isinstance(value, _TensorSlot):
-        tensor = torch.zeros(value.shape, dtype=value.dtype)
+        tensor = torch.empty(value.shape, dtype=value.dtype)
         tensors.append((value.path, tensor))
         return tensor
     if isinstance(value, dict):
@@ -105,8 +106,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("cannot broadcast torch.optim.LBFGS state (its state holds nested closures); "
                          "save and load it with torch.save on every rank instead")
+    _broadcast_state(optimizer, root_rank, model, process_set, initialize_everywhere=True)
+
+
+def _broadcast_state(optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None,
+                     process_set: ProcessSet, initialize_everywhere: bool) -> None:
+    """broadcast_optimizer_state's work. Without `initialize_everywhere` only the root initializes an empty state
+    (an elastic state sync: the others take the root's state anyway and the model is broadcast afterwards, so
+    their start-up step, a whole optimizer step, would be thrown away)."""
     is_root = rank() == check_root(root_rank, process_set)
-    if not optimizer.state:
+    if not optimizer.state and (is_root or initialize_everywhere):
         _initialize_state(optimizer, model)
     tensors: list[tuple[str, torch.Tensor]] = []
     skeleton = _strip(optimizer.state_dict(), "optimizer_state", tensors) if is_root else None

@@ -6,12 +6,12 @@ from typing import Any
 
 import torch
 
-from hvdplus.common.basics import rank
+from hvdplus.common.basics import global_process_set, rank
 from hvdplus.common.collectives import broadcast_object
 from hvdplus.common.elastic import HandledState, StateHandler
 from hvdplus.torch.elastic.sampler import ElasticSampler
 from hvdplus.torch.elastic.snapshot import Snapshot
-from hvdplus.torch.functions import broadcast_optimizer_state, broadcast_parameters
+from hvdplus.torch.functions import _broadcast_state, broadcast_parameters
 
 __all__ = ["TorchState"]
 
@@ -36,12 +36,14 @@ class _ModelHandler(StateHandler):
 class _OptimizerHandler(_ModelHandler):
     """An optimizer's state dict (a DistributedOptimizer's pending allreduces are dropped at a reset)."""
 
+    sync_first = True  # initializing an empty state on rank 0 steps once, which may move the model's parameters
+
     def restore(self) -> None:
         self.reset()
         self.value.load_state_dict(self._snapshot.fresh())  # the optimizer keeps these tensors: not our buffers
 
     def sync(self) -> None:
-        broadcast_optimizer_state(self.value, root_rank=0)
+        _broadcast_state(self.value, 0, None, global_process_set, initialize_everywhere=False)
 
     def reset(self) -> None:
         discard = getattr(self.value, "discard_pending", None)  # DistributedOptimizer: the old job's handles
