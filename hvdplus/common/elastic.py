@@ -1,10 +1,11 @@
 """Elastic training, framework-agnostic: Horovod's State, ObjectState and run loop (horovod/common/elastic.py).
 
-`run_fn(func, reset)` runs `func(state)` until it returns. A HorovodInternalError (a peer died, a collective
+`run_fn(func)` runs `func(state)` until it returns. A HorovodInternalError (a peer died, a collective
 failed) restores the last commit; a HostsUpdatedInterrupt (the launcher planned a new generation) keeps the
-current state. Either way `reset()` (shutdown and init) joins the next generation, the reset callbacks run,
-and every rank syncs rank 0's state before `func` runs again. Whether to sync is decided collectively: a worker
-that just joined always needs it, so no rank skips a sync that another one runs (horovod#3494's deadlock).
+current state. Either way `reset()` (shutdown and init by default) joins the next generation, the reset
+callbacks run, and every rank syncs rank 0's state before `func` runs again. Whether to sync is decided
+collectively: a worker that just joined always needs it, so no rank skips a sync that another one runs
+(horovod#3494's deadlock).
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from hvdplus.common.basics import elastic_worker, rank
+from hvdplus.common.basics import elastic_worker, init, rank, shutdown
 from hvdplus.common.collectives import broadcast_object, submit_allreduce
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["State", "ObjectState", "StateHandler", "HandledState", "run_fn"]
+__all__ = ["State", "ObjectState", "StateHandler", "HandledState", "run_fn", "restart"]
 
 
 def _agreed_max(value: int, name: str) -> int:
@@ -180,9 +181,15 @@ class HandledState(ObjectState):
         super().__setattr__(name, value)
 
 
-def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[..., Any]:
-    """Wrap `func(state, ...)` in the elastic loop (see the module's docstring); `reset` starts the next generation
-    (the adapter's shutdown and init)."""
+def restart() -> None:
+    """Leave this generation of the job and join the next one (hvd.init joins it in an elastic job)."""
+    shutdown()
+    init()
+
+
+def run_fn(func: Callable[..., Any], reset: Callable[[], None] = restart) -> Callable[..., Any]:
+    """Wrap `func(state, ...)` in the elastic loop (see the module's docstring); `reset` starts the next
+    generation."""
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         needs_sync = True  # a worker's first run (a worker that joined late included) always syncs

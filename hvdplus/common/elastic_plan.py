@@ -4,8 +4,8 @@ the launcher imports it).
 Each generation of an elastic job is a plan: the workers, by their lasting ids ("host/slot"), in rank order. The
 driver writes `elastic/plan/<g>`, then `elastic/latest` = g. A worker at init waits for the first generation after
 the one it last ran and joins the latest; the generation's collectives use the store under `elastic/g<g>/`, so
-nothing of an older generation is ever read. Host changes are announced by two counters, `elastic/added` and
-`elastic/removed`: sequence numbers, so a notice cannot be missed (Horovod's whole-second timestamps could be).
+nothing of an older generation is ever read. Generations are numbered, so a worker that compares the latest
+number with its own cannot miss a host change (Horovod's whole-second timestamps could be missed).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-__all__ = ["Plan", "GenerationReplaced", "worker_id", "LATEST_KEY", "ADDED_KEY", "REMOVED_KEY", "plan_key", "arrived_key",
+__all__ = ["Plan", "GenerationReplaced", "worker_id", "LATEST_KEY", "plan_key", "arrived_key",
            "generation_prefix", "failure_notice_key", "failure_key", "waiting_key"]
 
 LATEST_KEY = "elastic/latest"
@@ -21,8 +21,6 @@ LATEST_KEY = "elastic/latest"
 
 class GenerationReplaced(RuntimeError):
     """The launcher planned a newer generation while this one's workers were still connecting."""
-ADDED_KEY = "elastic/added"
-REMOVED_KEY = "elastic/removed"
 
 
 def waiting_key(worker: str) -> str:

@@ -29,7 +29,7 @@ class ElasticWorker:
     def __init__(self, launch: LaunchEnv, connect_timeout: float) -> None:
         if not (launch.rendezvous_addr and launch.rendezvous_port and launch.secret_key and launch.elastic_worker):
             raise RuntimeError("an elastic worker needs hvdplusrun's rendezvous (address, port, secret) and its "
-                               "worker id: start elastic jobs with hvdplusrun --min-np/--max-np/-H/--host-discovery-script")
+                               "worker id: start elastic jobs with hvdplusrun --min-np or --host-discovery-script")
         self.worker = launch.elastic_worker
         self._client = RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port, launch.secret_key,
                                         connect_timeout)

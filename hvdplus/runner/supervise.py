@@ -183,8 +183,9 @@ class Supervisor:
     def start(self, label: str, argv: Sequence[str], rank: int | None = None, payload: bytes | None = None,
               env: dict[str, str] | None = None, tag: str | None = None) -> Process:
         """Start `argv` in its own session; with `payload`, its stdin gets it and stays open as a lifeline (the
-        agent ends its rank when it closes); `tag` prefixes its output lines instead of the rank. Without one (mpirun), the kernel sends the child SIGTERM if this
-        process dies, even by SIGKILL, and mpirun then ends its ranks."""
+        agent ends its rank when it closes). Without one (mpirun), the kernel sends the child SIGTERM if this
+        process dies, even by SIGKILL, and mpirun then ends its ranks. `tag` prefixes its output lines instead of
+        the rank (an elastic worker's host/slot)."""
         proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if payload else subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
                                 preexec_fn=None if payload else _end_with_parent())

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from hvdplus.common.basics import init, shutdown
 from hvdplus.common.elastic import ObjectState, State, run_fn
 from hvdplus.torch.elastic.sampler import ElasticSampler
 from hvdplus.torch.elastic.state import TorchState
@@ -15,13 +14,8 @@ from hvdplus.torch.elastic.state import TorchState
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler"]
 
 
-def _reset() -> None:
-    shutdown()
-    init()
-
-
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Decorate the training function `func(state, ...)`: it runs until it returns, across failures and host
     changes (see hvdplus.common.elastic). Collectives must not run outside it, or new workers would deadlock
     against the others' state sync."""
-    return run_fn(func, _reset)
+    return run_fn(func)
