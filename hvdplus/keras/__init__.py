@@ -7,7 +7,7 @@ from hvdplus.common.basics import (ProcessSet, add_process_set, ccl_built, cross
                                    shutdown, size, start_timeline, stop_timeline)
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from hvdplus.keras import callbacks
+from hvdplus.keras import callbacks, elastic
 from hvdplus.keras.functions import (allgather, allreduce, broadcast, broadcast_global_variables, broadcast_model,
                                      load_model)
 from hvdplus.keras.optimizer import DistributedOptimizer, PartialDistributedOptimizer

@@ -83,6 +83,14 @@ class _DistributedOptimizer:
 
         tf.cond(tf.equal(calls % self._hvd_passes, 0), update, skip)
 
+    def discard_pending(self) -> None:
+        """Start a new accumulation window (backward_passes_per_step > 1): after an elastic reset the sums so far
+        are each rank's own, and a new worker has none."""
+        for accumulator in self._hvd_accumulators or []:
+            accumulator.assign(tf.zeros_like(accumulator))
+        if self._hvd_calls is not None:
+            self._hvd_calls.assign(0)
+
     def _hvd_accumulators_for(self, variables: list[Any]) -> list[tf.Variable]:
         """One zero-initialised accumulator per variable (and the call counter), created on first use outside
         any tf.function."""

@@ -15,6 +15,6 @@ from hvdplus.tensorflow.gradient_tape import DistributedGradientTape, PartialDis
 from hvdplus.tensorflow.mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather,
                                         grouped_allreduce, grouped_reducescatter, join, reducescatter)
 from hvdplus.tensorflow.optimizer import DistributedOptimizer
-from hvdplus.tensorflow import _half_kernels
+from hvdplus.tensorflow import _half_kernels, elastic
 
 _half_kernels.register()

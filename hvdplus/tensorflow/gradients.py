@@ -12,7 +12,7 @@ from typing import Any, Iterable, Sequence
 
 import tensorflow as tf
 
-from hvdplus.common.basics import ProcessSet
+from hvdplus.common.basics import ProcessSet, elastic_worker
 from hvdplus.common.grouping import check_groups, group_indices
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_predivide, predivide_scales
@@ -47,7 +47,8 @@ class GradientReducer:
 
         Collective: every rank in the process set must call this with the same variables, in the same order."""
         grads = list(grads)
-        if not self.process_set.included() or self.process_set.size() == 1:
+        alone = self.process_set.size() == 1 and elastic_worker() is None  # an elastic job may grow: trace the op
+        if not self.process_set.included() or alone:
             return grads
         names = list(names) if names is not None else self.names(variables)
         shared = [i for i, g in enumerate(grads) if g is not None and id(variables[i]) not in self._local]
