@@ -13,6 +13,7 @@ one gets a short section that says "not measured yet" and gives the command that
     bench_training_keras.json  scripts/bench_training_keras.py: the same for Keras against MWMS
     bench_zero.json            scripts/bench_zero.py: ZeroOptimizer's state, peak RSS and step time
     bench_pipeline.json        scripts/bench_pipeline.py: each schedule's bubble against theory
+    bench_elastic.json         scripts/bench_elastic.py: recovery, scale-up, commit cost and state sync
 
 The tables are generated from the JSON, so they always match it. The plots (matplotlib, the optional `bench`
 extra, Agg backend) go to img/ beside the markdown file, one PNG per figure. Each section also says when the
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_collectives import config_label, fmt_size, plot_sweep  # noqa: E402
 from bench_pipeline import BUBBLE_TOLERANCE, ZB_BUBBLE_RATIO, ZB_MEMORY_RATIO  # noqa: E402
 from bench_pipeline import plot as plot_pipeline  # noqa: E402
+from bench_elastic import SCALEUP_PHASES  # noqa: E402
 
 Doc = dict[str, Any]
 MIB = 1 << 20
@@ -435,6 +437,32 @@ def render_pipeline(doc: Doc, figures: Figures) -> list[str]:
     return lines
 
 
+# ============================================================================ elastic
+def summary_value(row: Doc) -> str:
+    """A summary row's value with its unit, target and reference, as bench_elastic.py judged them."""
+    value = f"{row['value']:.2f} {row['unit']}" if row["unit"] != "x" else f"{row['value']:.2f}x"
+    extras = [f"target {'<=' if row['unit'] != 'GB/s' else '>='} {row['target']:g}"] if "target" in row else []
+    if "reference" in row:
+        extras.append(f"{row['reference_name']}: {row['reference']:.2f} {row['unit']}")
+    return value + (f" ({'; '.join(extras)})" if extras else "")
+
+
+def render_elastic(doc: Doc, figures: Figures) -> list[str]:
+    """bench_elastic.json: its summary rows, then the scale-up's phases (where the time goes)."""
+    lines = ["Recovery: 4 workers on 2 local hosts, one SIGKILLed, from the last step before the failure to the "
+             "first at size 2. Scale-up: 2 workers, the discovery script then lists 2 more slots. Commit: a "
+             "50M-parameter MLP with AdamW in a TorchState, against one torch copy of the same bytes into "
+             "preallocated buffers. Sync: the same state broadcast from rank 0 after a reset.", ""]
+    lines += table(["metric", "value"], [[row["metric"], summary_value(row)] for row in doc["summary"]])
+    phases = doc.get("scaleup", {}).get("median_phases_s") or {}
+    if phases:
+        lines += ["Scale-up, where the time goes (medians):", ""]
+        labels = dict(SCALEUP_PHASES)
+        lines += table(["phase", "seconds"], [[labels.get(name, name), f"{seconds:.3f}"]
+                                              for name, seconds in phases.items()])
+    return lines
+
+
 # ============================================================================ the report
 @dataclass(frozen=True)
 class Benchmark:
@@ -463,6 +491,7 @@ BENCHMARKS = (
     Benchmark("Pipeline schedules", "bench_pipeline.json",
               "python scripts/bench_pipeline.py --json results/bench_pipeline.json "
               "--plot results/bench_pipeline.png", render_pipeline),
+    Benchmark("Elastic training", "bench_elastic.json", "python scripts/bench_elastic.py", render_elastic),
 )
 
 
