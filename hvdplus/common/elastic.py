@@ -20,7 +20,7 @@ from hvdplus.common.collectives import broadcast_object, submit_allreduce
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["State", "ObjectState", "StateHandler", "HandledState", "run_fn", "restart"]
+__all__ = ["Kept", "State", "ObjectState", "StateHandler", "HandledState", "run_fn", "restart"]
 
 
 def _agreed_max(value: int, name: str) -> int:
@@ -30,7 +30,26 @@ def _agreed_max(value: int, name: str) -> int:
     return int(found[0])
 
 
-class State:
+class Kept:
+    """What elastic training keeps across resets, and how: a whole State, or one attribute's StateHandler."""
+
+    def save(self) -> None:
+        """Keep the current value in memory (the commit that a failure restores)."""
+        raise NotImplementedError()
+
+    def restore(self) -> None:
+        """Go back to the last saved value, undoing what came after it."""
+        raise NotImplementedError()
+
+    def sync(self) -> None:
+        """Make every rank's value rank 0's."""
+        raise NotImplementedError()
+
+    def reset(self) -> None:
+        """Adjust to the new generation, before the sync (a hook)."""
+
+
+class State(Kept):
     """What a job must keep across resets: saved at each commit, restored after a failure, synced from rank 0."""
 
     def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object,
@@ -71,22 +90,6 @@ class State:
         worker = elastic_worker()
         return worker is not None and worker.wait_for_newer(timeout)
 
-    def save(self) -> None:
-        """Keep the current state in memory (the commit that a failure restores)."""
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        """Go back to the last saved state, undoing what came after it."""
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        """Make every rank's state rank 0's."""
-        raise NotImplementedError()
-
-    def reset(self) -> None:
-        """Adjust objects to the new generation, before the sync (a hook for subclasses)."""
-
-
 class ObjectState(State):
     """State of plain Python objects, given as keyword arguments and kept as attributes."""
 
@@ -112,7 +115,7 @@ class ObjectState(State):
             setattr(self, name, value)
 
 
-class StateHandler:
+class StateHandler(Kept):
     """How a HandledState keeps one attribute of a kind it knows (a model, an optimizer, a sampler)."""
 
     sync_first = False  # optimizers: their sync may move parameters, which the models' sync then carries
@@ -123,18 +126,6 @@ class StateHandler:
     def set_value(self, value: Any) -> None:
         self.value = value
         self.save()
-
-    def save(self) -> None:
-        raise NotImplementedError()
-
-    def restore(self) -> None:
-        raise NotImplementedError()
-
-    def sync(self) -> None:
-        raise NotImplementedError()
-
-    def reset(self) -> None:
-        """After a reset, before the sync."""
 
 
 class HandledState(ObjectState):

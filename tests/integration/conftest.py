@@ -61,6 +61,16 @@ def run(argv: list[str], timeout: float = JOB_TIMEOUT, env: dict[str, str] | Non
     return Done(done.returncode, done.stdout + done.stderr, time.monotonic() - start)
 
 
+def discovery_script(folder: Path, listing: str) -> tuple[Path, Path]:
+    """An elastic job's --host-discovery-script that prints a file, and that file holding `listing`; (file,
+    script). Rewrite the file to add or remove hosts."""
+    hosts, script = folder / "hosts", folder / "discover.sh"
+    hosts.write_text(listing)
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(0o755)
+    return hosts, script
+
+
 def reports(output: str) -> list[dict]:
     """The JSON objects the ranks printed (after any rank prefix: Gloo mode's and Open MPI's `[1]<stdout>:`
     or `[1,1]<stdout>:`, MPICH's `[1] `), sorted by rank."""

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import socket
-import stat
 import subprocess
 import threading
 import time
@@ -22,7 +21,7 @@ from typing import Callable
 
 import pytest
 
-from tests.integration.conftest import HVDPLUSRUN, ROOT, SCRIPTS, job_env, run
+from tests.integration.conftest import HVDPLUSRUN, ROOT, SCRIPTS, discovery_script, job_env, run
 
 torch = pytest.importorskip("torch")
 
@@ -74,13 +73,6 @@ def _elastic(*flags: str, env: dict[str, str] | None = None, timeout: float = 90
     return run([HVDPLUSRUN, *flags, PY, TRAIN], timeout=timeout, env=job_env(**(env or {})))
 
 
-def _discovery_script(folder: Path) -> tuple[Path, Path]:
-    hosts, script = folder / "hosts", folder / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    return hosts, script
-
-
 @pytest.mark.parametrize("hosts", ["-H", "discovery"])
 @pytest.mark.parametrize("how", ["kill", "raise"])
 def test_a_failed_worker_is_dropped_and_training_goes_on_from_the_commit(tmp_path, how, hosts):
@@ -90,8 +82,7 @@ def test_a_failed_worker_is_dropped_and_training_goes_on_from_the_commit(tmp_pat
     if hosts == "-H":
         where = ["-H", "localhost:2,127.0.0.1:2"]
     else:
-        listing, script = _discovery_script(tmp_path)
-        listing.write_text("localhost:2\n127.0.0.1:2\n")
+        _, script = discovery_script(tmp_path, "localhost:2\n127.0.0.1:2\n")
         where = ["--host-discovery-script", str(script)]
     done = _elastic("-np", "4", "--min-np", "2", *where, env={"STEPS": "12", "FAIL": f"127.0.0.1/1:5:{how}"})
     assert done.returncode == 0, done.output[-4000:]
@@ -203,13 +194,18 @@ class _LiveJob:
     def wait_for_size(self, size: int) -> None:
         self.wait_until(lambda output: any(s["size"] == size for s in _steps(output)), f"step at size {size}")
 
-    def finish(self, timeout: float = 60) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self._reader.join(5)
+    def stop(self, stop_file: Path, timeout: float = 60) -> int:
+        """Ask the workers to end (they agree on `stop_file`) and wait; the exit status."""
+        stop_file.write_text("")
+        return self.proc.wait(timeout=timeout)
+
+    def __enter__(self) -> "_LiveJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self._reader.join(5)
 
 
 @pytest.mark.parametrize("slots", [1, 2])
@@ -217,12 +213,10 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
     """The discovery script lists localhost, then also 127.0.0.1, then localhost only: the job grows at the next
     commit, shrinks again (the removed workers exit by themselves, status 0, and the job goes on), and ends
     when the test asks. Sizes, ranks and generations are checked at each stage."""
-    hosts, script = _discovery_script(tmp_path)
-    hosts.write_text(f"localhost:{slots}\n")
+    hosts, script = discovery_script(tmp_path, f"localhost:{slots}\n")
     stop = tmp_path / "stop"
-    job = _LiveJob([HVDPLUSRUN, "-np", str(slots), "--min-np", "1", "--host-discovery-script", str(script), PY,
-                    TRAIN], job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), WAIT_AT_STEP="3"))
-    try:
+    with _LiveJob([HVDPLUSRUN, "-np", str(slots), "--min-np", "1", "--host-discovery-script", str(script), PY,
+                   TRAIN], job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), WAIT_AT_STEP="3")) as job:
         job.wait_for_size(slots)
         job.wait_until(lambda output: output.count('"waiting": true') == slots,  # the public way to wait
                        "rank waiting for a host change")
@@ -233,11 +227,7 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
         added = max(s["generation"] for s in _steps(job.output))
         job.wait_until(lambda output: any(s["size"] == slots and s["generation"] > added for s in _steps(output)),
                        "step after the host's removal")
-        stop.write_text("")
-        code = job.finish()
-    finally:
-        if job.proc.poll() is None:
-            job.proc.kill()
+        code = job.stop(stop)
     output = job.output
     assert code == 0, output[-4000:]
     generations = {}
@@ -258,23 +248,17 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
 def test_every_original_host_replaced_the_job_goes_on(tmp_path):
     """localhost, then localhost and 127.0.0.1, then 127.0.0.1 only (horovod#3197): the state moves with the
     workers that hold it, rank 0 moves to 127.0.0.1, and the result is a one-process run's."""
-    hosts, script = _discovery_script(tmp_path)
-    hosts.write_text("localhost:1\n")
+    hosts, script = discovery_script(tmp_path, "localhost:1\n")
     stop = tmp_path / "stop"
-    job = _LiveJob([HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
-                   job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop)))
-    try:
+    with _LiveJob([HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
+                  job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop))) as job:
         job.wait_for_size(1)
         hosts.write_text("localhost:1\n127.0.0.1:1\n")
         job.wait_for_size(2)
         hosts.write_text("127.0.0.1:1\n")
         job.wait_until(lambda output: any(s["worker"] == "127.0.0.1/0" and s["size"] == 1 for s in _steps(output)),
                        "step on 127.0.0.1 alone")
-        stop.write_text("")
-        code = job.finish()
-    finally:
-        if job.proc.poll() is None:
-            job.proc.kill()
+        code = job.stop(stop)
     assert code == 0, job.output[-4000:]
     [final] = _finals(job.output)
     assert final["worker"] == "127.0.0.1/0" and final["rank"] == 0, final

@@ -11,15 +11,13 @@ SGD whose updates shrink.
 from __future__ import annotations
 
 import json
-import os
 import re
-import stat
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import HVDPLUSRUN, SCRIPTS, job_env, run
+from tests.integration.conftest import HVDPLUSRUN, SCRIPTS, discovery_script, job_env, run
 
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras", minversion="3")
@@ -129,10 +127,7 @@ def test_keras_epochs_stay_right_after_a_scale_up(tmp_path, keras_reference):
     """horovod#2844: after a worker joins, fit must go on at the job's epoch. One worker trains; after batch 2 of
     epoch 1 it adds 127.0.0.1 to the discovery script's hosts; the commit of batch 3 raises HostsUpdatedInterrupt,
     and both workers go on from batch 4 of epoch 1, numbering epochs as the job does."""
-    hosts, script = tmp_path / "hosts", tmp_path / "discover.sh"
-    hosts.write_text("localhost:1\n")
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    hosts, script = discovery_script(tmp_path, "localhost:1\n")
     done = _keras_job("-np", "1", "--min-np", "1", "--host-discovery-script", str(script), GROW=f"{hosts}:1:2")
     assert done.returncode == 0, done.output[-4000:]
     assert re.search(r"generation 1 \(.*\): 2 worker\(s\): localhost/0, 127\.0\.0\.1/0", done.output), \
@@ -164,10 +159,7 @@ def test_a_custom_loop_traced_at_size_1_reduces_once_the_job_grows(tmp_path):
     step must still allreduce (in an elastic job the gradient reduction is traced even at size 1), or the new
     worker would wait for it forever; both end like one process."""
     reference = _reference(LOOP, STEPS="12")
-    hosts, script = tmp_path / "hosts", tmp_path / "discover.sh"
-    hosts.write_text("localhost:1\n")
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    hosts, script = discovery_script(tmp_path, "localhost:1\n")
     done = run([HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, LOOP],
                timeout=TIMEOUT, env=job_env(STEPS="12", GROW=f"{hosts}:3"))
     assert done.returncode == 0, done.output[-4000:]
