@@ -213,3 +213,13 @@ def test_autotune_converges_with_the_users_cycle_time_fixed(tmp_path, engine, np
     assert {name: chosen[name] for name in TUNED} == {name: str(tuned[0][name])
                                                       for name in TUNED}, (chosen, tuned[0])
     assert {r["hierarchical_allreduce"] for r in samples} == ({"True", "False"} if hosts > 1 else {"False"}), rows
+
+
+@on_both_engines
+@pytest.mark.parametrize("np", [2, 3])
+def test_the_elastic_sync_decision_is_collective(engine, np):
+    """horovod#3494: one rank needs a sync after a reset and another would skip it: every rank syncs."""
+    code, output = run_job(engine, np, [str(SCENARIOS / "elastic_sync_decision.py")], timeout=60)
+    assert code == 0, output
+    assert all(f"rank {r}: syncs 2, value 0" in output for r in range(np)), output
+
