@@ -590,8 +590,8 @@ class Coordinator:
             limit = self._settings.stall_shutdown_time_seconds
             # every rank holds the same table, so every rank can name what stalled and who is missing (at half
             # the limit: each rank dates an entry by its own clock)
-            stalled = "; ".join(f"{s.description} (missing ranks {list(s.missing)})"
-                                for s in self._table.stalls(limit / 2, self._members) if s.key != JOIN_KEY)
+            stalled = "; ".join(sorted(f"{s.description} (missing ranks {list(s.missing)})"  # same text everywhere
+                                       for s in self._table.stalls(limit / 2, self._members) if s.key != JOIN_KEY))
             reason = (f"a collective stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}"
                       + (f": {stalled}" if stalled else ""))
         else:

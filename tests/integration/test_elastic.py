@@ -73,12 +73,11 @@ def _elastic(*flags: str, env: dict[str, str] | None = None, timeout: float = 90
     return run([HVDPLUSRUN, *flags, PY, TRAIN], timeout=timeout, env=job_env(**(env or {})))
 
 
-@pytest.mark.parametrize("hosts", ["-H", "discovery"])
-@pytest.mark.parametrize("how", ["kill", "raise"])
+@pytest.mark.parametrize("how,hosts", [("kill", "-H"), ("raise", "discovery")])
 def test_a_failed_worker_is_dropped_and_training_goes_on_from_the_commit(tmp_path, how, hosts):
-    """4 workers on 2 hosts (given by -H, or by a discovery script); one fails right after its 5th commit: its
-    host is blacklisted (both its workers go), and the other two go on at size 2 from step 5, ending like a
-    one-process run."""
+    """4 workers on 2 hosts (given by -H, or by a discovery script); one fails right after its 5th commit (killed,
+    or by an exception): its host is blacklisted (both its workers go), and the other two go on at size 2 from
+    step 5 within 3 s (Horovod: 30.4 s on this machine, Gloo's timeout), ending like a one-process run."""
     if hosts == "-H":
         where = ["-H", "localhost:2,127.0.0.1:2"]
     else:
@@ -90,19 +89,10 @@ def test_a_failed_worker_is_dropped_and_training_goes_on_from_the_commit(tmp_pat
     assert "worker 127.0.0.1/1 (rank 3 of generation 0) failed with" in done.output
     assert "generation 1 (worker 127.0.0.1/1 failed): 2 worker(s): localhost/0, localhost/1" in done.output
     _assert_finished_like_one_process(done.output, 12, 2)
-
-
-def test_recovery_after_a_sigkill_takes_under_three_seconds():
-    """From the last step before the failure to the first step at the new size (Horovod: 30.4 s on this machine,
-    Gloo's timeout). scripts/bench_elastic.py measures it; the test bounds it at the issue's target."""
-    done = _elastic("-np", "4", "--min-np", "2", "-H", "localhost:2,127.0.0.1:2",
-                    env={"STEPS": "8", "FAIL": "127.0.0.1/0:4:kill"})
-    assert done.returncode == 0, done.output[-4000:]
     steps = _steps(done.output)
-    before = max(s["t"] for s in steps if s["size"] == 4)
-    after = min(s["t"] for s in steps if s["size"] == 2)
-    print(f"\nrecovery: {after - before:.2f} s from the last step at size 4 to the first at size 2")
-    assert 0 < after - before < 3.0, done.output[-4000:]
+    recovery = min(s["t"] for s in steps if s["size"] == 2) - max(s["t"] for s in steps if s["size"] == 4)
+    print(f"\nrecovery: {recovery:.2f} s from the last step at size 4 to the first at size 2")
+    assert 0 < recovery < 3.0, done.output[-4000:]
 
 
 def test_a_worker_dying_between_a_reset_and_the_state_sync_costs_one_more_reset():

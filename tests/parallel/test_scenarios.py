@@ -215,8 +215,10 @@ def test_autotune_converges_with_the_users_cycle_time_fixed(tmp_path, engine, np
     assert {r["hierarchical_allreduce"] for r in samples} == ({"True", "False"} if hosts > 1 else {"False"}), rows
 
 
-@on_both_engines
-@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine,np", [
+    pytest.param("mpi", 2, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")), ("gloo", 3)])
 def test_the_elastic_sync_decision_is_collective(engine, np):
     """horovod#3494: one rank needs a sync after a reset and another would skip it: every rank syncs."""
     code, output = run_job(engine, np, [str(SCENARIOS / "elastic_sync_decision.py")], timeout=60)

@@ -18,7 +18,7 @@ MIB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ("## Allreduce against the raw engine call", "## Multi-host allreduce against the cost model",
             "## Training throughput, PyTorch", "## Training throughput, Keras", "## ZeRO optimizer-state sharding",
-            "## Pipeline schedules")
+            "## Pipeline schedules", "## Elastic training")
 
 
 @pytest.fixture
@@ -98,6 +98,16 @@ def write_zero(scripts, path: Path) -> None:
     path.write_text(json.dumps(report))
 
 
+def write_elastic(scripts, path: Path) -> None:
+    """bench_elastic.py's summary rows (one with a target and a reference) and the scale-up's phases."""
+    report = {"date": "2026-11-25T14:00:00", "host": "testhost", "cpus": 2,
+              "summary": [{"metric": "recovery after a SIGKILL, median", "value": 0.19, "unit": "s", "target": 3.0,
+                           "reference": 30.4, "reference_name": "Horovod Elastic"},
+                          {"metric": "TorchState.save() / torch copy", "value": 1.02, "unit": "x", "target": 1.5}],
+              "scaleup": {"median_phases_s": {"imported": 3.5, "synced": 0.17}}}
+    path.write_text(json.dumps(report))
+
+
 def pipeline_row(schedule: str, bubble: float, theory: float) -> dict:
     """A bench_pipeline.py row at S = 2, M = 4, with what the report and the plot read."""
     return {"schedule": schedule, "stages": 2, "micro_batches": 4, "layers": "real", "bubble": [bubble, bubble],
@@ -131,7 +141,8 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     results.mkdir()
     for name, write in (("bench_collectives", write_collectives), ("bench_training", write_training),
                         ("bench_training_keras", write_training_keras), ("bench_multihost", write_multihost),
-                        ("bench_zero", write_zero), ("bench_pipeline", write_pipeline)):
+                        ("bench_zero", write_zero), ("bench_pipeline", write_pipeline),
+                        ("bench_elastic", write_elastic)):
         write(scripts, results / f"{name}.json")
     text = run_report(scripts, results, tmp_path)
 
@@ -161,6 +172,10 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     assert "| ZB-H1 | 2 | 0.050 / 0.077 | 10240 | M=4 PASS 0.24x, mem 1.00x |" in text
     assert "| pipeline / data-parallel | 2.50x |" in text
     assert "Measured 2026-11-21T10:00:00 on host testhost, 2 CPUs." in text
+    # elastic: the summary with its target and reference, the scale-up phases by bench_elastic.py's names
+    assert "| recovery after a SIGKILL, median | 0.19 s (target <= 3; Horovod Elastic: 30.40 s) |" in text
+    assert "| TorchState.save() / torch copy | 1.02x (target <= 1.5) |" in text
+    assert "| imports (torch, hvdplus.torch): -> new workers imported (the old ones train on) | 3.500 |" in text
 
     images = ("collectives_busbw", "collectives_per_tensor", "multihost", "training", "training_keras", "zero",
               "pipeline")
@@ -181,7 +196,7 @@ def test_missing_files_say_not_measured_yet_with_their_command(scripts, tmp_path
             assert f"Reproduce: `{bench.command}`" in text
         else:
             assert f"Not measured yet: `{bench.command}` writes `{bench.filename}`." in text
-    assert text.count("not measured yet |") == 5
+    assert text.count("not measured yet |") == len(scripts.bench_report.BENCHMARKS) - 1
     assert [path.name for path in (tmp_path / "docs" / "img").iterdir()] == ["zero.png"]
 
 
