@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import threading
 import time
@@ -43,6 +44,14 @@ DISCOVERY_SECONDS = 1.0
 
 class ElasticJobError(RuntimeError):
     """The elastic job cannot go on; the message names why."""
+
+
+class _Signalled(BaseException):
+    """hvdplusrun got SIGINT, SIGTERM or SIGHUP: the job ends."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
 
 
 class _Discovery(threading.Thread):
@@ -89,17 +98,29 @@ class ElasticDriver:
         self._finishing = False
 
     def run(self) -> int:
+        """Run the job to its end; its exit status. Every worker is stopped on the way out, whatever the way
+        (success, failure, Ctrl-C, SIGTERM or SIGHUP: 128 + the signal)."""
         self.discovery.start()
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             self._wait_first()
             return self._watch()
         except ElasticJobError as exc:
             self._say(f"hvdplusrun: elastic job failed: {exc}")
-            self.supervisor.stop_all()
             return 1
+        except _Signalled as signalled:
+            self._say(f"hvdplusrun: got {signal.Signals(signalled.signum).name}; stopping every worker")
+            return 128 + signalled.signum
         finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             self.discovery.stopped.set()
+            self.supervisor.stop_all()
             self.server.close()
+
+    @staticmethod
+    def _on_signal(signum: int, frame: object) -> None:
+        raise _Signalled(signum)
 
     def _wait_first(self) -> None:
         """Wait until discovery offers --np slots (or --min-np after --elastic-timeout), then start generation 0."""

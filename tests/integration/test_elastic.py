@@ -312,3 +312,19 @@ def test_the_elastic_example_learns_through_a_failure():
     # Measured 0.82 after 2 epochs; a model that did not learn scores ~0.1.
     accuracy = float(re.search(r"Final test accuracy: ([\d.]+) \(2 ranks\)", done.output).group(1))
     assert accuracy > 0.5, done.output[-4000:]
+
+
+def test_sigterm_stops_every_worker_of_an_elastic_job(tmp_path):
+    """hvdplusrun gets SIGTERM while an elastic job trains: it names the signal, stops every worker, and exits
+    with 128 + 15; no worker is left running."""
+    stop = tmp_path / "never"
+    with _LiveJob([HVDPLUSRUN, "-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", PY, TRAIN],
+                  job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop))) as job:
+        job.wait_for_size(2)
+        job.proc.send_signal(15)
+        code = job.proc.wait(timeout=30)
+        time.sleep(0.5)
+    assert code == 128 + 15, job.output[-4000:]
+    assert "hvdplusrun: got SIGTERM; stopping every worker" in job.output, job.output[-4000:]
+    workers = subprocess.run(["pgrep", "-f", TRAIN], capture_output=True, text=True).stdout.split()
+    assert not workers, workers
