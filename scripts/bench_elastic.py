@@ -400,9 +400,8 @@ def print_sync(result: dict[str, Any]) -> None:
         rate = f"{result['bytes'] / median / 1e9:6.2f}" if name in ("sync", "broadcast") else f"{'':6}"
         ratio = f"{median / broadcast:8.2f}x" if name in ("sync", "broadcast") else ""
         print(f"{label:60} {median:10.3f} {rate} {ratio}")
-    print("   the first sync includes the new worker's optimizer-state initialisation (an AdamW step on zero "
-          "gradients, as in Horovod);\n   in every state.sync() the receiving rank gets fresh optimizer tensors "
-          "(broadcast_optimizer_state allocates them, then load_state_dict)")
+    print("   the first sync after the reset: the new worker has no optimizer state yet and allocates it (rank 0's "
+          "arrives in new tensors);\n   a later state.sync() receives into the ranks' own state tensors")
 
 
 # ============================================================================ driver

@@ -61,17 +61,21 @@ def _strip(value: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> An
     return value
 
 
-def _fill(value: Any, tensors: list[tuple[str, torch.Tensor]]) -> Any:
-    """Inverse of `_strip`: a fresh tensor for each slot (the broadcast fills it), appended to `tensors` in the
-    same order."""
+def _fill(value: Any, tensors: list[tuple[str, torch.Tensor]], own: dict[str, torch.Tensor]) -> Any:
+    """Inverse of `_strip`: for each slot the tensor the broadcast fills, appended to `tensors` in the same order:
+    this rank's own state tensor at that path when it has the slot's shape and dtype (received in place), else a
+    new one."""
     if isinstance(value, _TensorSlot):
-        tensor = torch.empty(value.shape, dtype=value.dtype)
+        tensor = own.get(value.path)
+        if tensor is None or tuple(tensor.shape) != value.shape or tensor.dtype != value.dtype \
+                or not tensor.is_contiguous():
+            tensor = torch.empty(value.shape, dtype=value.dtype)
         tensors.append((value.path, tensor))
         return tensor
     if isinstance(value, dict):
-        return {k: _fill(v, tensors) for k, v in value.items()}
+        return {k: _fill(v, tensors, own) for k, v in value.items()}
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_fill(v, tensors) for v in value)
+        return type(value)(_fill(v, tensors, own) for v in value)
     return value
 
 
@@ -120,7 +124,11 @@ def _broadcast_state(optimizer: torch.optim.Optimizer, root_rank: int, model: to
     tensors: list[tuple[str, torch.Tensor]] = []
     skeleton = _strip(optimizer.state_dict(), "optimizer_state", tensors) if is_root else None
     skeleton = broadcast_object(skeleton, root_rank, "broadcast_optimizer_state.structure", process_set)
-    state_dict = skeleton if is_root else _fill(skeleton, tensors)
+    if not is_root:
+        own: list[tuple[str, torch.Tensor]] = []
+        _strip(optimizer.state_dict(), "optimizer_state", own)  # state_dict() holds the live state tensors
+        skeleton = _fill(skeleton, tensors, dict(own))
+    state_dict = skeleton
     handles = [broadcast_async_(tensor, root_rank, name, process_set) for name, tensor in tensors]
     for handle in handles:
         synchronize(handle)
