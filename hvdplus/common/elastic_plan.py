@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass
 
 __all__ = ["Plan", "GenerationReplaced", "worker_id", "LATEST_KEY", "plan_key", "arrived_key",
-           "generation_prefix", "failure_notice_key", "failure_key", "waiting_key"]
+           "generation_prefix", "failure_notice_key", "failure_key", "waiting_key", "host_of"]
 
 LATEST_KEY = "elastic/latest"
 
@@ -56,6 +56,11 @@ def failure_notice_key(generation: int, rank: int) -> str:
 def worker_id(host: str, slot: int) -> str:
     """A worker's lasting id: its host and its slot there (its local rank when it started)."""
     return f"{host}/{slot}"
+
+
+def host_of(worker: str) -> str:
+    """The host of worker id `worker`."""
+    return worker.rsplit("/", 1)[0]
 
 
 @dataclass(frozen=True)

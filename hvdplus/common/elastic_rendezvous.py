@@ -14,7 +14,8 @@ import dataclasses
 import sys
 import time
 
-from hvdplus.common.elastic_plan import LATEST_KEY, Plan, arrived_key, generation_prefix, plan_key, waiting_key
+from hvdplus.common.elastic_plan import (LATEST_KEY, Plan, arrived_key, generation_prefix, host_of, plan_key,
+                                         waiting_key)
 from hvdplus.common.rendezvous import RendezvousClient, RendezvousTimeout
 from hvdplus.common.settings import LaunchEnv
 
@@ -61,8 +62,7 @@ class ElasticWorker:
                 break
             wanted = plan.generation + 1
         self.plan, self._next = plan, plan.generation + 1
-        host = self.worker.rsplit("/", 1)[0]
-        local_rank = sum(1 for w in plan.workers[:rank] if w.rsplit("/", 1)[0] == host)
+        local_rank = sum(1 for w in plan.workers[:rank] if host_of(w) == host_of(self.worker))
         return dataclasses.replace(launch, rank=rank, size=plan.size, local_rank=local_rank,
                                    store_prefix=generation_prefix(plan.generation), elastic_generation=plan.generation)
 

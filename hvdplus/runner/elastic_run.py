@@ -17,21 +17,19 @@ way; a worker that a plan left out exits by itself (status 0) and counts for not
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import sys
 import threading
 import time
+from collections import Counter
 from typing import Callable
 
-from hvdplus.common.elastic_plan import (LATEST_KEY, Plan, arrived_key, failure_notice_key, plan_key, waiting_key,
-                                         worker_id)
+from hvdplus.common.elastic_plan import (LATEST_KEY, Plan, arrived_key, failure_notice_key, host_of, plan_key,
+                                         waiting_key, worker_id)
 from hvdplus.common.rendezvous import RendezvousServer, new_secret
 from hvdplus.runner.agent import source_address
 from hvdplus.runner.elastic_hosts import HostManager
-from hvdplus.runner.env import exportable
-from hvdplus.runner.gloo_run import AGENT
+from hvdplus.runner.gloo_run import slot_env, start_agent
 from hvdplus.runner.hosts import Host, assign_slots, is_local
 from hvdplus.runner.job import ElasticOptions, JobSpec
 from hvdplus.runner.preflight import preflight
@@ -94,7 +92,7 @@ class ElasticDriver:
         self.resets = 0
         self._plan_version = -1  # the host manager's version the current plan was made from
         self._short_since: float | None = None  # when the usable slots fell below --min-np
-        self._failed: list[str] = []  # what failed since the last plan, for the log
+        self._member_failed = False  # a worker of the running generation failed: a new plan is due
         self._finishing = False
 
     def run(self) -> int:
@@ -167,7 +165,6 @@ class ElasticDriver:
                 continue
             if self._finishing:  # the job was ending well, then a worker of its last generation failed
                 self._say(f"hvdplusrun: worker {wid} failed with {describe_exit(code)} after the job finished")
-                self.supervisor.stop_all()
                 return code if code > 0 else 1
             self._on_failure(wid, code)
             members = set(self.plan.workers) | self._joining
@@ -180,31 +177,31 @@ class ElasticDriver:
         """A worker of the running generation (or one starting to join) failed: blacklist its host, stop its host's
         other workers, tell the running generation's peers, and plan the next one."""
         assert self.plan is not None
-        host = wid.rsplit("/", 1)[0]
+        host = host_of(wid)
         rank = self.plan.rank_of(wid)
         where = f"rank {rank} of generation {self.plan.generation}" if rank is not None else "starting"
         self._say(f"hvdplusrun: worker {wid} ({where}) failed with {describe_exit(code)}; blacklisting host {host}")
         if rank is not None:
             self.server.put(failure_notice_key(self.plan.generation, rank),
                             f"rank {rank} (worker {wid}) exited with {describe_exit(code)}".encode())
-            self._failed.append(wid)
+            self._member_failed = True
         self._joining.discard(wid)
         self.hosts.blacklist(host)
         for other, process in self.workers.items():
-            if other.rsplit("/", 1)[0] == host and not process.exited.is_set():
+            if host_of(other) == host and not process.exited.is_set():
                 process.stop()
         self._replan(f"worker {wid} failed")
 
     def _holding(self) -> set[str]:
         """The workers that hold the training state and still run on usable hosts."""
         return {w for w in self._holders if not self.workers[w].exited.is_set()
-                and not self.hosts.is_blacklisted(w.rsplit("/", 1)[0])}
+                and not self.hosts.is_blacklisted(host_of(w))}
 
     def _candidates(self, holding: set[str]) -> list[str]:
         """The next plan's workers: every usable slot, hosts whose workers hold the state first (rank 0 is the
         sync's root), each group by age; at most --max-np."""
         usable = self.hosts.usable()
-        usable.sort(key=lambda hs: not any(w.rsplit("/", 1)[0] == hs[0] for w in holding))  # stable
+        usable.sort(key=lambda hs: not any(host_of(w) == hs[0] for w in holding))  # stable
         workers = [worker_id(host, slot) for host, slots in usable for slot in range(slots)]
         return workers[:self.options.max_np] if self.options.max_np else workers
 
@@ -229,7 +226,7 @@ class ElasticDriver:
         joining = [w for w in candidates if w not in holding]
         everyone_ready = self.plan is None or all(self._ready(w) for w in joining)  # one reset for a whole scale-up
         workers = [w for w in candidates if w in holding or everyone_ready]
-        if self.plan is not None and tuple(workers) == self.plan.workers and not self._failed:
+        if self.plan is not None and tuple(workers) == self.plan.workers and not self._member_failed:
             self._plan_version = version  # the change does not change the plan
             return
         if len(workers) < self.options.min_np:
@@ -249,11 +246,11 @@ class ElasticDriver:
         if self.spec.verbose or generation:
             self._say(f"hvdplusrun: generation {generation} ({reason}): {self.plan.size} worker(s): "
                       f"{', '.join(workers)}")
-        self._failed.clear()
+        self._member_failed = False
 
     def _nobody_left(self) -> str:
         for wid in self._holders:  # failures not acted on yet (they ended together) blacklist their hosts too
-            host = wid.rsplit("/", 1)[0]
+            host = host_of(wid)
             if self.workers[wid].proc.returncode not in (None, 0) and not self.hosts.is_blacklisted(host):
                 self.hosts.blacklist(host)
         discovered = self.hosts.discovered()
@@ -286,47 +283,21 @@ class ElasticDriver:
 
     def _start(self, wid: str, generation: int, workers: list[str]) -> None:
         """Start worker `wid` to join generation `generation` or a later one; `workers`: the planned ranks."""
-        host = wid.rsplit("/", 1)[0]
+        host = host_of(wid)
         address = "127.0.0.1" if is_local(host) else source_address(host)
-        port = self.server.listen(address)
-        env = self._worker_env(wid, generation, tuple(workers), address, port)
-        local = is_local(host)
-        if not local:
-            env = {k: v for k, v in env.items() if exportable(k)}
-        payload = json.dumps({"argv": self.spec.command, "env": env, "cwd": os.getcwd(), "route_to": address})
-        argv = [sys.executable, AGENT] if local else self.spec.ssh.command(host, [sys.executable, AGENT])
-        self.workers[wid] = self.supervisor.start(f"worker {wid}", argv, payload=(payload + "\n").encode(), tag=wid)
+        slot = assign_slots([Host(h, n) for h, n in Counter(map(host_of, workers)).items()],
+                            len(workers))[workers.index(wid)]
+        env = slot_env(self.spec, slot, address, self.server.listen(address), self.secret)
+        env.update({"HOROVOD_ELASTIC": "1", "HVDPLUS_ELASTIC_WORKER": wid,
+                    "HVDPLUS_ELASTIC_GENERATION": str(generation), "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout),
+                    "HVDPLUS_CPU_OPERATIONS": "gloo"})
+        self.workers[wid] = start_agent(self.spec, self.supervisor, host, env, address, f"worker {wid}", tag=wid)
         self._started_for[wid] = generation
         self._joining.add(wid)
-
-    def _worker_env(self, wid: str, generation: int, workers: tuple[str, ...], address: str,
-                    port: int) -> dict[str, str]:
-        """Horovod's variables for the worker's planned place among `workers`, and how to reach the driver."""
-        slot = assign_slots([Host(h, n) for h, n in _host_counts(workers)], len(workers))[workers.index(wid)]
-        env = dict(self.spec.env)
-        env.update({"HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
-                    "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-                    "HOROVOD_CROSS_RANK": str(slot.cross_rank), "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-                    "HOROVOD_HOSTNAME": slot.hostname, "HOROVOD_ELASTIC": "1", "HVDPLUS_ELASTIC_WORKER": wid,
-                    "HVDPLUS_ELASTIC_GENERATION": str(generation),
-                    "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout), "HVDPLUS_CPU_OPERATIONS": "gloo",
-                    "HVDPLUS_RENDEZVOUS_ADDR": address, "HVDPLUS_RENDEZVOUS_PORT": str(port),
-                    "HVDPLUS_SECRET_KEY": self.secret})
-        if self.spec.nics:
-            env.setdefault("GLOO_SOCKET_IFNAME", self.spec.nics[0])
-        return env
 
     @staticmethod
     def _say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
-
-
-def _host_counts(workers: tuple[str, ...]) -> list[tuple[str, int]]:
-    counts: dict[str, int] = {}
-    for wid in workers:
-        host = wid.rsplit("/", 1)[0]
-        counts[host] = counts.get(host, 0) + 1
-    return list(counts.items())
 
 
 def run_elastic(spec: JobSpec, options: ElasticOptions) -> int:

@@ -8,14 +8,14 @@ import sys
 from typing import Callable
 
 from hvdplus.runner import agent
-from hvdplus.runner.hosts import is_local
+from hvdplus.runner.hosts import Slot, is_local
 from hvdplus.runner.env import exportable
 from hvdplus.runner.job import JobSpec
 from hvdplus.common.rendezvous import RendezvousServer, new_secret
 from hvdplus.runner.preflight import LaunchError, preflight
-from hvdplus.runner.supervise import Supervisor
+from hvdplus.runner.supervise import Process, Supervisor
 
-__all__ = ["rendezvous_addresses", "run_gloo"]
+__all__ = ["rendezvous_addresses", "run_gloo", "slot_env", "start_agent"]
 
 AGENT = os.path.abspath(agent.__file__)
 
@@ -43,8 +43,8 @@ def rendezvous_addresses(hostnames: list[str], nics: list[str]) -> dict[str, str
     return {h: addresses.get(h, first) for h in hostnames}
 
 
-def _rank_env(spec: JobSpec, index: int, address: str, port: int, secret: str) -> dict[str, str]:
-    slot = spec.slots[index]
+def slot_env(spec: JobSpec, slot: Slot, address: str, port: int, secret: str) -> dict[str, str]:
+    """The worker environment for `slot`: Horovod's rank variables, and how to reach the rendezvous."""
     env = dict(spec.env)
     env.update({"HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
                 "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
@@ -54,6 +54,21 @@ def _rank_env(spec: JobSpec, index: int, address: str, port: int, secret: str) -
     if spec.nics:
         env.setdefault("GLOO_SOCKET_IFNAME", spec.nics[0])
     return env
+
+
+def start_agent(spec: JobSpec, supervisor: Supervisor, host: str, env: dict[str, str], address: str, label: str,
+                rank: int | None = None, tag: str | None = None) -> Process:
+    """Start one worker under the agent on `host` (over ssh unless local), `env` in its stdin, never on a command
+    line; a remote host gets only the exportable variables."""
+    local = is_local(host)
+    if not local:
+        env = {k: v for k, v in env.items() if exportable(k)}
+    payload = json.dumps({"argv": spec.command, "env": env, "cwd": os.getcwd(), "route_to": address})
+    argv = [sys.executable, AGENT] if local else spec.ssh.command(host, [sys.executable, AGENT])
+    if spec.verbose:
+        print(f"hvdplusrun: {label}: {' '.join(argv)} (rendezvous {address}:{env['HVDPLUS_RENDEZVOUS_PORT']})",
+              file=sys.stderr, flush=True)
+    return supervisor.start(label, argv, rank=rank, payload=(payload + "\n").encode(), tag=tag)
 
 
 def run_gloo(spec: JobSpec, prepare: Callable[[RendezvousServer], None] | None = None) -> tuple[int, RendezvousServer]:
@@ -81,18 +96,8 @@ def run_gloo(spec: JobSpec, prepare: Callable[[RendezvousServer], None] | None =
 
 def _start_ranks(spec: JobSpec, supervisor: Supervisor, addresses: dict[str, str], server: RendezvousServer,
                  secret: str) -> None:
-    for index, slot in enumerate(spec.slots):
+    for slot in spec.slots:
         address = addresses[slot.hostname]
-        env = _rank_env(spec, index, address, server.port(address), secret)
-        local = is_local(slot.hostname)
-        if not local:
-            env = {k: v for k, v in env.items() if exportable(k)}
-        payload = json.dumps({"argv": spec.command, "env": env, "cwd": os.getcwd(), "route_to": address})
-        argv = [sys.executable, AGENT]
-        if not local:
-            argv = spec.ssh.command(slot.hostname, argv)
-        if spec.verbose:
-            print(f"hvdplusrun: rank {slot.rank} on {slot.hostname}: {' '.join(argv)} "
-                  f"(rendezvous {address}:{server.port(address)})", file=sys.stderr, flush=True)
-        supervisor.start(f"rank {slot.rank} on {slot.hostname}", argv, rank=slot.rank,
-                         payload=(payload + "\n").encode())
+        env = slot_env(spec, slot, address, server.port(address), secret)
+        start_agent(spec, supervisor, slot.hostname, env, address, f"rank {slot.rank} on {slot.hostname}",
+                    rank=slot.rank)
