@@ -20,7 +20,7 @@ from hvdplus.common.collectives import broadcast_object, submit_allreduce
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["Kept", "State", "ObjectState", "StateHandler", "HandledState", "run_fn", "restart"]
+__all__ = ["Kept", "State", "ObjectState", "StateHandler", "OptimizerHandler", "HandledState", "run_fn", "restart"]
 
 
 def _agreed_max(value: int, name: str) -> int:
@@ -126,6 +126,18 @@ class StateHandler(Kept):
     def set_value(self, value: Any) -> None:
         self.value = value
         self.save()
+
+
+class OptimizerHandler(StateHandler):
+    """A StateHandler for optimizers: they sync first, and a reset drops a DistributedOptimizer's pending work (its
+    old job's allreduces, its gradient accumulation), which the new generation would never finish."""
+
+    sync_first = True  # initializing an empty state on rank 0 steps once, which may move the model's parameters
+
+    def reset(self) -> None:
+        discard = getattr(self.value, "discard_pending", None)
+        if discard is not None:
+            discard()
 
 
 class HandledState(ObjectState):

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from hvdplus.common.basics import rank
 from hvdplus.common.collectives import broadcast_object
-from hvdplus.common.elastic import HandledState, ObjectState, State, StateHandler, run_fn
+from hvdplus.common.elastic import HandledState, ObjectState, OptimizerHandler, State, StateHandler, run_fn
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.tensorflow.functions import broadcast_variables
 
@@ -127,26 +127,22 @@ class _VariablesHandler(StateHandler):
         self.save()  # as Horovod's TF states: a failure before the next commit goes back to rank 0's values
 
 
-class _ModelHandler(_VariablesHandler):
-    """A Keras model's variables; fit traces its train step again after a reset."""
+class _KerasHandler(_VariablesHandler):
+    """A Keras object's variables (its `variables` list)."""
 
     def variables(self) -> list[Any]:
         return list(self.value.variables)
+
+
+class _ModelHandler(_KerasHandler):
+    """A Keras model's variables; fit traces its train step again after a reset."""
 
     def reset(self) -> None:
         self.value.make_train_function(force=True)  # the step traced before was traced for the old size
 
 
-class _OptimizerHandler(_VariablesHandler):
+class _OptimizerHandler(OptimizerHandler, _KerasHandler):
     """A Keras optimizer's variables; a DistributedOptimizer's gradient accumulation is emptied at a reset."""
-
-    def variables(self) -> list[Any]:
-        return list(self.value.variables)
-
-    def reset(self) -> None:
-        discard = getattr(self.value, "discard_pending", None)  # a DistributedOptimizer's accumulation window
-        if discard is not None:
-            discard()
 
 
 def _is_variable(value: Any) -> bool:

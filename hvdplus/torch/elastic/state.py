@@ -8,7 +8,7 @@ import torch
 
 from hvdplus.common.basics import global_process_set, rank
 from hvdplus.common.collectives import broadcast_object
-from hvdplus.common.elastic import HandledState, StateHandler
+from hvdplus.common.elastic import HandledState, OptimizerHandler, StateHandler
 from hvdplus.torch.elastic.sampler import ElasticSampler
 from hvdplus.torch.elastic.snapshot import Snapshot
 from hvdplus.torch.functions import _broadcast_state, broadcast_parameters
@@ -33,10 +33,8 @@ class _ModelHandler(StateHandler):
         broadcast_parameters(self.value.state_dict(), root_rank=0)
 
 
-class _OptimizerHandler(_ModelHandler):
-    """An optimizer's state dict (a DistributedOptimizer's pending allreduces are dropped at a reset)."""
-
-    sync_first = True  # initializing an empty state on rank 0 steps once, which may move the model's parameters
+class _OptimizerHandler(OptimizerHandler, _ModelHandler):
+    """An optimizer's state dict, committed into a Snapshot."""
 
     def restore(self) -> None:
         self.reset()
@@ -44,11 +42,6 @@ class _OptimizerHandler(_ModelHandler):
 
     def sync(self) -> None:
         _broadcast_state(self.value, 0, None, global_process_set, initialize_everywhere=False)
-
-    def reset(self) -> None:
-        discard = getattr(self.value, "discard_pending", None)  # DistributedOptimizer: the old job's handles
-        if discard is not None:
-            discard()
 
 
 class _SamplerHandler(StateHandler):
