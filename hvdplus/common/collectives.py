@@ -115,11 +115,13 @@ def _check_output(output: np.ndarray | None, elements: int | None, what: str) ->
 
 def submit_allgather(array: np.ndarray, dtype: str, name: str | None,
                      process_set: ProcessSet = global_process_set, device: str = "cpu", group: int = 0,
-                     counts: Sequence[int] | None = None, output: np.ndarray | None = None) -> Handle:
+                     counts: Sequence[int] | None = None, output: np.ndarray | None = None,
+                     tag: str = "") -> Handle:
     """Concatenate every member's `array` along the first dimension. `counts`: the elements each member sends,
     for flat tensors (checked across ranks, so that a member's output can be sized before the call). `output`:
     where the result goes (needs `counts`); in place when `array` is this rank's own part of it. `group` as in
-    `submit_allreduce`.
+    `submit_allreduce`. `tag`: what the call is for, checked across ranks like the shape (a name reused for
+    different data, such as ZeRO-3's positional gathers, then fails instead of mixing two tensors).
 
     Collective: every rank in the process set must call this, in the same order."""
     _need_dims(array, "allgather")
@@ -127,7 +129,8 @@ def submit_allgather(array: np.ndarray, dtype: str, name: str | None,
     if output is not None and counts is None:
         raise ValueError("allgather into a given output needs counts=, the number of elements of every rank")
     _check_output(output, None if counts is None else sum(counts), "allgather")
-    request = _request(OpKind.ALLGATHER, array, dtype, name, process_set, device, group=group, splits=counts)
+    request = _request(OpKind.ALLGATHER, array, dtype, name, process_set, device, group=group, splits=counts,
+                       tag=tag)
     return runtime().coordinator.submit(request, array, output)
 
 
@@ -190,11 +193,11 @@ def submit_reducescatter(array: np.ndarray, dtype: str, name: str | None, op: Re
                          prescale: float = 1.0, postscale: float = 1.0,
                          process_set: ProcessSet = global_process_set, device: str = "cpu",
                          group: int = 0, counts: Sequence[int] | None = None,
-                         output: np.ndarray | None = None) -> Handle:
+                         output: np.ndarray | None = None, tag: str = "") -> Handle:
     """Reduce `array` over the set; each member keeps its slice: Horovod's split of the first dimension, or, for
     a flat tensor, `counts[r]` elements for member r (checked across ranks). `output`: where this rank's slice
-    goes; in place (no copy of the input) when it is this rank's own slice of `array`. `group` as in
-    `submit_allreduce`.
+    goes; in place (no copy of the input) when it is this rank's own slice of `array`. `group` and `tag` as in
+    `submit_allreduce` and `submit_allgather`.
 
     Collective: every rank in the process set must call this, in the same order."""
     _need_dims(array, "reducescatter")
@@ -208,7 +211,7 @@ def submit_reducescatter(array: np.ndarray, dtype: str, name: str | None, op: Re
         set_rank = runtime().coordinator.process_set_ranks(_set_id(process_set)).index(runtime().rank)
         _check_output(output, counts[set_rank], "reducescatter")
     request = _request(OpKind.REDUCESCATTER, array, dtype, name, process_set, device, op=op,
-                       prescale=float(prescale), postscale=float(postscale), group=group, splits=counts)
+                       prescale=float(prescale), postscale=float(postscale), group=group, splits=counts, tag=tag)
     return runtime().coordinator.submit(request, array, output)
 
 

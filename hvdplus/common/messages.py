@@ -34,6 +34,7 @@ class Request(NamedTuple):
     ranks: tuple[int, ...] | None = None  # for ADD_PROCESS_SET
     parts: tuple[tuple[int, ...], ...] | None = None  # a grouped allreduce packed into one flat buffer: its shapes
     group: int = 0  # the number of tensors of the grouped call this request belongs to (0: not a group of several)
+    tag: str = ""  # what the call is for, when one name is reused for different data (ZeRO-3's positional names)
 
     @property
     def key(self) -> Key:

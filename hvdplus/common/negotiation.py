@@ -70,7 +70,7 @@ def validate(variants: Mapping[Request, int], members: tuple[int, ...]) -> str |
         return None
 
     checks: list[tuple[str, Callable[[Request], object]]] = [
-        ("numbers of tensors in the grouped call", lambda r: r.group),
+        ("numbers of tensors in the grouped call", lambda r: r.group), ("subjects", lambda r: r.tag),
         ("collective operations", lambda r: r.kind.name.lower()), ("data types", lambda r: r.dtype),
         ("devices (CPU or GPU)", lambda r: device_kind(r.device))]
     kind = first.kind
