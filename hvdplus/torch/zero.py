@@ -18,6 +18,7 @@ Checkpoints: zero_state.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
@@ -30,148 +31,262 @@ from hvdplus.common.basics import ProcessSet, global_process_set, runtime
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_passes
-from hvdplus.common.sharding import bucket_ranges, counts_within, parameter_mismatch, partition
+from hvdplus.common.sharding import DtypePartition, bucket_ranges, counts_within, parameter_mismatch, partition
 from hvdplus.common.subclassing import disguised_subclass
 from hvdplus.torch._optimizer import (_TOO_MANY_PASSES, _ZERO_GRAD_IN_FLIGHT, AllreduceInFlightError,
                                       _constructor_kwargs, _parameter_names)
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.mpi_ops import _dtype_name, _numpy
+from hvdplus.torch.zero3 import sharded_model_of
 from hvdplus.torch.zero_state import ZeroStateDicts
 
 __all__ = ["ZeroOptimizer"]
 
 
+class _Flat:
+    """One flat sequence of parameters as the optimizer sees it: `part` over the optimizer's parameter list,
+    `master` holding this rank's range (from flat offset `base`), and this rank's gradient shard. `full`: the
+    whole flat buffer the updated shards are allgathered into after a step (stage 1/2, and ZeRO-3's persistent
+    parameters); None for a ZeRO-3 unit, gathered when its forward next needs it. `unit`: that ZeRO-3 unit."""
+
+    __slots__ = ("part", "master", "base", "full", "unit", "grad", "reduce_dtype")
+
+    def __init__(self, part: DtypePartition, master: torch.Tensor, base: int, full: torch.Tensor | None,
+                 grad_elements: int, unit: Any = None, reduce_dtype: torch.dtype | None = None) -> None:
+        self.part, self.master, self.base, self.full, self.unit = part, master, base, full, unit
+        self.grad = torch.zeros(grad_elements, dtype=master.dtype)
+        self.reduce_dtype = reduce_dtype
+
+
 class _Bucket:
-    """A run of whole parameters of one partition, reduce-scattered together."""
+    """A run of whole parameters of one flat sequence, reduce-scattered together once per backward pass from a
+    transient buffer (the only full-size gradient memory, alive from its first gradient to its reduce-scatter)."""
 
-    __slots__ = ("partition", "start", "end", "params", "ready", "pending")
+    __slots__ = ("flat", "start", "end", "params", "written", "fills", "buffer")
 
-    def __init__(self, partition: int, start: int, end: int, params: tuple[int, ...]) -> None:
-        self.partition, self.start, self.end, self.params = partition, start, end, params
-        self.ready = 0
-        self.pending: tuple[Any, torch.Tensor, Any, int, int] | None = None  # handle, sent, ctx, offset, count
+    def __init__(self, flat: int, start: int, end: int, params: tuple[int, ...]) -> None:
+        self.flat, self.start, self.end, self.params = flat, start, end, params
+        self.written: set[int] = set()  # parameters whose gradient is in the current fill
+        self.fills = 0  # reduce-scatters started since the last step
+        self.buffer: torch.Tensor | None = None
 
 
 class _Shards:
-    """The flat buffers, buckets and shard parameters of one ZeroOptimizer (everything but the optimizer)."""
+    """The flat sequences, buckets and shard parameters of one ZeroOptimizer (everything but the optimizer).
+
+    Stage 1/2 (`sharded` None): one flat sequence per dtype of all trainable parameters, which become views of
+    a persistent flat buffer. ZeRO-3 (`sharded`, zero3.py): one per trainable partition of each unit; the unit
+    owns the shard and gathers the whole unit when its forward needs it."""
+
+    IN_FLIGHT = 2  # reduce-scatters in flight before the oldest is finished (and its buffer freed)
 
     def __init__(self, params: list[torch.Tensor], names: list[str], group_of: list[int],
-                 compression: Compressor, passes: int, process_set: ProcessSet) -> None:
+                 compression: Compressor, passes: int, process_set: ProcessSet, sharded: Any = None) -> None:
         self.params, self.names, self.group_of = params, names, group_of
         self.compression, self.passes, self.process_set = compression, passes, process_set
         self.size, self.index = process_set.size(), process_set.rank()
-        self.plan = partition([p.numel() for p in params], [p.dtype for p in params], self.size)
-        self.flat_params = [torch.empty(part.total, dtype=part.kind) for part in self.plan]
-        self.flat_grads = [torch.zeros(part.total, dtype=part.kind) for part in self.plan]
-        self.where: dict[int, tuple[int, int]] = {}  # parameter index -> (partition, flat offset)
-        with torch.no_grad():
-            for k, part in enumerate(self.plan):
-                for i, offset in zip(part.params, part.offsets):
-                    view = self.flat_params[k][offset:offset + params[i].numel()]
-                    view.copy_(params[i].detach().reshape(-1))
-                    params[i].data = view.view_as(params[i])
-                    self.where[i] = (k, offset)
+        self.sharded = sharded
+        self.flats = self._zero3_flats() if sharded is not None else self._flat_buffers()
+        self.plan = [flat.part for flat in self.flats]
+        self.where: dict[int, tuple[int, int]] = {}  # parameter index -> (flat, offset)
+        for k, part in enumerate(self.plan):
+            for i, offset in zip(part.params, part.offsets):
+                self.where[i] = (k, offset)
+        self.shapes = [self.shape_of(i) for i in range(len(params))]
         bucket_bytes = runtime().bucket_bytes
-        self.buckets = [_Bucket(k, start, end, members) for k, part in enumerate(self.plan)
-                        for start, end, members in bucket_ranges(part, part.kind.itemsize, bucket_bytes)]
+        self.buckets = []
+        for k, flat in enumerate(self.flats):
+            ranges = ([(0, flat.part.total, flat.part.params)] if flat.unit is not None and not flat.unit.persistent
+                      else bucket_ranges(flat.part, flat.master.element_size(), bucket_bytes))
+            self.buckets += [_Bucket(k, start, end, members) for start, end, members in ranges]
         self.bucket_of = {i: bucket for bucket in self.buckets for i in bucket.params}
-        self.left = [passes] * len(params)
-        self.written = [False] * len(params)
+        self.unit_buckets: dict[int, list[_Bucket]] = {}
+        for bucket in self.buckets:
+            if self.flats[bucket.flat].unit is not None:
+                self.unit_buckets.setdefault(id(self.flats[bucket.flat].unit), []).append(bucket)
+        self.passes_done = [0] * len(params)
+        self.in_flight: list[tuple[_Bucket, Any, torch.Tensor, Any, int, int, torch.Tensor]] = []
         # The shard parameters: one per parameter piece in this rank's range, shaped like the parameter when the
         # piece is all of it (a 0-d one stays 1-D: 0-d state means one value per shard, like Adam's step). The
         # wrapped optimizer then sees the tensors it would see unsharded (per-tensor rules such as LAMB's trust
         # ratio hold, and its temporaries are no bigger than one parameter), except for the parameters that
         # straddle a rank boundary, which it sees as 1-D pieces.
-        self.shards: list[tuple[int, int, int, int]] = []  # (partition, group, start, end)
+        self.shards: list[tuple[int, int, int, int]] = []  # (flat, group, start, end)
         self.shard_shapes: list[torch.Size] = []
         for k, part in enumerate(self.plan):
             for piece in part.pieces(*part.shard(self.index)):
-                whole = piece.length == params[piece.param].numel() and params[piece.param].dim() > 0
+                whole = piece.length == part.numels[part.params.index(piece.param)] and \
+                    len(self.shapes[piece.param]) > 0
                 self.shards.append((k, group_of[piece.param], piece.offset, piece.offset + piece.length))
-                self.shard_shapes.append(params[piece.param].shape if whole else torch.Size([piece.length]))
-        self.shard_params = [torch.nn.Parameter(view) for view in self.shard_views(self.flat_params)]
+                self.shard_shapes.append(self.shapes[piece.param] if whole else torch.Size([piece.length]))
+        self.shard_params = [torch.nn.Parameter(view) for view in self.shard_views("master")]
         self.synchronized = False
 
-    def shard_views(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
-        """This rank's shard pieces of the flat buffers `flats` (parameters or gradients), in shard order."""
-        return [flats[k][start:end].view(shape) for (k, _, start, end), shape in zip(self.shards, self.shard_shapes)]
+    def _flat_buffers(self) -> list[_Flat]:
+        """Stage 1/2: the parameters become views of one flat buffer per dtype; the shard is its own range."""
+        params = self.params
+        flats = []
+        for part in partition([p.numel() for p in params], [p.dtype for p in params], self.size):
+            buffer = torch.empty(part.total, dtype=part.kind)
+            with torch.no_grad():
+                for i, offset in zip(part.params, part.offsets):
+                    view = buffer[offset:offset + params[i].numel()]
+                    view.copy_(params[i].detach().reshape(-1))
+                    params[i].data = view.view_as(params[i])
+            flats.append(_Flat(part, buffer, 0, buffer, part.counts[self.index]))
+        return flats
+
+    def _zero3_flats(self) -> list[_Flat]:
+        """ZeRO-3: each unit's trainable partitions, over the optimizer's indices of the unit's parameters."""
+        position = {id(p): i for i, p in enumerate(self.params)}
+        flats = []
+        for unit in self.sharded.units:
+            for k, part in enumerate(unit.plan):
+                dtype, trainable = part.kind
+                if not trainable:
+                    continue
+                missing = [unit.names[j] for j in part.params if id(unit.params[j]) not in position]
+                if missing:
+                    raise ValueError(f"ZeroOptimizer over a model sharded by hvd.shard_parameters steps all of its "
+                                     f"trainable parameters; the optimizer lacks {missing[:3]}")
+                ours = dataclasses.replace(part, kind=dtype,
+                                           params=tuple(position[id(unit.params[j])] for j in part.params))
+                flats.append(_Flat(ours, unit.shards[k], part.bounds[self.index],
+                                   unit.full[k] if unit.persistent else None, part.counts[self.index], unit,
+                                   self.sharded.reduce_dtype))
+        return flats
+
+    def shape_of(self, i: int) -> torch.Size:
+        """Parameter i's shape (a ZeRO-3 parameter is an empty tensor between uses)."""
+        if self.sharded is not None:
+            unit, j = self.sharded.unit_of[id(self.params[i])]
+            return unit.shapes[j]
+        return self.params[i].shape
+
+    def shard_views(self, which: str) -> list[torch.Tensor]:
+        """This rank's shard pieces of the flat sequences' `which` ("master" or "grad"), in shard order."""
+        views = []
+        for (k, _, start, end), shape in zip(self.shards, self.shard_shapes):
+            flat = self.flats[k]
+            base = flat.base if which == "master" else flat.part.bounds[self.index]
+            views.append(getattr(flat, which)[start - base:end - base].view(shape))
+        return views
 
     # ------------------------------------------------------------------ backward
     def gradient_ready(self, i: int) -> None:
-        """Hook body: add p.grad into the flat buffer, free it, and start its bucket once the bucket is full."""
+        """Hook body: add p.grad into its bucket's buffer and free it; start the bucket once it is full."""
         p, bucket = self.params[i], self.bucket_of[i]
-        if bucket.pending is not None or self.left[i] <= 0:
+        if self.passes_done[i] >= self.passes:
             raise AllreduceInFlightError(_TOO_MANY_PASSES)
         if p.grad.is_sparse:
             raise TypeError(f"ZeroOptimizer shards dense gradients only; parameter {self.names[i]!r} has a sparse "
                             f"one (use DistributedOptimizer for sparse embeddings)")
+        if i in bucket.written:  # a second pass reached it before the rest of the bucket: send what is there
+            self.start(bucket)
+        flat = self.flats[bucket.flat]
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(bucket.end - bucket.start, dtype=flat.reduce_dtype or flat.master.dtype)
         k, offset = self.where[i]
-        view = self.flat_grads[k][offset:offset + p.numel()]
+        offset -= bucket.start
         with torch.no_grad():
-            if self.written[i]:
-                view.add_(p.grad.reshape(-1))
-            else:
-                view.copy_(p.grad.reshape(-1))
-        self.written[i] = True
+            bucket.buffer[offset:offset + p.grad.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
-        self.left[i] -= 1
-        if self.left[i] == 0:
-            bucket.ready += 1
-            if bucket.ready == len(bucket.params):
-                self.start(bucket)
+        bucket.written.add(i)
+        self.passes_done[i] += 1
+        if len(bucket.written) == len(bucket.params):
+            self.start(bucket)
 
     def start(self, bucket: _Bucket) -> None:
-        """Reduce-scatter one bucket (zeros for parameters this rank did not use), in place: this rank's slice
-        of the bucket receives the average over the set."""
-        k = bucket.partition
+        """Reduce-scatter one fill of a bucket (zeros for parameters that got no gradient in it) from its
+        buffer: this rank's slice of the buffer receives the average over the set."""
+        flat = self.flats[bucket.flat]
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty(bucket.end - bucket.start, dtype=flat.reduce_dtype or flat.master.dtype)
         for i in bucket.params:
-            if not self.written[i]:
-                k_i, offset = self.where[i]
-                self.flat_grads[k_i][offset:offset + self.params[i].numel()].zero_()
-                self.written[i] = True
-        counts = counts_within(self.plan[k].bounds, bucket.start, bucket.end)
+            if i not in bucket.written:
+                offset = self.where[i][1] - bucket.start
+                bucket.buffer[offset:offset + flat.part.numels[flat.part.params.index(i)]].zero_()
+        while len(self.in_flight) >= self.IN_FLIGHT:
+            self.finish(self.in_flight.pop(0))
+        counts = counts_within(flat.part.bounds, bucket.start, bucket.end)
         offset, count = sum(counts[:self.index]), counts[self.index]
-        sent, ctx = self.compression.compress(self.flat_grads[k][bucket.start:bucket.end])
+        sent, ctx = self.compression.compress(bucket.buffer)
         array = _numpy(sent)
-        handle = core.submit_reducescatter(array, _dtype_name(sent), f"ZeroOptimizer.{self.names[bucket.params[0]]}",
-                                           ReduceOp.AVERAGE, process_set=self.process_set, counts=counts,
-                                           output=array[offset:offset + count])
-        bucket.pending = (handle, sent, ctx, offset, count)
+        unit = flat.unit
+        if unit is not None and not unit.persistent:
+            name, tag = f"zero3.{self.sharded.next_position()}", f"gradients of unit {unit.name!r}"
+        else:
+            name, tag = f"ZeroOptimizer.{self.names[bucket.params[0]]}.{bucket.fills}", ""
+        handle = core.submit_reducescatter(array, _dtype_name(sent), name, ReduceOp.AVERAGE,
+                                           process_set=self.process_set, counts=counts,
+                                           output=array[offset:offset + count], tag=tag)
+        self.in_flight.append((bucket, handle, sent, ctx, offset, count, bucket.buffer))
+        bucket.buffer, bucket.fills = None, bucket.fills + 1
+        bucket.written = set()
+        if unit is not None and not unit.persistent and \
+                all(b.fills == bucket.fills for b in self.unit_buckets[id(unit)]):
+            self.sharded.gradients_sent(unit)
+
+    def finish(self, entry: tuple) -> None:
+        """Wait for one reduce-scatter and add this rank's averaged slice into its gradient shard."""
+        bucket, handle, sent, ctx, offset, count, _buffer = entry
+        handle.wait()
+        if count:
+            flat = self.flats[bucket.flat]
+            mine = self.compression.decompress(sent[offset:offset + count], ctx)
+            first = max(bucket.start, flat.part.bounds[self.index]) - flat.part.bounds[self.index]
+            with torch.no_grad():
+                flat.grad[first:first + count].add_(mine)
+
+    def finish_in_flight(self) -> None:
+        while self.in_flight:
+            self.finish(self.in_flight.pop(0))
 
     # ------------------------------------------------------------------ step
     def synchronize(self) -> None:
-        """Start the buckets whose hooks did not all fire, wait for every reduce-scatter, and point the shard
-        parameters' gradients at this rank's averaged slice. Collective."""
+        """Send the buckets' partial fills, bring every bucket to `passes` reduce-scatters (the same number on
+        every rank, whichever gradients each produced), wait for them all, and point the shard parameters'
+        gradients at this rank's averaged slices. Collective."""
         try:
             for bucket in self.buckets:
-                if bucket.pending is None:
+                if bucket.written:
                     self.start(bucket)
-            for bucket in self.buckets:
-                handle, sent, ctx, offset, count = bucket.pending
-                handle.wait()
-                if count and sent.data_ptr() != self.flat_grads[bucket.partition].data_ptr() + \
-                        bucket.start * sent.element_size():
-                    mine = self.flat_grads[bucket.partition][bucket.start + offset:bucket.start + offset + count]
-                    mine.copy_(self.compression.decompress(sent[offset:offset + count], ctx))
+                while bucket.fills < self.passes:
+                    self.start(bucket)
+            self.finish_in_flight()
         finally:
             for bucket in self.buckets:
-                bucket.pending, bucket.ready = None, 0
-            self.left = [self.passes] * len(self.params)
-            self.written = [False] * len(self.params)
-        for shard, grad in zip(self.shard_params, self.shard_views(self.flat_grads)):
+                bucket.fills, bucket.written, bucket.buffer = 0, set(), None
+            self.in_flight = []
+            self.passes_done = [0] * len(self.params)
+        for shard, grad in zip(self.shard_params, self.shard_views("grad")):
             shard.grad = grad
         self.synchronized = True
 
+    def clear_gradients(self) -> None:
+        """Zero the gradient shards (after a step consumed them, or when zero_grad discards them)."""
+        for flat in self.flats:
+            flat.grad.zero_()
+
     def gather(self) -> None:
-        """Allgather every rank's updated shard into the flat parameter buffers, in place. Collective."""
+        """Allgather every rank's updated shard into the whole flat buffers that persist (stage 1/2 and ZeRO-3's
+        persistent parameters), in place. Collective."""
         handles = []
-        for k, part in enumerate(self.plan):
+        for flat in self.flats:
+            if flat.full is None:
+                continue
+            part = flat.part
             start, end = part.shard(self.index)
-            flat = _numpy(self.flat_params[k])
-            handles.append(core.submit_allgather(flat[start:end], _dtype_name(self.flat_params[k]),
-                                                 f"ZeroOptimizer.gather.{self.names[part.params[0]]}",
-                                                 process_set=self.process_set, counts=part.counts, output=flat))
-        for handle in handles:
+            full = _numpy(flat.full)
+            if flat.master.data_ptr() == flat.full.data_ptr():
+                sent = full[start:end]
+            else:
+                sent = _numpy(flat.master.to(flat.full.dtype))
+            handles.append((core.submit_allgather(sent, _dtype_name(flat.full),
+                                                  f"ZeroOptimizer.gather.{self.names[part.params[0]]}",
+                                                  process_set=self.process_set, counts=part.counts,
+                                                  output=full), sent))
+        for handle, _ in handles:
             handle.wait()
 
     def grad_norm(self, norm_type: float) -> float:
@@ -233,15 +348,18 @@ class _ZeroOptimizer(ZeroStateDicts):
             self._zero.synchronize()
         super().step()
         self._zero.synchronized = False
+        self._zero.clear_gradients()
         self._zero.gather()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's and the shards' gradients; raises while gradient reduce-scatters are pending."""
-        if any(bucket.pending is not None for bucket in self._zero.buckets):
+        if self._zero.in_flight or any(bucket.fills or bucket.written for bucket in self._zero.buckets):
             raise AllreduceInFlightError(_ZERO_GRAD_IN_FLIGHT)
         for p in self._zero.params:
             p.grad = None
+        self._zero.clear_gradients()
+        self._zero.synchronized = False
         super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -284,14 +402,24 @@ def ZeroOptimizer(optimizer: torch.optim.Optimizer,
                     raise ValueError(f"ZeroOptimizer shards CPU parameters only; {names[p]!r} is on {p.device}")
                 params.append(p)
                 group_of.append(g)
-    described = core.allgather_object([(names[p], tuple(p.shape), str(p.dtype)) for p in params],
+    sharded = sharded_model_of(p for group in optimizer.param_groups for p in group["params"])
+    if sharded is not None and sharded.gradients is not None:
+        raise ValueError("this sharded model already has a ZeroOptimizer; wrap one optimizer per sharded model")
+    shape = (lambda p: p.shape) if sharded is None else (lambda p: sharded.unit_of[id(p)][0].shapes[
+        sharded.unit_of[id(p)][1]])
+    described = core.allgather_object([(names[p], tuple(shape(p)), str(p.dtype)) for p in params],
                                       name=f"ZeroOptimizer.check.{names[params[0]] if params else ''}",
                                       process_set=process_set)
     problem = parameter_mismatch(described, process_set.ranks or list(range(runtime().size)))
     if problem:
         raise CollectiveMismatchError(problem)
+    if sharded is not None and (sharded.process_set.ranks or None) != (process_set.ranks or None):
+        raise ValueError(f"the model is sharded over {sharded.process_set}, so its ZeroOptimizer must use that "
+                         f"process set (got {process_set})")
     shards = _Shards(params, [names[p] for p in params], group_of, compression, backward_passes_per_step,
-                     process_set)
+                     process_set, sharded)
+    if sharded is not None:
+        sharded.gradients = shards
     groups = [dict({k: v for k, v in group.items() if k != "params"},
                    params=[s for s, (_, g, _, _) in zip(shards.shard_params, shards.shards) if g == index])
               for index, group in enumerate(optimizer.param_groups)]
