@@ -29,6 +29,9 @@ from hvdplus.torch.optimizer import DistributedOptimizer
 from hvdplus.torch.sparse import sparse_allreduce_async
 from hvdplus.torch.sync_batch_norm import SyncBatchNorm
 from hvdplus.torch.zero import ZeroOptimizer
+from hvdplus.torch.zero3 import gathered_parameters, shard_parameters
+from hvdplus.torch.zero3_checkpoint import (full_state_dict, load_full_checkpoint, load_full_state_dict,
+                                            load_sharded_checkpoint, save_full_checkpoint, save_sharded_checkpoint)
 from hvdplus.torch import _half_kernels, device_plane, elastic
 
 _half_kernels.register()

@@ -53,6 +53,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if hasattr(optimizer, "_hvd_base"):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the original optimizer only once")
+    if any(hasattr(p, "_hvdplus_zero3") for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("these parameters are sharded by hvd.shard_parameters (ZeRO-3): wrap the optimizer with "
+                         "hvd.ZeroOptimizer, which steps the shards")
     check_passes(backward_passes_per_step)
     check_predivide(gradient_predivide_factor, op)
     check_compression(compression)

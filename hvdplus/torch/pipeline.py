@@ -304,6 +304,10 @@ class _Step:
             self.store_input_grads(key, backward_full(*self.backward_args(key), final=index in self.final))
             self.drop(key)
         elif op == Op.BACKWARD_INPUT:
+            if hasattr(self.pipe.chunks[key[1]], "_hvdplus_zero3"):
+                raise ValueError("the zero-bubble schedules' B/W split cannot run on a stage sharded by "
+                                 "hvd.shard_parameters (W replays the graph after the units are released); use "
+                                 "schedule='1f1b', 'gpipe' or 'interleaved'")
             outputs, grads, inputs, params = self.backward_args(key)
             if any(x.requires_grad for x in inputs):
                 input_grads, self.weight_work[key] = backward_input(outputs, grads, inputs, params,

@@ -17,6 +17,8 @@ from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
                                                     get_param_groups)
 
+from hvdplus.torch.zero3 import add_gradient
+
 __all__ = ["backward_full", "backward_input", "backward_weight", "WeightWork"]
 
 
@@ -28,14 +30,9 @@ class WeightWork:
 
 
 def _add_into_grad(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
-    with torch.no_grad():
-        for p, g in zip(params, grads):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
+    for p, g in zip(params, grads):
+        if g is not None:
+            add_gradient(p, g)
 
 
 def _run(roots: Sequence[Any], grads: Sequence[Any], targets: Sequence[Any], params: Sequence[torch.Tensor],

@@ -1,0 +1,330 @@
+"""ZeRO-3 (hvd.shard_parameters + hvd.ZeroOptimizer) against DistributedOptimizer at the same N and against one
+process on the combined batch; its memory promise, checkpoints and errors.
+
+Written to pass at any world size; run by tests/parallel/test_jobs.py on 2 and 3 ranks over each engine.
+Tolerances: against DistributedOptimizer at the same N, 1e-6 (both average the same N float32 gradients; the
+reduce-scatter may add them in another order: a few ulps, which 4 AdamW steps at lr 1e-3 keep below 1e-6).
+Against one process, 2e-5: the N-way sum of partial gradients differs from one backward by ulps, and Adam divides
+the tiny gradients of some elements by their own magnitude (FIELD-NOTES: ~4e-6 at 2 ranks, more at 3 with lr
+1e-2; at lr 1e-3 and 4 steps measured below 1e-5)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hvdplus.common.exceptions import CollectiveMismatchError
+from tests.parallel.process_sets import rest  # noqa: F401 (fixture)
+
+VOCAB, WIDTH, BLOCKS, ROWS, STEPS = 32, 16, 3, 2, 4
+EXACT = {"rtol": 0, "atol": 1e-6}
+ONE_PROCESS = {"rtol": 0, "atol": 2e-5}
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.up = torch.nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = torch.nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class TinyGPT(torch.nn.Module):
+    """Embedding tied to the output layer (shared by the root and no unit), BLOCKS residual blocks."""
+
+    def __init__(self, order: list[int] | None = None) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.order = order if order is not None else list(range(BLOCKS))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for i in self.order:
+            x = self.blocks[i](x)
+        return self.head(self.norm(x))
+
+
+def build(seed: int = 0, **kwargs) -> TinyGPT:
+    torch.manual_seed(seed)
+    return TinyGPT(**kwargs)
+
+
+def data(size: int, steps: int = STEPS) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (size * ROWS, 9), generator=generator) for _ in range(steps)]
+
+
+def loss_of(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+
+
+def optimizer_for(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
+
+
+def train(hvd, model, optimizer, steps=STEPS, passes=1, clip=None, first=0, rows_of=None):
+    """This rank's rows of each global batch, in `passes` micro-batches; returns the clipped norms."""
+    size, rank = (hvd.size(), hvd.rank()) if rows_of is None else rows_of
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    norms = []
+    for tokens in data(size, steps)[first:]:
+        optimizer.zero_grad()
+        for part in tokens[rows].chunk(passes):
+            (loss_of(model, part) / passes).backward()
+        if clip is not None:
+            norms.append(float(optimizer.clip_grad_norm_(clip)))
+        optimizer.step()
+    return norms
+
+
+def reference(size: int, kind: str = "adamw", steps=STEPS, clip=None, model=None):
+    """One process, the whole batch, the plain optimizer."""
+    model = model if model is not None else build()
+    optimizer = optimizer_for(kind, model.parameters())
+    norms = []
+    for tokens in data(size, steps):
+        optimizer.zero_grad()
+        loss_of(model, tokens).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+    return model, optimizer, norms
+
+
+def sharded(hvd, model=None, kind="adamw", passes=1, **options):
+    model = model if model is not None else build()
+    hvd.shard_parameters(model, units=[Block], **options)
+    process_set = options.get("process_set", hvd.global_process_set)
+    optimizer = hvd.ZeroOptimizer(optimizer_for(kind, model.parameters()), named_parameters=model.named_parameters(),
+                                  backward_passes_per_step=passes, process_set=process_set)
+    return model, optimizer
+
+
+def whole(hvd, model) -> dict[str, torch.Tensor]:
+    with hvd.gathered_parameters(model):
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_close_to(hvd, model, expected: torch.nn.Module, **tolerance) -> None:
+    got = whole(hvd, model)
+    for name, p in expected.named_parameters():
+        torch.testing.assert_close(got[name].float(), p.detach().float(), **tolerance)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_stage3_trains_as_distributed_optimizer_and_one_process_do(hvd, kind):
+    model, optimizer = sharded(hvd, kind=kind)
+    train(hvd, model, optimizer)
+    positions = model._hvdplus_zero3.position
+    dense = build()
+    train(hvd, dense, hvd.DistributedOptimizer(optimizer_for(kind, dense.parameters()),
+                                               named_parameters=dense.named_parameters()))
+    assert_close_to(hvd, model, dense, **EXACT)
+    assert_close_to(hvd, model, reference(hvd.size(), kind)[0], **ONE_PROCESS)
+    assert isinstance(optimizer, type(optimizer_for(kind, [torch.zeros(1, requires_grad=True)])))
+    # The pass ran each unit's gathers and reduce-scatters under positional names: the root and 3 blocks gathered
+    # for forward, the blocks again for backward (reshard_after_forward), and 4 reduce-scatters.
+    assert positions == 4 + 3 + 4
+
+
+def test_between_steps_each_rank_holds_one_nth_of_parameters_gradients_and_state(hvd):
+    model, optimizer = sharded(hvd)
+    train(hvd, model, optimizer, steps=2)
+    units = model._hvdplus_zero3.units
+    assert all(p.numel() == 0 for p in model.parameters())  # no whole parameter stays
+    assert all(buffer.untyped_storage().nbytes() == 0 for u in units for buffer in u.full)
+    total = sum(p.numel() for p in build().parameters()) * 4
+    held = sum(u.nbytes() for u in units)
+    grads = sum(flat.grad.numel() * 4 for flat in optimizer._zero.flats)
+    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
+    slack = 4 * len(units)  # a flat sequence's shards differ by at most one element between ranks
+    assert held <= total / hvd.size() + slack and grads <= total / hvd.size() + slack
+    assert state <= 2 * total / hvd.size() + 2 * slack  # AdamW: two moments per element
+    assert all(bucket.buffer is None for bucket in optimizer._zero.buckets)  # no gradient buffer survives a step
+
+
+def test_accumulation_and_global_norm_clipping(hvd):
+    model, optimizer = sharded(hvd, passes=2)
+    norms = train(hvd, model, optimizer, passes=2, clip=0.5)
+    expected, _, expected_norms = reference(hvd.size(), clip=0.5)
+    assert norms == pytest.approx(expected_norms, rel=1e-4)
+    assert all(norm > 0.5 for norm in norms)  # the clipping really scaled the gradients
+    assert_close_to(hvd, model, expected, **ONE_PROCESS)
+
+
+def test_bf16_parameters_for_compute_with_fp32_shards(hvd):
+    seen = []
+    model, optimizer = sharded(hvd, kind="sgd", param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model.blocks[0].up.register_forward_pre_hook(lambda m, args: seen.append(m.weight.dtype))
+    train(hvd, model, optimizer)
+    assert set(seen) == {torch.bfloat16}  # the forward computed in bf16
+    assert all(shard.dtype == torch.float32 for u in model._hvdplus_zero3.units for shard in u.shards)
+    exact = reference(hvd.size(), "sgd")[0]
+    full = hvd.full_state_dict(model, to=0)  # from the fp32 shards (the gathered bf16 copies round to 2^-8)
+    if full is not None:
+        assert full["blocks.0.up.weight"].dtype == torch.float32
+        # bf16 keeps 8 bits of mantissa: weights, activations and gradients carry relative errors of 2^-9 each,
+        # a few of them through a block. SGD's update is linear in the gradient, and 4 steps (lr 0.05, momentum
+        # 0.9) move a weight by up to 0.6 (measured), so the rounding changes it by about 0.6 * 2^-8 = 2.3e-3
+        # (measured: 1.1e-3 at 3 ranks). 5e-3 is a hundred times smaller than the training's own movement.
+        for name, p in exact.named_parameters():
+            torch.testing.assert_close(full[name], p.detach(), rtol=0, atol=5e-3)
+        assert any(not torch.equal(full[name], p.detach()) for name, p in exact.named_parameters())  # it rounded
+
+
+def test_frozen_parameters_stay_put_and_the_rest_trains(hvd):
+    model = build()
+    for p in model.blocks[1].parameters():
+        p.requires_grad_(False)
+    model.blocks[0].norm.weight.requires_grad_(False)  # a unit with trainable and frozen parameters
+    model, optimizer = sharded(hvd, model=model)
+    train(hvd, model, optimizer)
+    expected = build()
+    for p in [*expected.blocks[1].parameters(), expected.blocks[0].norm.weight]:
+        p.requires_grad_(False)
+    expected, _, _ = reference(hvd.size(), model=expected)
+    assert_close_to(hvd, model, expected, **ONE_PROCESS)
+    assert torch.equal(whole(hvd, model)["blocks.1.up.weight"], build().blocks[1].up.weight.detach())
+
+
+def test_a_model_built_on_the_meta_device_gets_the_slices_of_a_normally_built_one(hvd):
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = TinyGPT()
+    hvd.shard_parameters(model, units=[Block])
+    normal = build(3)
+    units = model._hvdplus_zero3.units
+    for unit in units:  # this rank's shard is its slice of the normally built values
+        for k, part in enumerate(unit.plan):
+            flat = torch.cat([dict(normal.named_parameters())[unit.names[i]].detach().reshape(-1)
+                              for i in part.params])
+            torch.testing.assert_close(unit.shards[k], flat[slice(*part.shard(unit.index))], rtol=0, atol=0)
+    assert all(not p.is_meta for p in model.parameters())
+    optimizer = hvd.ZeroOptimizer(optimizer_for("adamw", model.parameters()), named_parameters=model.named_parameters())
+    train(hvd, model, optimizer)
+    assert_close_to(hvd, model, reference(hvd.size(), model=build(3))[0], **ONE_PROCESS)
+
+
+def test_persistent_small_parameters_and_keeping_units_until_backward(hvd):
+    model, optimizer = sharded(hvd, persist_below=WIDTH, reshard_after_forward=False)
+    persistent = [u for u in model._hvdplus_zero3.units if u.persistent]
+    assert persistent and all(p.numel() <= WIDTH for p in persistent[0].params)  # the norms and the biases of 16
+    train(hvd, model, optimizer)
+    assert all(p.numel() > 0 for p in persistent[0].params)  # whole on every rank between steps
+    # No backward re-gather: 3 forward gathers of units with sharded parameters plus the root, 4 reduce-scatters.
+    assert model._hvdplus_zero3.position == 4 + 4
+    assert_close_to(hvd, model, reference(hvd.size())[0], **ONE_PROCESS)
+
+
+def test_gathered_parameters_reads_and_changes_the_whole_weights(hvd):
+    model, _ = sharded(hvd)
+    with hvd.gathered_parameters(model.blocks[1], modify=True), torch.no_grad():
+        assert model.blocks[1].up.weight.shape == (4 * WIDTH, WIDTH)
+        model.blocks[1].up.weight.fill_(0.25)
+    assert model.blocks[1].up.weight.numel() == 0  # released again
+    assert torch.all(whole(hvd, model)["blocks.1.up.weight"] == 0.25)
+    with hvd.gathered_parameters(model, rank0_only=True):
+        assert (model.head.weight.numel() > 0) == (hvd.rank() == 0)
+
+
+def test_checkpoints_load_into_a_plain_model_and_resume_exactly(hvd, tmp_path_factory):
+    model, optimizer = sharded(hvd)
+    train(hvd, model, optimizer, steps=2)
+    path = hvd.broadcast_object(str(tmp_path_factory.mktemp("zero3") / "full.pt"), root_rank=0)
+    hvd.save_full_checkpoint(path, model, optimizer)
+    directory = hvd.broadcast_object(str(tmp_path_factory.mktemp("zero3-sharded")), root_rank=0)
+    hvd.save_sharded_checkpoint(directory, model, optimizer)
+    hvd.barrier()
+    saved = torch.load(path, weights_only=True)
+    plain = build(seed=5)
+    plain.load_state_dict(saved["model"])  # a plain, unsharded model takes the file
+    plain_optimizer = optimizer_for("adamw", plain.parameters())
+    plain_optimizer.load_state_dict(saved["optimizer"])
+    assert_close_to(hvd, model, plain, rtol=0, atol=0)
+    uninterrupted, uninterrupted_optimizer = sharded(hvd)
+    train(hvd, uninterrupted, uninterrupted_optimizer)
+    for load in (hvd.load_full_checkpoint, hvd.load_sharded_checkpoint):
+        resumed, resumed_optimizer = sharded(hvd, model=build(seed=9))
+        load(path if load is hvd.load_full_checkpoint else directory, resumed, resumed_optimizer)
+        train(hvd, resumed, resumed_optimizer, first=2)
+        assert_close_to(hvd, resumed, whole_model(hvd, uninterrupted), rtol=0, atol=0)
+
+
+def whole_model(hvd, model) -> torch.nn.Module:
+    copy = build(seed=1)
+    copy.load_state_dict(whole(hvd, model), strict=False)
+    return copy
+
+
+def test_a_process_set_without_rank_0(hvd, rest):
+    if hvd.rank() == 0:
+        return
+    model, optimizer = sharded(hvd, process_set=rest)
+    index = rest.ranks.index(hvd.rank())
+    train(hvd, model, optimizer, rows_of=(rest.size(), index))
+    assert_close_to(hvd, model, reference(rest.size())[0], **ONE_PROCESS)
+
+
+def test_parameters_that_differ_between_ranks_raise_on_every_rank(hvd):
+    model = build(seed=hvd.rank())
+    with pytest.raises(CollectiveMismatchError, match="differs between ranks"):
+        hvd.shard_parameters(model, units=[Block])
+
+
+def test_units_run_in_another_order_raise_on_every_rank(hvd):
+    order = [0, 1, 2] if hvd.rank() == 0 else [1, 0, 2]
+    model, _ = sharded(hvd, model=build(order=order))
+    with pytest.raises(CollectiveMismatchError, match="blocks.0.*blocks.1|blocks.1.*blocks.0"):
+        model(data(hvd.size())[0][:, :-1])
+
+
+def test_a_rank_that_skips_a_unit_raises_on_every_rank(hvd):
+    order = [0, 1, 2] if hvd.rank() == 0 else [0, 2]
+    model, _ = sharded(hvd, model=build(order=order), prefetch=0)
+    with pytest.raises(CollectiveMismatchError, match="unit"):
+        loss_of(model, data(hvd.size())[0]).backward()
+
+
+def test_misuse_is_refused(hvd):
+    model, _ = sharded(hvd)
+    with pytest.raises(ValueError, match="already sharded"):
+        hvd.shard_parameters(model)
+    with pytest.raises(ValueError, match="hvd.ZeroOptimizer"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    other = build()
+    hvd.shard_parameters(other, units=[Block])
+    with pytest.raises(ValueError, match="lacks"):
+        hvd.ZeroOptimizer(torch.optim.SGD(list(other.blocks[0].parameters()), lr=0.1))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_stages_sharded_over_their_data_parallel_set(hvd, schedule):
+    """Each stage's layers sharded over the stage's replicas (one replica at 2 and 3 ranks, two in the 4-rank
+    pipeline job): the pipeline trains as one process does."""
+    from tests.parallel.workers.test_torch_pipeline import batches, make_model, mse, reference
+
+    stages = hvd.size() // (2 if hvd.size() % 4 == 0 else 1)
+    pipe = hvd.pipeline.Pipeline(make_model(), num_stages=stages, micro_batches=2 * stages, schedule=schedule)
+    hvd.shard_parameters(pipe.stage_module, units=[torch.nn.Linear], process_set=pipe.data_parallel_set)
+    optimizer = hvd.ZeroOptimizer(torch.optim.SGD(pipe.parameters(), lr=0.1), named_parameters=pipe.named_parameters(),
+                                  process_set=pipe.data_parallel_set)
+    rows = slice(pipe.replica * 12, (pipe.replica + 1) * 12)
+    for x, y in batches(pipe.replicas):
+        optimizer.zero_grad()
+        pipe.train_step(x[rows], y[rows], mse)
+        optimizer.step()
+    expected = dict(reference(pipe.replicas)[0].named_parameters())
+    with hvd.gathered_parameters(pipe.stage_module):
+        for name, p in pipe.named_parameters():
+            torch.testing.assert_close(p.detach(), expected[name].detach(), rtol=1e-5, atol=1e-5)
+    hvd.barrier()  # the stages' sets finish at different times; a control round needs every rank until then
