@@ -78,7 +78,6 @@ class _Shards:
     a persistent flat buffer. ZeRO-3 (`sharded`, zero3.py): one per trainable partition of each unit; the unit
     owns the shard and gathers the whole unit when its forward needs it."""
 
-    IN_FLIGHT = 2  # reduce-scatters in flight before the oldest is finished (and its buffer freed)
 
     def __init__(self, params: list[torch.Tensor], names: list[str], group_of: list[int],
                  compression: Compressor, passes: int, process_set: ProcessSet, sharded: Any = None) -> None:
@@ -105,7 +104,11 @@ class _Shards:
             if self.flats[bucket.flat].unit is not None:
                 self.unit_buckets.setdefault(id(self.flats[bucket.flat].unit), []).append(bucket)
         self.passes_done = [0] * len(params)
+        # Reduce-scatters in flight before the oldest is finished and its buffer freed: two buckets, or one ZeRO-3
+        # unit (a unit's backward takes far longer than its reduce-scatter, so one overlaps it already).
+        self.in_flight_limit = 1 if sharded is not None else 2
         self.in_flight: list[tuple[_Bucket, Any, torch.Tensor, Any, int, int, torch.Tensor]] = []
+        self.spares: list[torch.Tensor] = []
         # The shard parameters: one per parameter piece in this rank's range, shaped like the parameter when the
         # piece is all of it (a 0-d one stays 1-D: 0-d state means one value per shard, like Adam's step). The
         # wrapped optimizer then sees the tensors it would see unsharded (per-tensor rules such as LAMB's trust
@@ -139,6 +142,11 @@ class _Shards:
     def _zero3_flats(self) -> list[_Flat]:
         """ZeRO-3: each unit's trainable partitions, over the optimizer's indices of the unit's parameters."""
         position = {id(p): i for i, p in enumerate(self.params)}
+        covered = {id(p) for unit in self.sharded.units for p in unit.params}
+        strangers = [self.names[i] for i, p in enumerate(self.params) if id(p) not in covered]
+        if strangers:
+            raise ValueError(f"ZeroOptimizer over a model sharded by hvd.shard_parameters takes that model's "
+                             f"parameters only; {strangers[:3]} are not among them (use a second optimizer)")
         flats = []
         for unit in self.sharded.units:
             for k, part in enumerate(unit.plan):
@@ -183,9 +191,8 @@ class _Shards:
                             f"one (use DistributedOptimizer for sparse embeddings)")
         if i in bucket.written:  # a second pass reached it before the rest of the bucket: send what is there
             self.start(bucket)
-        flat = self.flats[bucket.flat]
         if bucket.buffer is None:
-            bucket.buffer = torch.empty(bucket.end - bucket.start, dtype=flat.reduce_dtype or flat.master.dtype)
+            bucket.buffer = self.bucket_buffer(bucket)
         k, offset = self.where[i]
         offset -= bucket.start
         with torch.no_grad():
@@ -201,12 +208,12 @@ class _Shards:
         buffer: this rank's slice of the buffer receives the average over the set."""
         flat = self.flats[bucket.flat]
         if bucket.buffer is None:
-            bucket.buffer = torch.empty(bucket.end - bucket.start, dtype=flat.reduce_dtype or flat.master.dtype)
+            bucket.buffer = self.bucket_buffer(bucket)
         for i in bucket.params:
             if i not in bucket.written:
                 offset = self.where[i][1] - bucket.start
                 bucket.buffer[offset:offset + flat.part.numels[flat.part.params.index(i)]].zero_()
-        while len(self.in_flight) >= self.IN_FLIGHT:
+        while len(self.in_flight) >= self.in_flight_limit:
             self.finish(self.in_flight.pop(0))
         counts = counts_within(flat.part.bounds, bucket.start, bucket.end)
         offset, count = sum(counts[:self.index]), counts[self.index]
@@ -227,9 +234,20 @@ class _Shards:
                 all(b.fills == bucket.fills for b in self.unit_buckets[id(unit)]):
             self.sharded.gradients_sent(unit)
 
+    def bucket_buffer(self, bucket: _Bucket) -> torch.Tensor:
+        """A buffer for one fill of `bucket`: a spare one of its size, else a new one."""
+        flat = self.flats[bucket.flat]
+        dtype = flat.reduce_dtype or flat.master.dtype
+        for n, spare in enumerate(self.spares):
+            if spare.numel() == bucket.end - bucket.start and spare.dtype == dtype:
+                return self.spares.pop(n)
+        return torch.empty(bucket.end - bucket.start, dtype=dtype)
+
     def finish(self, entry: tuple) -> None:
-        """Wait for one reduce-scatter and add this rank's averaged slice into its gradient shard."""
-        bucket, handle, sent, ctx, offset, count, _buffer = entry
+        """Wait for one reduce-scatter, add this rank's averaged slice into its gradient shard, and keep the
+        buffer as a spare (ZeRO-3's equal units then reuse two buffers instead of faulting in fresh pages for
+        each; the spares go at step())."""
+        bucket, handle, sent, ctx, offset, count, buffer = entry
         handle.wait()
         if count:
             flat = self.flats[bucket.flat]
@@ -237,6 +255,8 @@ class _Shards:
             first = max(bucket.start, flat.part.bounds[self.index]) - flat.part.bounds[self.index]
             with torch.no_grad():
                 flat.grad[first:first + count].add_(mine)
+        if len(self.spares) < self.in_flight_limit + 1:
+            self.spares.append(buffer)
 
     def finish_in_flight(self) -> None:
         while self.in_flight:
@@ -257,7 +277,7 @@ class _Shards:
         finally:
             for bucket in self.buckets:
                 bucket.fills, bucket.written, bucket.buffer = 0, set(), None
-            self.in_flight = []
+            self.in_flight, self.spares = [], []
             self.passes_done = [0] * len(self.params)
         for shard, grad in zip(self.shard_params, self.shard_views("grad")):
             shard.grad = grad

@@ -349,7 +349,7 @@ def _owners(model: torch.nn.Module, unit_names: dict[torch.nn.Module, str]) -> d
 # ---------------------------------------------------------------------- building
 def shard_parameters(model: torch.nn.Module, units: UnitChoice = None, *,
                      process_set: ProcessSet = global_process_set, reshard_after_forward: bool = True,
-                     prefetch: int = 1, max_live_units: int = 3, persist_below: int = 0,
+                     prefetch: int = 1, max_live_units: int = 2, persist_below: int = 0,
                      param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                      init: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
     """Shard `model`'s parameters over `process_set` (ZeRO-3) in place and return it; wrap its parameters with
@@ -524,9 +524,10 @@ def gathered_parameters(module: torch.nn.Module, modify: bool = False, rank0_onl
     """Inside the block, the parameters of `module` (a sharded model or any of its modules) are whole tensors.
 
     `modify=True`: what the block writes into them is kept (each rank keeps its own slice of its own values, so
-    change them the same way on every rank). `rank0_only=True`: only global rank 0 keeps the
-    gathered values; the other ranks release them at once (the gather itself is collective, as FSDP's
-    `summon_full_params(rank0_only=True)`). Collective: every rank of the set enters it."""
+    change them the same way on every rank; under `torch.no_grad()`, as for any in-place change of a parameter).
+    `rank0_only=True`: only global rank 0 keeps the gathered values; the other ranks release them at once (the
+    gather itself is collective, as in FSDP's `summon_full_params(rank0_only=True)`). Units a running forward
+    holds are left gathered. Collective: every rank of the set enters it."""
     sharded = sharded_model_of(module.parameters())
     if sharded is None:
         raise ValueError("gathered_parameters needs a model sharded by hvd.shard_parameters")
@@ -535,10 +536,10 @@ def gathered_parameters(module: torch.nn.Module, modify: bool = False, rank0_onl
     keep = not rank0_only or runtime().rank == 0
     if modify and rank0_only:
         raise ValueError("gathered_parameters(modify=True) needs every rank's values: drop rank0_only")
-    for unit in units:  # one unit at a time would be leaner, but the block sees them all together
-        if unit.gathered:
-            continue
-        unit.start_gather(sharded.next_position, sharded.process_set)
+    gathered = [unit for unit in units if not unit.gathered]  # the others are in use by a forward: left as they are
+    for unit in gathered:  # all together: the block sees them at once
+        if not unit.pending:  # (a prefetch in flight is waited for)
+            unit.start_gather(sharded.next_position, sharded.process_set)
         unit.finish_gather()
         if not keep:
             unit.release()
@@ -548,4 +549,5 @@ def gathered_parameters(module: torch.nn.Module, modify: bool = False, rank0_onl
         for unit in units:
             if modify:
                 unit.keep_own_slices()
+        for unit in gathered:
             unit.release()
