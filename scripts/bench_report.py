@@ -12,6 +12,7 @@ one gets a short section that says "not measured yet" and gives the command that
     bench_training.json        scripts/bench_training.py: training step time and throughput per model and mode
     bench_training_keras.json  scripts/bench_training_keras.py: the same for Keras against MWMS
     bench_zero.json            scripts/bench_zero.py: ZeroOptimizer's state, peak RSS and step time
+    bench_zero3.json           scripts/bench_zero3.py: ZeRO-3 against FSDP2, stage 2 and DistributedOptimizer
     bench_pipeline.json        scripts/bench_pipeline.py: each schedule's bubble against theory
     bench_elastic.json         scripts/bench_elastic.py: recovery, scale-up, commit cost and state sync
 
@@ -377,6 +378,72 @@ def render_zero(doc: Doc, figures: Figures) -> list[str]:
     return lines
 
 
+ZERO3_NAMES = {"zero3": "stage 3 (hvd.shard_parameters)", "fsdp2": "FSDP2 (fully_shard, Gloo)",
+               "zero": "stage 1/2 (hvd.ZeroOptimizer)", "distributed": "DistributedOptimizer"}
+
+
+def zero3_table(doc: Doc) -> list[str]:
+    """One row per configuration: peak RSS, resident model state, bytes sent, step time (ratios on stage 3's)."""
+    summary, checks = doc["summary"], doc["checks"]
+    rows = []
+    for mode, name in ZERO3_NAMES.items():
+        row = summary[mode]
+        step = f"{row['step_s_median']:.2f} s"
+        if mode == "zero3":
+            step += (f" ({checks['step_ratio_vs_fsdp2']:.2f}x FSDP2's, target <= 0.6; "
+                     f"{checks['step_ratio_vs_zero']:.2f}x stage 2's, target <= 1.25)")
+        rows.append([name, f"{row['peak_rss_bytes_max'] / MIB:.0f} MiB", f"{row['param_bytes'] / MIB:.0f} MiB",
+                     f"{row['grad_bytes'] / MIB:.0f} MiB", f"{row['state_bytes'] / MIB:.0f} MiB",
+                     f"{row['sent_bytes_per_step'] / MIB:.0f} MiB", step])
+    return table(["", "peak RSS per rank", "parameters", "gradients", "AdamW state", "sent per step", "step"], rows)
+
+
+def zero3_figure(plt: Any, doc: Doc) -> Any:
+    """Bars per configuration: peak RSS per rank, resident model state, step time."""
+    summary = doc["summary"]
+    metrics = (("peak RSS per rank (MiB)", lambda r: r["peak_rss_bytes_max"] / MIB),
+               ("resident model state per rank (MiB)", lambda r: (r["param_bytes"] + r["grad_bytes"]
+                                                                   + r["state_bytes"]) / MIB),
+               ("step time (s)", lambda r: r["step_s_median"]))
+    fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4.5))
+    names = [ZERO3_NAMES[mode].split(" (")[0] for mode in ZERO3_NAMES]
+    for ax, (label, value) in zip(axes, metrics):
+        bars = ax.bar(names, [value(summary[mode]) for mode in ZERO3_NAMES], color="tab:blue")
+        ax.bar_label(bars, fmt="%.1f" if "time" in label else "%.0f", fontsize="small")
+        ax.set_title(label)
+        ax.tick_params(axis="x", labelrotation=20)
+    fig.tight_layout()
+    return fig
+
+
+def render_zero3(doc: Doc, figures: Figures) -> list[str]:
+    """bench_zero3.json: the four configurations, the targets, and the memory-limit run."""
+    checks, ranks = doc["checks"], doc["ranks"]
+    lines = [f"A GPT-style transformer of {doc['params'] / 1e6:.0f}M parameters ({doc['layers']} pre-norm "
+             f"TransformerEncoderLayers, d 1024, 8192-token vocabulary), AdamW fp32, batch {doc['batch'][0]} x "
+             f"{doc['batch'][1]} per rank, {ranks} ranks of one thread; each configuration in its own jobs, "
+             f"{count(doc['rounds'], 'round')} in alternating order. Peak RSS over the timed steps only (VmHWM "
+             "reset after setup); parameters, gradients and AdamW state resident right after a step; bytes a rank "
+             "sends per step from the calls made (ring costs; Gloo's reduce-scatter runs an allreduce).", ""]
+    lines += zero3_table(doc)
+    lines += ["", f"Stage 3's resident model state is {checks['state_ratio_vs_distributed']:.3f}x "
+              f"DistributedOptimizer's (target: at most 1/{ranks} of it plus one unit: "
+              f"{'met' if checks['state_ok'] else 'missed'}); its peak RSS is "
+              f"{'below' if checks['rss_ok'] else 'not below'} FSDP2's.", ""]
+    demo = doc.get("memory_limit")
+    if demo:
+        single = "killed by the OOM killer" if any(code in (-9, 137) for code in demo["single_exit_codes"]) else \
+            f"exits {demo['single_exit_codes']}"
+        trained = "trains" if not any(demo["zero3_exit_codes"]) else f"exits {demo['zero3_exit_codes']}"
+        peaks = ", ".join(f"{peak / MIB:.0f}" for peak in demo["zero3_peak_rss_bytes"] or [])
+        lines += [f"Under a memory limit of {demo['limit_bytes'] / MIB:.0f} MiB per process (a cgroup each): one "
+                  f"process training the model with plain AdamW is {single}; stage 3 at {ranks} ranks {trained} "
+                  f"(peak RSS {peaks} MiB, step {demo['zero3_step_s'] or 0:.2f} s).", ""]
+    lines.append(figures.save(zero3_figure(figures.plt, doc), "zero3", "ZeRO-3 against FSDP2, stage 2 and "
+                              "DistributedOptimizer"))
+    return lines
+
+
 # ============================================================================ pipeline
 def verdict(row: Doc) -> str:
     """One configuration's target verdict as bench_pipeline.py judged it, with the figure it judged."""
@@ -488,6 +555,8 @@ BENCHMARKS = (
               render_training_keras),
     Benchmark("ZeRO optimizer-state sharding", "bench_zero.json",
               "python scripts/bench_zero.py --np 2,3 --json results/bench_zero.json", render_zero),
+    Benchmark("ZeRO-3 parameter sharding against FSDP2", "bench_zero3.json", "python scripts/bench_zero3.py",
+              render_zero3),
     Benchmark("Pipeline schedules", "bench_pipeline.json",
               "python scripts/bench_pipeline.py --json results/bench_pipeline.json "
               "--plot results/bench_pipeline.png", render_pipeline),

@@ -18,7 +18,7 @@ MIB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 SECTIONS = ("## Allreduce against the raw engine call", "## Multi-host allreduce against the cost model",
             "## Training throughput, PyTorch", "## Training throughput, Keras", "## ZeRO optimizer-state sharding",
-            "## Pipeline schedules", "## Elastic training")
+            "## ZeRO-3 parameter sharding against FSDP2", "## Pipeline schedules", "## Elastic training")
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def scripts(monkeypatch):
     """The benchmark scripts as modules (they import each other by their plain names)."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
     names = ("bench_report", "bench_collectives", "bench_training", "bench_training_keras", "training_bench",
-             "bench_multihost", "bench_zero", "bench_pipeline")
+             "bench_multihost", "bench_zero", "bench_zero3", "bench_pipeline")
     return SimpleNamespace(**{name: importlib.import_module(name) for name in names})
 
 
@@ -85,6 +85,23 @@ def write_multihost(scripts, path: Path) -> None:
                                 "autotune": [autotune], "date": "2026-11-20"}))
 
 
+def write_zero3(scripts, path: Path) -> None:
+    """bench_zero3.py's report at 2 ranks: stage 3 holds half of DistributedOptimizer's model state; one process
+    was OOM-killed under the limit and stage 3 trained."""
+    def job(state_mib: int, rss_mib: int, step_s: float, sent_mib: int) -> list[dict]:
+        return [{"rank": rank, "params": 168_000_000, "step_s": [step_s] * 3, "sent_bytes": [sent_mib * MIB] * 3,
+                 "peak_rss_bytes": rss_mib * MIB, "param_bytes": state_mib * MIB // 4,
+                 "grad_bytes": state_mib * MIB // 4, "state_bytes": state_mib * MIB // 2} for rank in (0, 1)]
+
+    samples = {"zero3": [job(1344, 2300, 5.5, 929)], "fsdp2": [job(1344, 2500, 9.5, 1249)],
+               "zero": [job(1680, 2400, 5.6, 641)], "distributed": [job(2688, 4000, 6.6, 1282)]}
+    args = argparse.Namespace(np=2, layers=12, steps=3, rounds=1)
+    report = scripts.bench_zero3.build_report(args, samples)
+    report["memory_limit"] = {"limit_bytes": 2645 * MIB, "single_exit_codes": [-9], "zero3_exit_codes": [0],
+                              "zero3_peak_rss_bytes": [2300 * MIB, 2310 * MIB], "zero3_step_s": 5.6}
+    path.write_text(json.dumps(report))
+
+
 def write_zero(scripts, path: Path) -> None:
     """bench_zero.py's report at 2 ranks: DistributedOptimizer 384 MiB of state, ZeroOptimizer half of it."""
     def job(state_mib: int, rss_mib: int, step_s: float) -> list[dict]:
@@ -141,7 +158,7 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     results.mkdir()
     for name, write in (("bench_collectives", write_collectives), ("bench_training", write_training),
                         ("bench_training_keras", write_training_keras), ("bench_multihost", write_multihost),
-                        ("bench_zero", write_zero), ("bench_pipeline", write_pipeline),
+                        ("bench_zero", write_zero), ("bench_zero3", write_zero3), ("bench_pipeline", write_pipeline),
                         ("bench_elastic", write_elastic)):
         write(scripts, results / f"{name}.json")
     text = run_report(scripts, results, tmp_path)
@@ -167,6 +184,14 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     assert ("| 2 | ZeroOptimizer | 192 MiB (0.500x; target <= 0.510x) | 1000 MiB (-200 MiB; target -154 MiB) | "
             "660 ms (1.10x; target <= 1.10x) |") in text
     assert "(file time); the JSON records no machine." in text
+    # ZeRO-3: the four configurations with stage 3's ratios, the model-state verdict and the memory-limit run
+    assert ("| stage 3 (hvd.shard_parameters) | 2300 MiB | 336 MiB | 336 MiB | 672 MiB | 929 MiB | 5.50 s (0.58x "
+            "FSDP2's, target <= 0.6; 0.98x stage 2's, target <= 1.25) |") in text
+    assert "| FSDP2 (fully_shard, Gloo) | 2500 MiB | 336 MiB | 336 MiB | 672 MiB | 1249 MiB | 9.50 s |" in text
+    assert "Stage 3's resident model state is 0.500x DistributedOptimizer's" in text
+    assert ": met); its peak RSS is below FSDP2's." in text
+    assert ("one process training the model with plain AdamW is killed by the OOM killer; stage 3 at 2 ranks trains "
+            "(peak RSS 2300, 2310 MiB, step 5.60 s)") in text
     # pipeline: measured / theory, stage 0's activations, the verdicts; the step-time comparison
     assert "| 1F1B | 2 | 0.210 / 0.200 | 10240 | M=4 PASS 1.0 pp |" in text
     assert "| ZB-H1 | 2 | 0.050 / 0.077 | 10240 | M=4 PASS 0.24x, mem 1.00x |" in text
@@ -178,7 +203,7 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     assert "| imports (torch, hvdplus.torch): -> new workers imported (the old ones train on) | 3.500 |" in text
 
     images = ("collectives_busbw", "collectives_per_tensor", "multihost", "training", "training_keras", "zero",
-              "pipeline")
+              "zero3", "pipeline")
     for name in images:
         assert f"](img/{name}.png)" in text
         assert_png(tmp_path / "docs" / "img" / f"{name}.png")
