@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -102,6 +103,22 @@ def test_zero_example_halves_the_state_and_learns_as_distributed_optimizer_does(
     assert abs(zero_state - full_state / 2) <= 1  # each of 2 ranks holds half of AdamW's state
     assert float(found["--zero"][0][3]) == pytest.approx(float(found[None][0][3]), abs=0.02)
     assert float(found["--zero"][0][3]) > 0.8
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+def test_zero3_example_trains_a_meta_built_gpt_and_its_checkpoint_loads_into_a_plain_model():
+    _need_mpi()
+    code, output = run_job("mpi", 2, ["examples/pytorch_zero3.py", "--steps", "60"], timeout=150)
+    assert code == 0, output[-5000:]
+    held = re.findall(r"rank (\d): holds (\d+) of the model's (\d+) parameter bytes", output)
+    assert sorted(rank for rank, _, _ in held) == ["0", "1"], output[-3000:]
+    assert all(abs(int(mine) - int(total) / 2) <= 8 for _, mine, total in held)  # half each (+- an element)
+    losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", output)]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, losses  # it learns (from ~4.4, uniform over ~90)
+    result = json.loads(re.findall(r"^.*(\{\"sharded_eval_loss.*\}).*$", output, re.M)[0])
+    # the plain model computes in another order than the sharded one (no gather), the same float32 values
+    assert result["plain_eval_loss"] == pytest.approx(result["sharded_eval_loss"], abs=1e-4)
 
 
 def _pipeline_run(np: int, flags: list[str]) -> dict:

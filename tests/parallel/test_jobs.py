@@ -89,6 +89,25 @@ def test_zero_checkpoint_from_2_ranks_resumes_on_3(engine, tmp_path):
 
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine", ["gloo"])  # stage 3 itself runs on every engine in the worker suite
+def test_zero3_checkpoints_from_2_ranks_resume_on_3(engine, tmp_path):
+    """A ZeRO-3 model's consolidated file and per-rank shards, saved by a 2-rank job (a plain model loads the
+    file), each resume a meta-built model in a 3-rank job, which then trains on as one process does."""
+    _skip_if_missing(engine)
+    script = str(ROOT / "tests" / "parallel" / "scenarios" / "zero3_reshard.py")
+    paths = [str(tmp_path / "full.pt"), str(tmp_path / "shards")]
+    code, output = run_job(engine, 2, [script, "save", *paths], timeout=120)
+    assert code == 0, f"save job failed (exit {code}):\n{output[-10000:]}"
+    assert "a plain model loads the consolidated checkpoint" in output
+    assert sorted(p.name for p in (tmp_path / "shards").iterdir()) == ["rank-0-of-2.pt", "rank-1-of-2.pt"]
+    code, output = run_job(engine, 3, [script, "resume", *paths], timeout=120)
+    assert code == 0, f"resume job failed (exit {code}):\n{output[-10000:]}"
+    for kind in ("consolidated", "sharded"):
+        assert output.count(f"resumed from the {kind} checkpoint as one process trains") == 3, output[-5000:]
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["gloo"])  # 4 ranks over MPI: the ZB-V example test (test_examples.py)
 def test_pipeline_suite_on_4_ranks(engine):
     """The pipeline worker tests on 4 ranks: 2 stages x 2 data-parallel replicas, and 4 stages x 1 (the 2- and
