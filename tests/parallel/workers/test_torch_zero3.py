@@ -103,7 +103,7 @@ def reference(size: int, kind: str = "adamw", steps=STEPS, clip=None, model=None
 
 def sharded(hvd, model=None, kind="adamw", passes=1, **options):
     model = model if model is not None else build()
-    hvd.shard_parameters(model, units=[Block], **options)
+    hvd.shard_parameters(model, units=options.pop("units", [Block]), **options)
     process_set = options.get("process_set", hvd.global_process_set)
     optimizer = hvd.ZeroOptimizer(optimizer_for(kind, model.parameters()), named_parameters=model.named_parameters(),
                                   backward_passes_per_step=passes, process_set=process_set)
@@ -213,6 +213,16 @@ def test_a_model_built_on_the_meta_device_gets_the_slices_of_a_normally_built_on
     optimizer = hvd.ZeroOptimizer(optimizer_for("adamw", model.parameters()), named_parameters=model.named_parameters())
     train(hvd, model, optimizer)
     assert_close_to(hvd, model, reference(hvd.size(), model=build(3))[0], **ONE_PROCESS)
+
+
+def test_a_parameter_tied_across_two_units_belongs_to_their_enclosing_unit(hvd):
+    """The embedding and the output layer are units of their own here, sharing one weight (FSDP2 in torch 2.13
+    refuses this with a ValueError): the weight goes to the root, gathered for the whole pass."""
+    model, optimizer = sharded(hvd, units=lambda name, module: isinstance(module, Block) or name in ("embed", "head"))
+    units = {unit.name: unit for unit in model._hvdplus_zero3.units}
+    assert "embed.weight" in units["<root>"].names and "embed" not in units and "head" not in units
+    train(hvd, model, optimizer)
+    assert_close_to(hvd, model, reference(hvd.size())[0], **ONE_PROCESS)
 
 
 def test_persistent_small_parameters_and_keeping_units_until_backward(hvd):
