@@ -17,7 +17,7 @@ from torch.autograd.graph import GradientEdge
 from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
                                                     get_param_groups)
 
-from hvdplus.torch.zero3 import add_gradient
+from hvdplus.torch.zero3_units import add_gradient
 
 __all__ = ["backward_full", "backward_input", "backward_weight", "WeightWork"]
 

@@ -23,161 +23,30 @@ Every gather and reduce-scatter of a pass takes the next positional name ("zero3
 ranks that run units in different orders, or skip one, meet a different unit, kind or size under one name and
 fail on every rank at once (a CollectiveMismatchError naming both units) instead of waiting or mixing them.
 
-Construction without the whole model: a model built on the `meta` device is materialised one unit at a time,
-initialising modules children first (their `reset_parameters()`), the order in which a normally built model
-drew them, so each rank keeps the same slice of the same values as a model built normally with the same seed.
+This module chooses the units and runs them (the hooks, prefetch, names); a unit and its buffers are
+zero3_units.py, building the shards (also from a model on the `meta` device) zero3_init.py, checkpoints
+zero3_checkpoint.py.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
-import numpy as np
 import torch
 from torch.utils._pytree import tree_leaves
 
-from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, runtime
-from hvdplus.common.exceptions import CollectiveMismatchError
-from hvdplus.common.negotiation import disagreement
-from hvdplus.common.sharding import DtypePartition, parameter_mismatch, partition
-from hvdplus.torch.mpi_ops import _dtype_name, _numpy
+from hvdplus.torch.zero3_init import check_same_everywhere, default_init, materialize, replace_meta_parameters
+from hvdplus.torch.zero3_units import PERSISTENT, ROOT, Unit
 
-__all__ = ["shard_parameters", "gathered_parameters", "ShardedModel", "Unit", "sharded_model_of", "add_gradient"]
+__all__ = ["shard_parameters", "gathered_parameters", "ShardedModel", "sharded_model_of"]
 
 UnitChoice = Sequence[type] | Callable[[str, torch.nn.Module], bool] | Sequence[torch.nn.Module] | None
 
 
-class Unit:
-    """The parameters one module owns, flattened per (dtype, trainable) and split over the ranks."""
-
-    def __init__(self, name: str, module: torch.nn.Module | None, named: list[tuple[str, torch.nn.Parameter]],
-                 size: int, index: int, param_dtype: torch.dtype | None, persistent: bool) -> None:
-        self.name, self.module, self.persistent = name, module, persistent
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.shapes = [p.shape for p in self.params]
-        self.plan: list[DtypePartition] = partition([p.numel() for p in self.params],
-                                                    [(p.dtype, p.requires_grad) for p in self.params], size)
-        self.index = index
-        self.shards = [torch.empty(part.counts[index], dtype=part.kind[0]) for part in self.plan]
-        compute = [param_dtype if param_dtype is not None and part.kind[0].is_floating_point else part.kind[0]
-                   for part in self.plan]
-        self.full = [torch.empty(part.total, dtype=dtype) for part, dtype in zip(self.plan, compute)]
-        for buffer in self.full:  # never touched: no page of it was resident
-            buffer.untyped_storage().resize_(0)
-        self.gathered = False
-        self.pending: list[Any] = []  # (handle, sent) of a gather in flight
-        self.expected_shape: dict[int, torch.Size] = {}
-
-    @property
-    def is_root(self) -> bool:
-        return self.name == ShardedModel.ROOT
-
-    def nbytes(self) -> int:
-        """Bytes of this rank's shards."""
-        return sum(s.numel() * s.element_size() for s in self.shards)
-
-    def fill_from_parameters(self) -> None:
-        """Copy the parameters' current (whole) values into `full`, and point the parameters at it."""
-        for buffer in self.full:
-            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
-        with torch.no_grad():
-            for k, part in enumerate(self.plan):
-                for i, offset, numel in zip(part.params, part.offsets, part.numels):
-                    self.full[k][offset:offset + numel].copy_(self.params[i].detach().reshape(-1))
-        self.point_at_full()
-
-    def point_at_full(self) -> None:
-        """Make the parameters views of `full`, with the gradients they held when released."""
-        for k, part in enumerate(self.plan):
-            for i, offset, numel in zip(part.params, part.offsets, part.numels):
-                p = self.params[i]
-                p.data = self.full[k][offset:offset + numel].view(self.shapes[i])
-                p.grad = getattr(p, "_hvdplus_released_grad", None)
-                p._hvdplus_released_grad = None  # type: ignore[attr-defined]
-        self.gathered = True
-
-    def take_own_slices(self) -> None:
-        """Copy this rank's range of the parameters' whole values (in their own dtype) into the shards."""
-        with torch.no_grad():
-            for k, part in enumerate(self.plan):
-                start, end = part.shard(self.index)
-                for piece in part.pieces(start, end):
-                    source = self.params[piece.param].detach().reshape(-1)[piece.start:piece.start + piece.length]
-                    self.shards[k][piece.offset - start:piece.offset - start + piece.length].copy_(source)
-
-    def keep_own_slices(self) -> None:
-        """Copy this rank's range of `full` into the shards (after `full` holds the whole unit)."""
-        with torch.no_grad():
-            for k, part in enumerate(self.plan):
-                start, end = part.shard(self.index)
-                self.shards[k].copy_(self.full[k][start:end])
-
-    def release(self) -> None:
-        """Free the gathered buffer: the parameters become empty tensors, the storage is resized to 0 (views that
-        autograd saved stay valid and see the next gather)."""
-        if self.persistent or not self.gathered:
-            return
-        for p in self.params:
-            p._hvdplus_released_grad, p.grad = p.grad, None  # type: ignore[attr-defined]
-            p.data = _empty(p.dtype)  # the compute dtype: p.data is a view of `full` until now
-        for buffer in self.full:
-            buffer.untyped_storage().resize_(0)
-        self.gathered = False
-
-    def start_gather(self, positions: Callable[[], int], process_set: ProcessSet) -> None:
-        """Allgather every rank's shards into `full` (non-blocking; `finish_gather` waits), each partition under
-        the next positional name."""
-        for k, part in enumerate(self.plan):
-            buffer = self.full[k]
-            buffer.untyped_storage().resize_(part.total * buffer.element_size())
-            sent = self.shards[k] if self.shards[k].dtype == buffer.dtype else self.shards[k].to(buffer.dtype)
-            handle = core.submit_allgather(_numpy(sent), _dtype_name(buffer), f"zero3.{positions()}",
-                                           process_set=process_set, counts=part.counts,
-                                           output=_unguarded_numpy(buffer),
-                                           tag=f"gather of unit {self.name!r}")
-            self.pending.append((handle, sent))
-
-    def finish_gather(self) -> None:
-        pending, self.pending = self.pending, []
-        for handle, _ in pending:
-            handle.wait()
-        self.point_at_full()
-
-
-def _empty(dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(0, dtype=dtype)
-
-
-def add_gradient(p: torch.Tensor, grad: torch.Tensor) -> None:
-    """p.grad += grad outside autograd (a pipeline's earlier micro-batches), also while `p` is a released ZeRO-3
-    parameter: its gradient then waits beside it until the unit is gathered again."""
-    with torch.no_grad():
-        if getattr(p, "_hvdplus_zero3", None) is not None and p.numel() != grad.numel():
-            held = getattr(p, "_hvdplus_released_grad", None)
-            p._hvdplus_released_grad = grad if held is None else held.add_(grad)  # type: ignore[attr-defined]
-        elif p.grad is None:
-            p.grad = grad
-        else:
-            p.grad.add_(grad)
-
-
-def _unguarded_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """A numpy view of a contiguous CPU tensor that leaves its storage resizable (`Tensor.numpy()` pins it
-    for good). Only for buffers whose storage stays put while the view is in use: a gather in flight."""
-    kind = _numpy(torch.empty(0, dtype=tensor.dtype)).dtype
-    raw = (ctypes.c_byte * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
-    return np.frombuffer(raw, dtype=kind)
-
-
 class ShardedModel:
     """The units of one sharded model and the hooks that gather and release them (`model._hvdplus_zero3`)."""
-
-    ROOT, PERSISTENT = "<root>", "<persistent>"
 
     def __init__(self, model: torch.nn.Module, units: list[Unit], process_set: ProcessSet,
                  reshard_after_forward: bool, prefetch: int, max_live_units: int,
@@ -342,7 +211,7 @@ def _owners(model: torch.nn.Module, unit_names: dict[torch.nn.Module, str]) -> d
             while n < min(len(common), len(chain)) and common[n] == chain[n]:
                 n += 1
             common = common[:n]
-        owners[key] = (common[-1] if common else ShardedModel.ROOT, *first_name[key])
+        owners[key] = (common[-1] if common else ROOT, *first_name[key])
     return owners
 
 
@@ -378,20 +247,20 @@ def shard_parameters(model: torch.nn.Module, units: UnitChoice = None, *,
         if p.device.type not in ("cpu", "meta"):
             raise ValueError(f"hvd.shard_parameters shards CPU (or meta) parameters only; {name!r} is on {p.device}")
     size, index = process_set.size(), process_set.rank()
-    meta = _replace_meta_parameters(model)
+    meta = replace_meta_parameters(model)
     unit_names = _unit_modules(model, units)
     owners = _owners(model, unit_names)
     by_unit: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
     for unit_name, param_name, p in owners.values():
-        key = ShardedModel.PERSISTENT if p.numel() <= persist_below else unit_name
+        key = PERSISTENT if p.numel() <= persist_below else unit_name
         by_unit.setdefault(key, []).append((param_name, p))
     modules = {name: module for module, name in unit_names.items()}
-    modules[ShardedModel.ROOT] = model
-    order = [ShardedModel.ROOT] + [n for n in modules if n != ShardedModel.ROOT] + [ShardedModel.PERSISTENT]
-    built = [Unit(name, modules.get(name), by_unit[name], size, index, param_dtype, name == ShardedModel.PERSISTENT)
+    modules[ROOT] = model
+    order = [ROOT] + [n for n in modules if n != ROOT] + [PERSISTENT]
+    built = [Unit(name, modules.get(name), by_unit[name], size, index, param_dtype, name == PERSISTENT)
              for name in order if name in by_unit]
-    digests = _materialize(model, built, unit_names, init or _default_init, meta)
-    _check_same_everywhere(built, digests, process_set)
+    digests = materialize(model, built, unit_names, init or default_init, meta)
+    check_same_everywhere(built, digests, process_set)
     sharded = ShardedModel(model, built, process_set, reshard_after_forward, prefetch, max_live_units,
                            reduce_dtype if reduce_dtype is not None else param_dtype)
     for unit in built:
@@ -400,104 +269,6 @@ def shard_parameters(model: torch.nn.Module, units: UnitChoice = None, *,
     model._hvdplus_zero3 = sharded  # type: ignore[assignment]
     _register_hooks(sharded)
     return model
-
-
-def _replace_meta_parameters(model: torch.nn.Module) -> bool:
-    """Give every meta parameter an uninitialised CPU twin, registered wherever the meta one was (ties kept).
-    Its memory is only reserved: no page is touched until a unit's initialisation writes it, and the unit
-    frees it right after keeping its shard. Returns whether there were meta parameters."""
-    twins: dict[int, torch.nn.Parameter] = {}
-    for module in model.modules():
-        for name, p in module._parameters.items():
-            if p is not None and p.is_meta:
-                if id(p) not in twins:
-                    twins[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-                module._parameters[name] = twins[id(p)]
-    return bool(twins)
-
-
-def _default_init(module: torch.nn.Module) -> None:
-    for method in ("reset_parameters", "_reset_parameters"):
-        if callable(getattr(module, method, None)):
-            getattr(module, method)()
-            return
-    if any(True for _ in module.parameters(recurse=False)):
-        raise ValueError(f"module {type(module).__name__} was built on the meta device but has no "
-                         f"reset_parameters(): pass init= to hvd.shard_parameters to initialise its parameters")
-
-
-def _digest(p: torch.Tensor) -> bytes:
-    return hashlib.blake2b(_numpy(p.detach().contiguous().reshape(-1)).tobytes(), digest_size=16).digest()
-
-
-def _materialize(model: torch.nn.Module, units: list[Unit], unit_names: dict[torch.nn.Module, str],
-                 init: Callable[[torch.nn.Module], None], meta: bool) -> dict[str, list[bytes]]:
-    """Cut every unit's shards out of its whole parameters and release it; returns {unit: digests of its
-    parameters}. Meta parameters are materialised one unit at a time: modules initialised children first, the
-    order in which a normal build draws them from the random generator."""
-    by_name = {u.name: u for u in units}
-    by_module = {m: by_name[n] for m, n in unit_names.items() if n in by_name}
-    digests: dict[str, list[bytes]] = {}
-
-    def settle(unit: Unit) -> None:
-        digests[unit.name] = [_digest(p) for p in unit.params]
-        unit.take_own_slices()
-        if unit.persistent:
-            unit.fill_from_parameters()
-        else:  # empty until the first gather, in the dtype a gather will give them
-            for k, part in enumerate(unit.plan):
-                for i in part.params:
-                    unit.params[i].data = _empty(unit.full[k].dtype)
-
-    done: set[int] = set()
-
-    def initialise(module: torch.nn.Module) -> None:
-        """init(module); a parameter an earlier module already initialised (a tie made after construction)
-        gets a scratch stand-in, so that the draws are made and dropped as a normal build's were."""
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.is_meta:
-                module._buffers[name] = torch.empty_like(buffer, device="cpu")
-        tied = {name: p for name, p in module._parameters.items() if p is not None and id(p) in done}
-        for name, p in tied.items():
-            module._parameters[name] = torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
-        init(module)
-        module._parameters.update(tied)
-        done.update(id(p) for p in module.parameters(recurse=False))
-
-    def walk(module: torch.nn.Module) -> None:
-        unit = by_module.get(module)
-        for child in module.children():
-            walk(child)
-        initialise(module)
-        if unit is not None:
-            settle(unit)
-
-    if meta:
-        for child in model.children():
-            walk(child)
-        initialise(model)
-    for unit in units:
-        if unit.name not in digests:
-            settle(unit)
-    return digests
-
-
-def _check_same_everywhere(units: list[Unit], digests: dict[str, list[bytes]], process_set: ProcessSet) -> None:
-    """CollectiveMismatchError on every rank if the ranks' parameters differ in names, shapes, dtypes or values."""
-    mine = [(name, tuple(shape), str(p.dtype), digest) for u in units
-            for name, shape, p, digest in zip(u.names, u.shapes, u.params, digests[u.name])]
-    everyone = core.allgather_object(mine, name="shard_parameters.check", process_set=process_set)
-    ranks = process_set.ranks or list(range(runtime().size))
-    structure = parameter_mismatch([[entry[:3] for entry in listed] for listed in everyone], ranks)
-    if structure:
-        raise CollectiveMismatchError(structure)
-    for position, (name, *_rest) in enumerate(mine):
-        values = {rank: listed[position][3].hex()[:12] for rank, listed in zip(ranks, everyone)}
-        if len(set(values.values())) > 1:
-            raise CollectiveMismatchError(
-                f"Parameter {name!r} differs between ranks at hvd.shard_parameters (digests: "
-                f"{disagreement(values)}): broadcast the parameters from one rank first "
-                f"(hvd.broadcast_parameters), or build the model with the same seed on every rank.")
 
 
 def _register_hooks(sharded: ShardedModel) -> None:

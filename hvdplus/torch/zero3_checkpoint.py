@@ -25,7 +25,8 @@ from hvdplus.common import collectives as core
 from hvdplus.common.basics import runtime
 from hvdplus.torch.mpi_ops import _dtype_name, _numpy
 from hvdplus.torch.streamed_save import StreamedSave
-from hvdplus.torch.zero3 import ShardedModel, Unit, sharded_model_of
+from hvdplus.torch.zero3 import ShardedModel
+from hvdplus.torch.zero3_units import Unit
 
 __all__ = ["full_state_dict", "load_full_state_dict", "save_full_checkpoint", "load_full_checkpoint",
            "save_sharded_checkpoint", "load_sharded_checkpoint"]

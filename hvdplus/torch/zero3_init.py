@@ -1,0 +1,124 @@
+"""Building a ZeRO-3 model's shards: materialising a meta-device model one unit at a time, and checking that every
+rank starts from the same parameters (zero3.py's `shard_parameters` calls these).
+
+A model built on the meta device is materialised unit by unit: modules are initialised children first (their
+`reset_parameters()`, or the `init` given), the order in which a normally built model drew them from the random
+generator, so each rank keeps exactly its slice of the values a normal build with the same seed makes. A
+parameter tied after construction (an output layer sharing the embedding's weight) gets a scratch stand-in while
+the second module initialises, so that its draws are made and dropped as in a normal build."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import torch
+
+from hvdplus.common import collectives as core
+from hvdplus.common.basics import ProcessSet, runtime
+from hvdplus.common.exceptions import CollectiveMismatchError
+from hvdplus.common.negotiation import disagreement
+from hvdplus.common.sharding import parameter_mismatch
+from hvdplus.torch.mpi_ops import _numpy
+from hvdplus.torch.zero3_units import Unit, empty_like_dtype
+
+__all__ = ["replace_meta_parameters", "default_init", "materialize", "check_same_everywhere"]
+
+
+def replace_meta_parameters(model: torch.nn.Module) -> bool:
+    """Give every meta parameter an uninitialised CPU twin, registered wherever the meta one was (ties kept).
+    Its memory is only reserved: no page is touched until a unit's initialisation writes it, and the unit
+    frees it right after keeping its shard. Returns whether there were meta parameters."""
+    twins: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                if id(p) not in twins:
+                    twins[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
+                                                      requires_grad=p.requires_grad)
+                module._parameters[name] = twins[id(p)]
+    return bool(twins)
+
+
+def default_init(module: torch.nn.Module) -> None:
+    for method in ("reset_parameters", "_reset_parameters"):
+        if callable(getattr(module, method, None)):
+            getattr(module, method)()
+            return
+    if any(True for _ in module.parameters(recurse=False)):
+        raise ValueError(f"module {type(module).__name__} was built on the meta device but has no "
+                         f"reset_parameters(): pass init= to hvd.shard_parameters to initialise its parameters")
+
+
+def _digest(p: torch.Tensor) -> bytes:
+    return hashlib.blake2b(_numpy(p.detach().contiguous().reshape(-1)).tobytes(), digest_size=16).digest()
+
+
+def materialize(model: torch.nn.Module, units: list[Unit], unit_names: dict[torch.nn.Module, str],
+                 init: Callable[[torch.nn.Module], None], meta: bool) -> dict[str, list[bytes]]:
+    """Cut every unit's shards out of its whole parameters and release it; returns {unit: digests of its
+    parameters}. Meta parameters are materialised one unit at a time: modules initialised children first, the
+    order in which a normal build draws them from the random generator."""
+    by_name = {u.name: u for u in units}
+    by_module = {m: by_name[n] for m, n in unit_names.items() if n in by_name}
+    digests: dict[str, list[bytes]] = {}
+
+    def settle(unit: Unit) -> None:
+        digests[unit.name] = [_digest(p) for p in unit.params]
+        unit.take_own_slices()
+        if unit.persistent:
+            unit.fill_from_parameters()
+        else:  # empty until the first gather, in the dtype a gather will give them
+            for k, part in enumerate(unit.plan):
+                for i in part.params:
+                    unit.params[i].data = empty_like_dtype(unit.full[k].dtype)
+
+    done: set[int] = set()
+
+    def initialise(module: torch.nn.Module) -> None:
+        """init(module); a parameter an earlier module already initialised (a tie made after construction)
+        gets a scratch stand-in, so that the draws are made and dropped as a normal build's were."""
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = torch.empty_like(buffer, device="cpu")
+        tied = {name: p for name, p in module._parameters.items() if p is not None and id(p) in done}
+        for name, p in tied.items():
+            module._parameters[name] = torch.nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+        init(module)
+        module._parameters.update(tied)
+        done.update(id(p) for p in module.parameters(recurse=False))
+
+    def walk(module: torch.nn.Module) -> None:
+        unit = by_module.get(module)
+        for child in module.children():
+            walk(child)
+        initialise(module)
+        if unit is not None:
+            settle(unit)
+
+    if meta:
+        for child in model.children():
+            walk(child)
+        initialise(model)
+    for unit in units:
+        if unit.name not in digests:
+            settle(unit)
+    return digests
+
+
+def check_same_everywhere(units: list[Unit], digests: dict[str, list[bytes]], process_set: ProcessSet) -> None:
+    """CollectiveMismatchError on every rank if the ranks' parameters differ in names, shapes, dtypes or values."""
+    mine = [(name, tuple(shape), str(p.dtype), digest) for u in units
+            for name, shape, p, digest in zip(u.names, u.shapes, u.params, digests[u.name])]
+    everyone = core.allgather_object(mine, name="shard_parameters.check", process_set=process_set)
+    ranks = process_set.ranks or list(range(runtime().size))
+    structure = parameter_mismatch([[entry[:3] for entry in listed] for listed in everyone], ranks)
+    if structure:
+        raise CollectiveMismatchError(structure)
+    for position, (name, *_rest) in enumerate(mine):
+        values = {rank: listed[position][3].hex()[:12] for rank, listed in zip(ranks, everyone)}
+        if len(set(values.values())) > 1:
+            raise CollectiveMismatchError(
+                f"Parameter {name!r} differs between ranks at hvd.shard_parameters (digests: "
+                f"{disagreement(values)}): broadcast the parameters from one rank first "
+                f"(hvd.broadcast_parameters), or build the model with the same seed on every rank.")
