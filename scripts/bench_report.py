@@ -426,7 +426,7 @@ def render_zero3(doc: Doc, figures: Figures) -> list[str]:
              "reset after setup); parameters, gradients and AdamW state resident right after a step; bytes a rank "
              "sends per step from the calls made (ring costs; Gloo's reduce-scatter runs an allreduce).", ""]
     lines += zero3_table(doc)
-    lines += ["", f"Stage 3's resident model state is {checks['state_ratio_vs_distributed']:.3f}x "
+    lines += [f"Stage 3's resident model state is {checks['state_ratio_vs_distributed']:.3f}x "
               f"DistributedOptimizer's (target: at most 1/{ranks} of it plus one unit: "
               f"{'met' if checks['state_ok'] else 'missed'}); its peak RSS is "
               f"{'below' if checks['rss_ok'] else 'not below'} FSDP2's.", ""]
