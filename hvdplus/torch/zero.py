@@ -221,7 +221,7 @@ class _Shards:
         array = _numpy(sent)
         unit = flat.unit
         if unit is not None and not unit.persistent:
-            name, tag = f"zero3.{self.sharded.next_position()}", f"gradients of unit {unit.name!r}"
+            name, tag = self.sharded.next_name(), f"gradients of unit {unit.name!r}"
         else:
             name, tag = f"ZeroOptimizer.{self.names[bucket.params[0]]}.{bucket.fills}", ""
         handle = core.submit_reducescatter(array, _dtype_name(sent), name, ReduceOp.AVERAGE,

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from hvdplus.common.basics import ProcessSet, global_process_set, runtime
 from hvdplus.torch.zero3_init import check_same_everywhere, default_init, materialize, replace_meta_parameters
@@ -45,16 +45,38 @@ __all__ = ["shard_parameters", "gathered_parameters", "ShardedModel", "sharded_m
 UnitChoice = Sequence[type] | Callable[[str, torch.nn.Module], bool] | Sequence[torch.nn.Module] | None
 
 
+class _InputsReached(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs once the unit's own backward has reached them."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return tuple(x.view_as(x) for x in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
 class ShardedModel:
     """The units of one sharded model and the hooks that gather and release them (`model._hvdplus_zero3`)."""
 
+    built: dict[tuple[int, ...], int] = {}  # models sharded so far per process set (by its ranks): the members
+    # of a set shard their models over it in the same order, so the count is the same on each of them
+
     def __init__(self, model: torch.nn.Module, units: list[Unit], process_set: ProcessSet,
                  reshard_after_forward: bool, prefetch: int, max_live_units: int,
-                 reduce_dtype: torch.dtype | None) -> None:
+                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
         self.model, self.units, self.process_set = model, units, process_set
         self.reshard_after_forward, self.prefetch, self.max_live_units = reshard_after_forward, prefetch, max_live_units
-        self.reduce_dtype = reduce_dtype
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        members = tuple(process_set.ranks or ())
+        self.id = ShardedModel.built.get(members, 0)  # in the names: two sharded models never share one
+        ShardedModel.built[members] = self.id + 1
         self.position = 0
+        self.reached: set[int] = set()  # units whose backward reached their inputs, in this backward
+        self.sent: set[int] = set()  # units whose gradients all left, in this backward
         self.order: list[Unit] = []  # units in the order the last pass's forward ran them
         self.current: list[Unit] = []
         self.end_of_backward_queued = False
@@ -62,9 +84,10 @@ class ShardedModel:
         self.unit_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
 
     # ------------------------------------------------------------------ names
-    def next_position(self) -> int:
+    def next_name(self) -> str:
+        """The next positional collective name of this pass: the same sequence on every rank."""
         self.position += 1
-        return self.position - 1
+        return f"zero3.{self.id}.{self.position - 1}"
 
     # ------------------------------------------------------------------ forward
     def begin_pass(self) -> None:
@@ -78,13 +101,15 @@ class ShardedModel:
         if self.current:
             self.order = self.current
         self.current = []
+        self.reached.clear()
+        self.sent.clear()
 
     def gather(self, unit: Unit) -> None:
         """Make `unit`'s parameters whole (waiting for its prefetch if one is in flight). Collective."""
         if unit.gathered:
             return
         if not unit.pending:
-            unit.start_gather(self.next_position, self.process_set)
+            unit.start_gather(self.next_name, self.process_set)
         unit.finish_gather()
 
     def live(self) -> int:
@@ -97,14 +122,33 @@ class ShardedModel:
                 continue
             if self.live() >= self.max_live_units:
                 return
-            unit.start_gather(self.next_position, self.process_set)
+            unit.start_gather(self.next_name, self.process_set)
 
-    def before_forward(self, unit: Unit) -> None:
+    def before_forward(self, unit: Unit, args: tuple) -> tuple | None:
+        """Gather `unit` and prefetch the next ones; returns its inputs routed through _InputsReached when a
+        backward will run (so that the unit is released as soon as its own backward is done)."""
         self.current.append(unit)
         self.gather(unit)
         j = len(self.current) - 1
         if j < len(self.order) and self.order[j] is unit:
             self.prefetch_from(self.order, j)
+        if unit.is_root or not torch.is_grad_enabled():
+            return None
+        positions = [n for n, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not positions:
+            return None
+        routed = _InputsReached.apply(lambda: self.inputs_reached(unit), *(args[n] for n in positions))
+        args = list(args)
+        for n, tensor in zip(positions, routed):
+            args[n] = tensor
+        return tuple(args)
+
+    def cast_inputs(self, args: tuple) -> tuple | None:
+        """The model's floating-point inputs in `param_dtype` (None: no mixed precision, nothing to change)."""
+        if self.param_dtype is None:
+            return None
+        return tuple(tree_map(lambda a: a.to(self.param_dtype) if isinstance(a, torch.Tensor)
+                              and a.is_floating_point() else a, list(args)))
 
     def after_forward(self, unit: Unit | None, output: Any) -> None:
         """After a unit's forward (None: the model's, which has no root unit): hook the backward's start on the
@@ -137,12 +181,21 @@ class ShardedModel:
 
     def gradients_sent(self, unit: Unit) -> None:
         """zero.py started the reduce-scatter of every trainable partition of `unit`: its buffer can go, unless
-        it has frozen parameters, which a later part of the backward may still need (released at its end)."""
-        if all(p.requires_grad for p in unit.params):
+        it has frozen parameters, which its backward may still need until it reaches its inputs."""
+        self.sent.add(id(unit))
+        if all(p.requires_grad for p in unit.params) or id(unit) in self.reached:
+            unit.release()
+
+    def inputs_reached(self, unit: Unit) -> None:
+        """`unit`'s backward is done: release it if its gradients have left too (or it has none to send)."""
+        self.reached.add(id(unit))
+        if id(unit) in self.sent or not any(p.requires_grad for p in unit.params):
             unit.release()
 
     def end_of_backward(self) -> None:
         self.end_of_backward_queued = False
+        self.reached.clear()
+        self.sent.clear()
         self.release_all()
 
     def release_all(self) -> None:
@@ -261,7 +314,7 @@ def shard_parameters(model: torch.nn.Module, units: UnitChoice = None, *,
              for name in order if name in by_unit]
     digests = materialize(model, built, unit_names, init or default_init, meta)
     check_same_everywhere(built, digests, process_set)
-    sharded = ShardedModel(model, built, process_set, reshard_after_forward, prefetch, max_live_units,
+    sharded = ShardedModel(model, built, process_set, reshard_after_forward, prefetch, max_live_units, param_dtype,
                            reduce_dtype if reduce_dtype is not None else param_dtype)
     for unit in built:
         for p in unit.params:
@@ -274,10 +327,11 @@ def shard_parameters(model: torch.nn.Module, units: UnitChoice = None, *,
 def _register_hooks(sharded: ShardedModel) -> None:
     root = next((u for u in sharded.units if u.is_root), None)
 
-    def before_model(_module: torch.nn.Module, _args: Any) -> None:
+    def before_model(_module: torch.nn.Module, args: tuple) -> tuple | None:
         sharded.begin_pass()
         if root is not None:
-            sharded.before_forward(root)
+            sharded.before_forward(root, args)
+        return sharded.cast_inputs(args)
 
     def after_model(_module: torch.nn.Module, _args: Any, output: Any) -> None:
         sharded.after_forward(root, output)
@@ -286,7 +340,7 @@ def _register_hooks(sharded: ShardedModel) -> None:
     sharded.model.register_forward_hook(after_model)
     for unit in sharded.units:
         if unit.module is not None and not unit.is_root and not unit.persistent:
-            unit.module.register_forward_pre_hook(lambda _m, _a, unit=unit: sharded.before_forward(unit))
+            unit.module.register_forward_pre_hook(lambda _m, args, unit=unit: sharded.before_forward(unit, args))
             unit.module.register_forward_hook(lambda _m, _a, out, unit=unit: sharded.after_forward(unit, out))
 
 
@@ -304,13 +358,13 @@ def gathered_parameters(module: torch.nn.Module, modify: bool = False, rank0_onl
         raise ValueError("gathered_parameters needs a model sharded by hvd.shard_parameters")
     wanted = {id(p) for p in module.parameters()}
     units = [u for u in sharded.units if any(id(p) in wanted for p in u.params)]
-    keep = not rank0_only or runtime().rank == 0
+    keep = not rank0_only or sharded.process_set.rank() == 0
     if modify and rank0_only:
         raise ValueError("gathered_parameters(modify=True) needs every rank's values: drop rank0_only")
     gathered = [unit for unit in units if not unit.gathered]  # the others are in use by a forward: left as they are
     for unit in gathered:  # all together: the block sees them at once
         if not unit.pending:  # (a prefetch in flight is waited for)
-            unit.start_gather(sharded.next_position, sharded.process_set)
+            unit.start_gather(sharded.next_name, sharded.process_set)
         unit.finish_gather()
         if not keep:
             unit.release()

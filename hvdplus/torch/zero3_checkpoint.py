@@ -46,7 +46,7 @@ def _whole_shards(sharded: ShardedModel, unit: Unit) -> list[torch.Tensor]:
     wholes = []
     for k, part in enumerate(unit.plan):
         whole = torch.empty(part.total, dtype=unit.shards[k].dtype)
-        core.submit_allgather(_numpy(unit.shards[k]), _dtype_name(whole), f"zero3.{sharded.next_position()}",
+        core.submit_allgather(_numpy(unit.shards[k]), _dtype_name(whole), sharded.next_name(),
                               process_set=sharded.process_set, counts=part.counts, output=_numpy(whole),
                               tag=f"state of unit {unit.name!r}").wait()
         wholes.append(whole)
@@ -150,6 +150,11 @@ def save_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.save(saved, Path(directory) / f"rank-{rank}-of-{size}.pt")
     core.submit_barrier(sharded.process_set).wait()
+    if rank == 0:  # a save at another size before would otherwise be found beside this one
+        for stale in Path(directory).glob("rank-*-of-*.pt"):
+            if stale.stem.rsplit("-", 1)[1] != str(size):
+                stale.unlink()
+    core.submit_barrier(sharded.process_set).wait()
 
 
 def load_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
@@ -161,7 +166,10 @@ def load_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module
     found = sorted(Path(directory).glob("rank-*-of-*.pt"))
     if not found:
         raise ValueError(f"no sharded checkpoint (rank-R-of-N.pt files) in {directory}")
-    old_size = int(found[0].stem.rsplit("-", 1)[1])
+    sizes = sorted({int(f.stem.rsplit("-", 1)[1]) for f in found})
+    if len(sizes) > 1:
+        raise ValueError(f"{directory} holds sharded checkpoints of {sizes} ranks; keep one")
+    old_size = sizes[0]
     files = [Path(directory) / f"rank-{r}-of-{old_size}.pt" for r in range(old_size)]
     missing = [str(f) for f in files if not f.exists()]
     if missing:

@@ -88,7 +88,12 @@ def materialize(model: torch.nn.Module, units: list[Unit], unit_names: dict[torc
         module._parameters.update(tied)
         done.update(id(p) for p in module.parameters(recurse=False))
 
+    visited: set[int] = set()
+
     def walk(module: torch.nn.Module) -> None:
+        if id(module) in visited:  # a module registered at two paths is initialised once
+            return
+        visited.add(id(module))
         unit = by_module.get(module)
         for child in module.children():
             walk(child)

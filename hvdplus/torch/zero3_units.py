@@ -101,14 +101,14 @@ class Unit:
             buffer.untyped_storage().resize_(0)
         self.gathered = False
 
-    def start_gather(self, positions: Callable[[], int], process_set: ProcessSet) -> None:
+    def start_gather(self, names: Callable[[], str], process_set: ProcessSet) -> None:
         """Allgather every rank's shards into `full` (non-blocking; `finish_gather` waits), each partition under
         the next positional name."""
         for k, part in enumerate(self.plan):
             buffer = self.full[k]
             buffer.untyped_storage().resize_(part.total * buffer.element_size())
             sent = self.shards[k] if self.shards[k].dtype == buffer.dtype else self.shards[k].to(buffer.dtype)
-            handle = core.submit_allgather(_numpy(sent), _dtype_name(buffer), f"zero3.{positions()}",
+            handle = core.submit_allgather(_numpy(sent), _dtype_name(buffer), names(),
                                            process_set=process_set, counts=part.counts,
                                            output=_unguarded_numpy(buffer),
                                            tag=f"gather of unit {self.name!r}")

@@ -10,6 +10,8 @@ the tiny gradients of some elements by their own magnitude (FIELD-NOTES: ~4e-6 a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -315,6 +317,92 @@ def test_misuse_is_refused(hvd):
     hvd.shard_parameters(other, units=[Block])
     with pytest.raises(ValueError, match="lacks"):
         hvd.ZeroOptimizer(torch.optim.SGD(list(other.blocks[0].parameters()), lr=0.1))
+
+
+class Adapted(torch.nn.Module):
+    """A frozen Linear with a trainable low-rank adapter beside it (LoRA's shape)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(WIDTH, WIDTH)
+        self.base.requires_grad_(False)
+        self.down = torch.nn.Linear(WIDTH, 2, bias=False)
+        self.up = torch.nn.Linear(2, WIDTH, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.base(x)) + self.up(self.down(x))
+
+
+def test_units_with_frozen_parameters_are_released_right_after_their_own_backward(hvd):
+    """LoRA-like units (frozen weights, trainable adapters) do not pile up until the backward's end."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[Adapted() for _ in range(5)])
+    expected = torch.nn.Sequential(*[Adapted() for _ in range(5)])
+    expected.load_state_dict(model.state_dict())
+    hvd.shard_parameters(model, units=[Adapted])
+    optimizer = hvd.ZeroOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                                  named_parameters=[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    live, runtime_ = [], model._hvdplus_zero3
+    gather_for_backward = runtime_.before_backward
+
+    def spy(unit):  # how many units are whole as each unit's backward starts
+        gather_for_backward(unit)
+        live.append(runtime_.live())
+
+    runtime_.before_backward = spy
+    reference_optimizer = torch.optim.SGD([p for p in expected.parameters() if p.requires_grad], lr=0.1)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        x = torch.randn(hvd.size() * ROWS, WIDTH, generator=generator, requires_grad=True)
+        mine = x[hvd.rank() * ROWS:(hvd.rank() + 1) * ROWS]
+        optimizer.zero_grad()
+        model(mine).pow(2).mean().backward()
+        optimizer.step()
+        reference_optimizer.zero_grad()
+        expected(x).pow(2).mean().backward()
+        reference_optimizer.step()
+    assert live and max(live) <= model._hvdplus_zero3.max_live_units  # without the release: all 5 by the end
+    assert_close_to(hvd, model, expected, rtol=0, atol=1e-5)
+
+
+def test_bf16_casts_the_models_floating_inputs(hvd):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Block(), Block())
+    hvd.shard_parameters(model, units=[Block], param_dtype=torch.bfloat16)
+    output = model(torch.randn(2, WIDTH))  # a float32 input into bf16 weights
+    assert output.dtype == torch.bfloat16
+
+
+def test_two_sharded_models_interleave_without_sharing_collective_names(hvd):
+    teacher, _ = sharded(hvd, model=build(seed=0))
+    student, optimizer = sharded(hvd, model=build(seed=0), passes=2)
+    assert teacher._hvdplus_zero3.id != student._hvdplus_zero3.id
+    rows = slice(hvd.rank() * ROWS, (hvd.rank() + 1) * ROWS)
+    for tokens in data(hvd.size(), 2):
+        optimizer.zero_grad()
+        for part in tokens[rows].chunk(2):
+            with torch.no_grad():
+                target = teacher(part[:, :-1]).softmax(-1)
+            logits = student(part[:, :-1])
+            (torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1, VOCAB)) / 2).backward()
+        optimizer.step()
+    assert whole(hvd, student)["blocks.0.up.weight"].shape == (4 * WIDTH, WIDTH)
+
+
+def test_a_sharded_checkpoint_directory_keeps_one_world_size(hvd, tmp_path_factory):
+    model, optimizer = sharded(hvd)
+    directory = Path(hvd.broadcast_object(str(tmp_path_factory.mktemp("zero3-sizes")), root_rank=0))
+    if hvd.rank() == 0:
+        (directory / "rank-0-of-7.pt").write_bytes(b"from an earlier save at 7 ranks")
+    hvd.barrier()
+    hvd.save_sharded_checkpoint(directory, model, optimizer)
+    assert sorted(p.name for p in directory.iterdir()) == [f"rank-{r}-of-{hvd.size()}.pt" for r in range(hvd.size())]
+    hvd.barrier()
+    if hvd.rank() == 0:
+        (directory / "rank-0-of-7.pt").write_bytes(b"again")
+    hvd.barrier()
+    with pytest.raises(ValueError, match="holds sharded checkpoints of"):
+        hvd.load_sharded_checkpoint(directory, model, optimizer)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
