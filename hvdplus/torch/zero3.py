@@ -19,7 +19,7 @@ unit's backward (hooked on its outputs) fills again. The next units are prefetch
 in forward order and then in reverse, at most `max_live_units` at once. Gradients are reduce-scattered as each
 unit's backward completes (zero.py), after which the unit releases its buffer.
 
-Every gather and reduce-scatter of a pass takes the next positional name ("zero3.<n>"), tagged with its unit:
+Every gather and reduce-scatter of a pass takes the next positional name ("zero3.<model>.<n>"), tagged with its unit:
 ranks that run units in different orders, or skip one, meet a different unit, kind or size under one name and
 fail on every rank at once (a CollectiveMismatchError naming both units) instead of waiting or mixing them.
 
