@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_collectives import _MPI_ENV, child_env, find_mpirun, wait_all  # noqa: E402
+from bench_collectives import child_env, wait_all  # noqa: E402
+from training_bench import start_mpi_job  # noqa: E402
 
 MODES = ("zero3", "fsdp2", "zero", "distributed")
 VOCAB, WIDTH, HEADS, SEQ, BATCH = 8192, 1024, 16, 128, 2
@@ -268,9 +269,7 @@ def start(mode: str, args: argparse.Namespace, ranks: int, result_file: str, cgr
                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
             procs.append(subprocess.Popen(command, env=rank_env, start_new_session=True))
         return procs
-    mpirun = [find_mpirun(), "-np", str(ranks), "--oversubscribe", "--bind-to", "none"]
-    return [subprocess.Popen(mpirun + command, env=child_env({**_MPI_ENV, **env, "HOROVOD_CPU_OPERATIONS": "mpi"}),
-                             start_new_session=True)]
+    return start_mpi_job(ranks, command, {"OMP_NUM_THREADS": "1"})
 
 
 def run_job(mode: str, args: argparse.Namespace, ranks: int, cgroup: str = "") -> tuple[list[int], Any]:

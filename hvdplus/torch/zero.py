@@ -91,7 +91,8 @@ class _Shards:
         for k, part in enumerate(self.plan):
             for i, offset in zip(part.params, part.offsets):
                 self.where[i] = (k, offset)
-        self.shapes = [self.shape_of(i) for i in range(len(params))]
+        self.shapes = [p.shape if sharded is None else sharded.shape_of(p) for p in params]
+        self.numels = [shape.numel() for shape in self.shapes]
         bucket_bytes = runtime().bucket_bytes
         self.buckets = []
         for k, flat in enumerate(self.flats):
@@ -118,8 +119,7 @@ class _Shards:
         self.shard_shapes: list[torch.Size] = []
         for k, part in enumerate(self.plan):
             for piece in part.pieces(*part.shard(self.index)):
-                whole = piece.length == part.numels[part.params.index(piece.param)] and \
-                    len(self.shapes[piece.param]) > 0
+                whole = piece.length == self.numels[piece.param] and len(self.shapes[piece.param]) > 0
                 self.shards.append((k, group_of[piece.param], piece.offset, piece.offset + piece.length))
                 self.shard_shapes.append(self.shapes[piece.param] if whole else torch.Size([piece.length]))
         self.shard_params = [torch.nn.Parameter(view) for view in self.shard_views("master")]
@@ -164,13 +164,6 @@ class _Shards:
                                    self.sharded.reduce_dtype))
         return flats
 
-    def shape_of(self, i: int) -> torch.Size:
-        """Parameter i's shape (a ZeRO-3 parameter is an empty tensor between uses)."""
-        if self.sharded is not None:
-            unit, j = self.sharded.unit_of[id(self.params[i])]
-            return unit.shapes[j]
-        return self.params[i].shape
-
     def shard_views(self, which: str) -> list[torch.Tensor]:
         """This rank's shard pieces of the flat sequences' `which` ("master" or "grad"), in shard order."""
         views = []
@@ -212,7 +205,7 @@ class _Shards:
         for i in bucket.params:
             if i not in bucket.written:
                 offset = self.where[i][1] - bucket.start
-                bucket.buffer[offset:offset + flat.part.numels[flat.part.params.index(i)]].zero_()
+                bucket.buffer[offset:offset + self.numels[i]].zero_()
         while len(self.in_flight) >= self.in_flight_limit:
             self.finish(self.in_flight.pop(0))
         counts = counts_within(flat.part.bounds, bucket.start, bucket.end)
@@ -425,8 +418,7 @@ def ZeroOptimizer(optimizer: torch.optim.Optimizer,
     sharded = sharded_model_of(p for group in optimizer.param_groups for p in group["params"])
     if sharded is not None and sharded.gradients is not None:
         raise ValueError("this sharded model already has a ZeroOptimizer; wrap one optimizer per sharded model")
-    shape = (lambda p: p.shape) if sharded is None else (lambda p: sharded.unit_of[id(p)][0].shapes[
-        sharded.unit_of[id(p)][1]])
+    shape = (lambda p: p.shape) if sharded is None else sharded.shape_of
     described = core.allgather_object([(names[p], tuple(shape(p)), str(p.dtype)) for p in params],
                                       name=f"ZeroOptimizer.check.{names[params[0]] if params else ''}",
                                       process_set=process_set)

@@ -83,6 +83,11 @@ class ShardedModel:
         self.gradients: Any = None  # the ZeroOptimizer's shards, once one is wrapped around these parameters
         self.unit_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
 
+    def shape_of(self, p: torch.Tensor) -> torch.Size:
+        """A sharded parameter's own shape (it is an empty tensor between uses)."""
+        unit, i = self.unit_of[id(p)]
+        return unit.shapes[i]
+
     # ------------------------------------------------------------------ names
     def next_name(self) -> str:
         """The next positional collective name of this pass: the same sequence on every rank."""
@@ -350,7 +355,7 @@ def gathered_parameters(module: torch.nn.Module, modify: bool = False, rank0_onl
 
     `modify=True`: what the block writes into them is kept (each rank keeps its own slice of its own values, so
     change them the same way on every rank; under `torch.no_grad()`, as for any in-place change of a parameter).
-    `rank0_only=True`: only global rank 0 keeps the gathered values; the other ranks release them at once (the
+    `rank0_only=True`: only the set's first rank keeps the gathered values; the others release them at once (the
     gather itself is collective, as in FSDP's `summon_full_params(rank0_only=True)`). Units a running forward
     holds are left gathered. Collective: every rank of the set enters it."""
     sharded = sharded_model_of(module.parameters())
@@ -363,9 +368,7 @@ def gathered_parameters(module: torch.nn.Module, modify: bool = False, rank0_onl
         raise ValueError("gathered_parameters(modify=True) needs every rank's values: drop rank0_only")
     gathered = [unit for unit in units if not unit.gathered]  # the others are in use by a forward: left as they are
     for unit in gathered:  # all together: the block sees them at once
-        if not unit.pending:  # (a prefetch in flight is waited for)
-            unit.start_gather(sharded.next_name, sharded.process_set)
-        unit.finish_gather()
+        sharded.gather(unit)
         if not keep:
             unit.release()
     try:

@@ -41,6 +41,11 @@ def _sharded(model: torch.nn.Module) -> ShardedModel:
     return sharded
 
 
+def _unsharded_entries(model: torch.nn.Module, sharded: ShardedModel) -> dict[str, torch.Tensor]:
+    """The model's state-dict entries that no unit shards (its buffers), by key."""
+    return {key: value for key, value in model.state_dict(keep_vars=True).items() if id(value) not in sharded.unit_of}
+
+
 def _whole_shards(sharded: ShardedModel, unit: Unit) -> list[torch.Tensor]:
     """Every rank's shards of `unit` allgathered in their own dtype (not the compute dtype). Collective."""
     wholes = []
@@ -102,9 +107,8 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any]) -> 
                 if unit.persistent:
                     for i, offset, numel in zip(part.params, part.offsets, part.numels):
                         unit.full[k][offset:offset + numel].copy_(state_dict[names[id(unit.params[i])]].reshape(-1))
-        sharded_ids = set(sharded.unit_of)
-        for key, value in model.state_dict(keep_vars=True).items():
-            if id(value) not in sharded_ids and key in state_dict:
+        for key, value in _unsharded_entries(model, sharded).items():
+            if key in state_dict:
                 value.data.copy_(state_dict[key])
 
 
@@ -143,8 +147,7 @@ def save_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module
     size, rank = sharded.process_set.size(), sharded.process_set.rank()
     units = {unit.name: {"bounds": [list(part.bounds) for part in unit.plan], "shards": unit.shards}
              for unit in sharded.units}
-    sharded_ids = set(sharded.unit_of)
-    buffers = {key: value for key, value in model.state_dict(keep_vars=True).items() if id(value) not in sharded_ids}
+    buffers = _unsharded_entries(model, sharded)
     saved = {"format": _SHARDED_FORMAT, "size": size, "rank": rank, "units": units, "buffers": buffers,
              "optimizer": optimizer.sharded_state_dict() if optimizer is not None else None}  # type: ignore
     Path(directory).mkdir(parents=True, exist_ok=True)
@@ -195,9 +198,8 @@ def load_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module
                     for r, old in enumerate(olds):
                         lo, hi = old["bounds"][k][r], old["bounds"][k][r + 1]
                         unit.full[k][lo:hi].copy_(old["shards"][k].to(unit.full[k].dtype))
-        sharded_ids = set(sharded.unit_of)
-        for key, value in model.state_dict(keep_vars=True).items():
-            if id(value) not in sharded_ids and key in saved[0]["buffers"]:
+        for key, value in _unsharded_entries(model, sharded).items():
+            if key in saved[0]["buffers"]:
                 value.data.copy_(saved[0]["buffers"][key])
     if optimizer is not None:
         optimizer.load_sharded_state_dict([s["optimizer"] for s in saved])  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.negotiation import disagreement
 from hvdplus.common.sharding import parameter_mismatch
 from hvdplus.torch.mpi_ops import _numpy
-from hvdplus.torch.zero3_units import Unit, empty_like_dtype
+from hvdplus.torch.zero3_units import Unit
 
 __all__ = ["replace_meta_parameters", "default_init", "materialize", "check_same_everywhere"]
 
@@ -41,6 +41,7 @@ def replace_meta_parameters(model: torch.nn.Module) -> bool:
 
 
 def default_init(module: torch.nn.Module) -> None:
+    """Initialise a meta-built module's own parameters with its `reset_parameters()` (or `_reset_parameters()`)."""
     for method in ("reset_parameters", "_reset_parameters"):
         if callable(getattr(module, method, None)):
             getattr(module, method)()
@@ -51,7 +52,7 @@ def default_init(module: torch.nn.Module) -> None:
 
 
 def _digest(p: torch.Tensor) -> bytes:
-    return hashlib.blake2b(_numpy(p.detach().contiguous().reshape(-1)).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(_numpy(p.detach().contiguous().reshape(-1)), digest_size=16).digest()
 
 
 def materialize(model: torch.nn.Module, units: list[Unit], unit_names: dict[torch.nn.Module, str],
@@ -68,10 +69,8 @@ def materialize(model: torch.nn.Module, units: list[Unit], unit_names: dict[torc
         unit.take_own_slices()
         if unit.persistent:
             unit.fill_from_parameters()
-        else:  # empty until the first gather, in the dtype a gather will give them
-            for k, part in enumerate(unit.plan):
-                for i in part.params:
-                    unit.params[i].data = empty_like_dtype(unit.full[k].dtype)
+        else:  # empty until the first gather
+            unit.empty_parameters()
 
     done: set[int] = set()
 

@@ -96,10 +96,16 @@ class Unit:
             return
         for p in self.params:
             p._hvdplus_released_grad, p.grad = p.grad, None  # type: ignore[attr-defined]
-            p.data = empty_like_dtype(p.dtype)  # the compute dtype: p.data is a view of `full` until now
+        self.empty_parameters()
         for buffer in self.full:
             buffer.untyped_storage().resize_(0)
         self.gathered = False
+
+    def empty_parameters(self) -> None:
+        """Point every parameter at an empty tensor of the dtype a gather gives it."""
+        for k, part in enumerate(self.plan):
+            for i in part.params:
+                self.params[i].data = empty_like_dtype(self.full[k].dtype)
 
     def start_gather(self, names: Callable[[], str], process_set: ProcessSet) -> None:
         """Allgather every rank's shards into `full` (non-blocking; `finish_gather` waits), each partition under
