@@ -19,9 +19,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from keras_train import load_data, make_model  # noqa: E402
 
 import hvdplus.keras as hvd  # noqa: E402
-from keras_train import load_data, make_model  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -39,27 +39,45 @@ def main() -> None:
     keras.utils.set_random_seed(42)
     (x_train, y_train), (x_test, y_test) = load_data()
     model = make_model()
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(args.lr * hvd.size(), momentum=0.9)),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    model.compile(
+        optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(args.lr * hvd.size(), momentum=0.9)),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     state = hvd.elastic.KerasState(model, epoch=0, batch=0)
 
     def on_state_reset() -> None:
         model.optimizer.learning_rate = args.lr * hvd.size()
 
     state.register_reset_callbacks([on_state_reset])
-    callbacks = [hvd.callbacks.MetricAverageCallback(), hvd.elastic.UpdateEpochStateCallback(state),
-                 hvd.elastic.UpdateBatchStateCallback(state),
-                 hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit)]
+    callbacks = [
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.elastic.UpdateEpochStateCallback(state),
+        hvd.elastic.UpdateBatchStateCallback(state),
+        hvd.elastic.CommitStateCallback(state, batches_per_commit=args.batches_per_commit),
+    ]
 
     @hvd.elastic.run
     def train(state: hvd.elastic.KerasState) -> None:
         # The same shuffle on every worker, dealt over the workers of this generation.
-        data = (tf.data.Dataset.from_tensor_slices((x_train, y_train)).shuffle(len(x_train), seed=0).repeat()
-                .shard(hvd.size(), hvd.rank()).batch(args.batch_size))
+        data = (
+            tf.data.Dataset.from_tensor_slices((x_train, y_train))
+            .shuffle(len(x_train), seed=0)
+            .repeat()
+            .shard(hvd.size(), hvd.rank())
+            .batch(args.batch_size)
+        )
         steps = math.ceil(len(x_train) / (args.batch_size * hvd.size()))
-        state.model.fit(data, steps_per_epoch=steps, epochs=args.epochs, initial_epoch=state.epoch,
-                        validation_data=(x_test, y_test), callbacks=callbacks, shuffle=False,
-                        verbose=2 if hvd.rank() == 0 else 0)
+        state.model.fit(
+            data,
+            steps_per_epoch=steps,
+            epochs=args.epochs,
+            initial_epoch=state.epoch,
+            validation_data=(x_test, y_test),
+            callbacks=callbacks,
+            shuffle=False,
+            verbose=2 if hvd.rank() == 0 else 0,
+        )
 
     train(state)
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)

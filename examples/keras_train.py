@@ -30,8 +30,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank and backward pass")
     parser.add_argument("--lr", type=float, default=0.02, help="learning rate of one rank (scaled by the ranks)")
     parser.add_argument("--fp16", action="store_true", help="compress gradients to float16 for the allreduce")
-    parser.add_argument("--batches-per-allreduce", type=int, default=1,
-                        help="backward passes accumulated locally per allreduce")
+    parser.add_argument(
+        "--batches-per-allreduce", type=int, default=1, help="backward passes accumulated locally per allreduce"
+    )
     parser.add_argument("--warmup-epochs", type=int, default=1)
     parser.add_argument("--checkpoint", default="./checkpoints/best.keras", help="best model, written by rank 0")
     return parser.parse_args()
@@ -48,9 +49,15 @@ def load_data() -> tuple[tuple[np.ndarray, np.ndarray], tuple[np.ndarray, np.nda
 
 def make_model() -> keras.Model:
     """Two 3x3 convolutions and a linear classifier for 8x8 digits."""
-    return keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-                             keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-                             keras.layers.Flatten(), keras.layers.Dense(10)])
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def main() -> None:
@@ -58,26 +65,44 @@ def main() -> None:
     hvd.init()
     keras.utils.set_random_seed(42 + hvd.rank())  # different starts: the broadcast callback aligns them
     (x_train, y_train), (x_test, y_test) = load_data()
-    train = (tf.data.Dataset.from_tensor_slices((x_train, y_train)).shard(hvd.size(), hvd.rank())
-             .shuffle(1500, seed=hvd.rank()).batch(args.batch_size))
+    train = (
+        tf.data.Dataset.from_tensor_slices((x_train, y_train))
+        .shard(hvd.size(), hvd.rank())
+        .shuffle(1500, seed=hvd.rank())
+        .batch(args.batch_size)
+    )
 
     scaled_lr = args.lr * hvd.size()
-    optimizer = hvd.DistributedOptimizer(keras.optimizers.SGD(scaled_lr, momentum=0.9),
-                                         compression=hvd.Compression.fp16 if args.fp16 else hvd.Compression.none,
-                                         backward_passes_per_step=args.batches_per_allreduce,
-                                         average_aggregated_gradients=True)
+    optimizer = hvd.DistributedOptimizer(
+        keras.optimizers.SGD(scaled_lr, momentum=0.9),
+        compression=hvd.Compression.fp16 if args.fp16 else hvd.Compression.none,
+        backward_passes_per_step=args.batches_per_allreduce,
+        average_aggregated_gradients=True,
+    )
     model = make_model()
-    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), hvd.callbacks.MetricAverageCallback(),
-                 hvd.callbacks.LearningRateWarmupCallback(initial_lr=scaled_lr, warmup_epochs=args.warmup_epochs,
-                                                          momentum_correction=False,
-                                                          verbose=1 if hvd.rank() == 0 else 0)]
+    model.compile(
+        optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
+    callbacks = [
+        hvd.callbacks.BroadcastGlobalVariablesCallback(0),
+        hvd.callbacks.MetricAverageCallback(),
+        hvd.callbacks.LearningRateWarmupCallback(
+            initial_lr=scaled_lr,
+            warmup_epochs=args.warmup_epochs,
+            momentum_correction=False,
+            verbose=1 if hvd.rank() == 0 else 0,
+        ),
+    ]
     if hvd.rank() == 0:
         os.makedirs(os.path.dirname(os.path.abspath(args.checkpoint)), exist_ok=True)
     callbacks.append(hvd.callbacks.BestModelCheckpoint(monitor="val_accuracy", mode="max", filepath=args.checkpoint))
-    model.fit(train, epochs=args.epochs, validation_data=(x_test, y_test), callbacks=callbacks,
-              verbose=2 if hvd.rank() == 0 else 0)
+    model.fit(
+        train,
+        epochs=args.epochs,
+        validation_data=(x_test, y_test),
+        callbacks=callbacks,
+        verbose=2 if hvd.rank() == 0 else 0,
+    )
 
     _, accuracy = model.evaluate(x_test, y_test, verbose=0)
     accuracy = float(hvd.allreduce(accuracy, name="final_accuracy"))  # identical models: the same on every rank

@@ -17,8 +17,10 @@ def main() -> None:
 
     x = hvd.allreduce(torch.ones(3) * rank, op=hvd.Sum, name="x")
     say("allreduce(Sum) of ones*rank:", x.tolist())
-    say("allreduce(Average, fp16 on the wire):",
-        hvd.allreduce(torch.full((2,), float(rank)), compression=hvd.Compression.fp16).tolist())
+    say(
+        "allreduce(Average, fp16 on the wire):",
+        hvd.allreduce(torch.full((2,), float(rank)), compression=hvd.Compression.fp16).tolist(),
+    )
     say("allgather of rank+1 rows:", hvd.allgather(torch.full((rank + 1,), rank)).tolist())
     say("broadcast from the last rank:", hvd.broadcast(torch.tensor([rank]), root_rank=size - 1).tolist())
     out, received = hvd.alltoall(torch.arange(size) + 10 * rank, splits=[1] * size)

@@ -57,7 +57,7 @@ def main() -> None:
 
     @hvd.elastic.run
     def train(state: hvd.elastic.TorchState) -> None:
-        for state.epoch in range(state.epoch, args.epochs):
+        for state.epoch in range(state.epoch, args.epochs):  # noqa: B020 (Horovod Elastic's idiom)
             model.train()
             loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
             for images, labels in loader:
@@ -68,8 +68,12 @@ def main() -> None:
                 state.batch += 1
                 if state.batch % args.batches_per_commit == 0:
                     state.commit()
-                if args.fail_at == state.batch and hvd.size() == first_generation_size \
-                        and hvd.rank() == hvd.size() - 1 and os.environ.get("HVDPLUS_ELASTIC_GENERATION") == "0":
+                if (
+                    args.fail_at == state.batch
+                    and hvd.size() == first_generation_size
+                    and hvd.rank() == hvd.size() - 1
+                    and os.environ.get("HVDPLUS_ELASTIC_GENERATION") == "0"
+                ):
                     os.kill(os.getpid(), signal.SIGKILL)
             accuracy = test_accuracy(model, test_set, state.epoch)
             if hvd.rank() == 0:

@@ -35,7 +35,7 @@ def deep_mlp(depth: int = 10, width: int = 128) -> torch.nn.Sequential:
 def batches(count: int, batch_size: int, epoch: int) -> list[torch.Tensor]:
     """The global batches of an epoch (the same on every rank and for the unpipelined model)."""
     order = torch.randperm(count, generator=torch.Generator().manual_seed(epoch))
-    return [order[start:start + batch_size] for start in range(0, count - batch_size + 1, batch_size)]
+    return [order[start : start + batch_size] for start in range(0, count - batch_size + 1, batch_size)]
 
 
 def train_unpipelined(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace) -> float:
@@ -57,8 +57,12 @@ def main() -> None:
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zero-bubble"])
     parser.add_argument("--stages", type=int, default=None, help="default: the job's size if <= 2, else 2")
     parser.add_argument("--micro-batches", type=int, default=8, help="per replica's batch")
-    parser.add_argument("--virtual-stages", type=int, default=None,
-                        help="model chunks per rank; default 2 for interleaved, else 1 (2 with zero-bubble: ZB-V)")
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="model chunks per rank; default 2 for interleaved, else 1 (2 with zero-bubble: ZB-V)",
+    )
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="global batch, split over the replicas")
     parser.add_argument("--lr", type=float, default=0.01)
@@ -69,24 +73,33 @@ def main() -> None:
     virtual = args.virtual_stages or (2 if args.schedule == "interleaved" else 1)
 
     digits = load_digits()
-    x_train, x_test, y_train, y_test = train_test_split(torch.tensor(digits.data / 16.0, dtype=torch.float32),
-                                                        torch.tensor(digits.target), test_size=0.2, random_state=0)
+    x_train, x_test, y_train, y_test = train_test_split(
+        torch.tensor(digits.data / 16.0, dtype=torch.float32),
+        torch.tensor(digits.target),
+        test_size=0.2,
+        random_state=0,
+    )
     torch.manual_seed(0)  # the same model on every rank: each keeps its stage's layers
     model = deep_mlp()
     reference = copy.deepcopy(model) if args.check and hvd.rank() == 0 else None
-    pipe = hvd.pipeline.Pipeline(model, num_stages=stages, micro_batches=args.micro_batches,
-                                 schedule=args.schedule, virtual_stages=virtual)
+    pipe = hvd.pipeline.Pipeline(
+        model, num_stages=stages, micro_batches=args.micro_batches, schedule=args.schedule, virtual_stages=virtual
+    )
     if args.batch_size % pipe.replicas:
         parser.error(f"--batch-size {args.batch_size} must be a multiple of the {pipe.replicas} replicas")
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9),
-                                         named_parameters=pipe.named_parameters(),
-                                         process_set=pipe.data_parallel_set)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(pipe.parameters(), lr=args.lr, momentum=0.9),
+        named_parameters=pipe.named_parameters(),
+        process_set=pipe.data_parallel_set,
+    )
     share = args.batch_size // pipe.replicas
     mine = slice(pipe.replica * share, (pipe.replica + 1) * share)
     if hvd.rank() == 0:
-        print(f"{hvd.size()} ranks: {pipe.replicas} pipeline(s) x {stages} stages, schedule {args.schedule}, "
-              f"{virtual} chunk(s) per rank, {args.micro_batches} micro-batches per replica batch of {share}",
-              flush=True)
+        print(
+            f"{hvd.size()} ranks: {pipe.replicas} pipeline(s) x {stages} stages, schedule {args.schedule}, "
+            f"{virtual} chunk(s) per rank, {args.micro_batches} micro-batches per replica batch of {share}",
+            flush=True,
+        )
 
     for epoch in range(args.epochs):
         started, losses = time.perf_counter(), []
@@ -96,8 +109,11 @@ def main() -> None:
             losses.append(pipe.train_step(x_train[part], y_train[part], torch.nn.functional.cross_entropy))
             optimizer.step()
         # Every stage has its replica's batch losses; averaged over the replicas they are the global batches'.
-        loss = hvd.allreduce(torch.stack(losses), op=hvd.Average, name="epoch_losses",
-                             process_set=pipe.data_parallel_set).mean().item()
+        loss = (
+            hvd.allreduce(torch.stack(losses), op=hvd.Average, name="epoch_losses", process_set=pipe.data_parallel_set)
+            .mean()
+            .item()
+        )
         throughput = len(losses) * args.batch_size / (time.perf_counter() - started)
         if hvd.rank() == 0:
             print(f"epoch {epoch + 1}: loss {loss:.4f}, {throughput:.0f} samples/s", flush=True)

@@ -27,8 +27,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
     parser.add_argument("--image-size", type=int, default=32, help="height and width of the random images")
     parser.add_argument("--num-warmup-batches", type=int, default=10, help="number of warm-up batches")
-    parser.add_argument("--num-batches-per-iter", type=int, default=10,
-                        help="number of batches per benchmark iteration")
+    parser.add_argument(
+        "--num-batches-per-iter", type=int, default=10, help="number of batches per benchmark iteration"
+    )
     parser.add_argument("--num-iters", type=int, default=10, help="number of benchmark iterations")
     parser.add_argument("--use-adasum", action="store_true", help="use the Adasum algorithm for the reduction")
     parser.add_argument("--no-cuda", action="store_true", help="train on the CPU even where there is a GPU")
@@ -40,11 +41,16 @@ def small_cnn(num_classes: int = 1000) -> torch.nn.Module:
     layers: list[torch.nn.Module] = []
     channels = 3
     for width in (32, 64, 128):
-        layers += [torch.nn.Conv2d(channels, width, 3, padding=1, bias=False), torch.nn.BatchNorm2d(width),
-                   torch.nn.ReLU(), torch.nn.MaxPool2d(2)]
+        layers += [
+            torch.nn.Conv2d(channels, width, 3, padding=1, bias=False),
+            torch.nn.BatchNorm2d(width),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+        ]
         channels = width
-    return torch.nn.Sequential(*layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                               torch.nn.Linear(channels, num_classes))
+    return torch.nn.Sequential(
+        *layers, torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(channels, num_classes)
+    )
 
 
 def make_model(name: str) -> torch.nn.Module:
@@ -53,7 +59,9 @@ def make_model(name: str) -> torch.nn.Module:
     try:
         from torchvision import models
     except ImportError:
-        raise SystemExit(f"--model {name} needs torchvision (pip install torchvision); the default is small_cnn")
+        raise SystemExit(
+            f"--model {name} needs torchvision (pip install torchvision); the default is small_cnn"
+        ) from None
     return getattr(models, name)()
 
 
@@ -75,8 +83,12 @@ def main() -> None:
     lr_scaler = 1 if args.use_adasum else ranks
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * lr_scaler)
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression, op=hvd.Adasum if args.use_adasum else hvd.Average)
+    optimizer = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Adasum if args.use_adasum else hvd.Average,
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

@@ -29,8 +29,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="samples per rank and backward pass")
     parser.add_argument("--lr", type=float, default=0.02, help="learning rate of one rank (scaled by the ranks)")
     parser.add_argument("--fp16", action="store_true", help="compress gradients to float16 for the allreduce")
-    parser.add_argument("--batches-per-allreduce", type=int, default=1,
-                        help="backward passes accumulated locally per allreduce")
+    parser.add_argument(
+        "--batches-per-allreduce", type=int, default=1, help="backward passes accumulated locally per allreduce"
+    )
     parser.add_argument("--sync-bn", action="store_true", help="use hvd.SyncBatchNorm (statistics over all ranks)")
     parser.add_argument("--checkpoint-dir", default="./checkpoints")
     parser.add_argument("--seed", type=int, default=42)
@@ -54,9 +55,16 @@ class Block(torch.nn.Module):
 
 def make_model(norm: type) -> torch.nn.Module:
     """Stem, two residual blocks, global average pooling and a linear classifier for 8x8 digits."""
-    return torch.nn.Sequential(torch.nn.Conv2d(1, 32, 3, padding=1, bias=False), norm(32), torch.nn.ReLU(),
-                               Block(32, norm), Block(32, norm), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
-                               torch.nn.Linear(32, 10))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(1, 32, 3, padding=1, bias=False),
+        norm(32),
+        torch.nn.ReLU(),
+        Block(32, norm),
+        Block(32, norm),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(32, 10),
+    )
 
 
 def load_data() -> tuple[TensorDataset, TensorDataset]:
@@ -93,7 +101,7 @@ def train_epoch(model, optimizer, loader, sampler, epoch: int, args: argparse.Na
             optimizer.zero_grad()
             passes = (len(images) + args.batch_size - 1) // args.batch_size
             for start in range(0, len(images), args.batch_size):
-                x, y = images[start:start + args.batch_size], labels[start:start + args.batch_size]
+                x, y = images[start : start + args.batch_size], labels[start : start + args.batch_size]
                 logits = model(x)
                 loss = F.cross_entropy(logits, y)
                 (loss / passes).backward()
@@ -113,8 +121,11 @@ def test_accuracy(model: torch.nn.Module, test_set: TensorDataset, epoch: int) -
     mine = slice(hvd.rank(), None, hvd.size())
     with torch.no_grad():
         correct = (model(images[mine]).argmax(1) == labels[mine]).sum().double()
-    counts = hvd.allreduce(torch.stack([correct, torch.tensor(float(len(labels[mine])), dtype=torch.float64)]),
-                           op=hvd.Sum, name=f"test.accuracy.{epoch}")
+    counts = hvd.allreduce(
+        torch.stack([correct, torch.tensor(float(len(labels[mine])), dtype=torch.float64)]),
+        op=hvd.Sum,
+        name=f"test.accuracy.{epoch}",
+    )
     return (counts[0] / counts[1]).item()
 
 
@@ -129,8 +140,7 @@ def main() -> None:
 
     model = make_model(hvd.SyncBatchNorm if args.sync_bn else torch.nn.BatchNorm2d)
     # Scale the learning rate by the number of samples that one step averages over.
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size() * args.batches_per_allreduce,
-                                momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size() * args.batches_per_allreduce, momentum=0.9)
 
     resume = latest_epoch(args.checkpoint_dir, args.epochs) if hvd.rank() == 0 else 0
     resume = hvd.broadcast_object(resume, root_rank=0, name="resume_epoch")
@@ -143,19 +153,25 @@ def main() -> None:
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     optimizer = hvd.DistributedOptimizer(
-        optimizer, named_parameters=model.named_parameters(),
+        optimizer,
+        named_parameters=model.named_parameters(),
         compression=hvd.Compression.fp16 if args.fp16 else hvd.Compression.none,
-        backward_passes_per_step=args.batches_per_allreduce)
+        backward_passes_per_step=args.batches_per_allreduce,
+    )
 
     for epoch in range(resume + 1, args.epochs + 1):
         loss, accuracy = train_epoch(model, optimizer, loader, sampler, epoch, args)
         accuracy_test = test_accuracy(model, test_set, epoch)
         if root:
-            print(f"Epoch {epoch}: train loss {loss:.4f}, train accuracy {accuracy:.4f}, "
-                  f"test accuracy {accuracy_test:.4f}")
+            print(
+                f"Epoch {epoch}: train loss {loss:.4f}, train accuracy {accuracy:.4f}, "
+                f"test accuracy {accuracy_test:.4f}"
+            )
             os.makedirs(args.checkpoint_dir, exist_ok=True)
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
-                       checkpoint_path(args.checkpoint_dir, epoch))
+            torch.save(
+                {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
+                checkpoint_path(args.checkpoint_dir, epoch),
+            )
     final = test_accuracy(model, test_set, args.epochs + 1)
     if root:
         print(f"Final test accuracy: {final:.4f} ({ranks} ranks)")

@@ -41,8 +41,9 @@ def main() -> None:
     torch.manual_seed(0)
     digits = load_digits()
     images = torch.tensor(digits.images / 16.0, dtype=torch.float32)
-    x_train, x_test, y_train, y_test = train_test_split(images, torch.tensor(digits.target), test_size=0.2,
-                                                        random_state=0)
+    x_train, x_test, y_train, y_test = train_test_split(
+        images, torch.tensor(digits.target), test_size=0.2, random_state=0
+    )
     model = RowTransformer()
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -54,7 +55,7 @@ def main() -> None:
         order = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
         model.train()
         for start in range(0, len(order) - args.batch_size + 1, args.batch_size):
-            mine = order[start + hvd.rank() * per_rank:start + (hvd.rank() + 1) * per_rank]
+            mine = order[start + hvd.rank() * per_rank : start + (hvd.rank() + 1) * per_rank]
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x_train[mine]), y_train[mine]).backward()
             optimizer.step()
@@ -62,11 +63,18 @@ def main() -> None:
     model.eval()
     with torch.no_grad():
         accuracy = (model(x_test).argmax(dim=1) == y_test).float().mean().item()
-    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)
+    state = sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
     params = sum(p.numel() for p in model.parameters())
-    print(f"rank {hvd.rank()}: {'ZeroOptimizer' if args.zero else 'DistributedOptimizer'}, {params} parameters, "
-          f"optimizer state {state / 1024:.0f} KiB on this rank, test accuracy {accuracy:.3f}", flush=True)
+    print(
+        f"rank {hvd.rank()}: {'ZeroOptimizer' if args.zero else 'DistributedOptimizer'}, {params} parameters, "
+        f"optimizer state {state / 1024:.0f} KiB on this rank, test accuracy {accuracy:.3f}",
+        flush=True,
+    )
     hvd.shutdown()
 
 

@@ -29,8 +29,9 @@ class Block(torch.nn.Module):
         self.norm1 = torch.nn.LayerNorm(width)
         self.attention = torch.nn.MultiheadAttention(width, heads, batch_first=True)
         self.norm2 = torch.nn.LayerNorm(width)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
-                                       torch.nn.Linear(4 * width, width))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mask = torch.nn.Transformer.generate_square_subsequent_mask(x.shape[1])
@@ -59,14 +60,18 @@ class GPT(torch.nn.Module):
 
 
 def corpus() -> str:
-    import argparse as a, textwrap, json as j, inspect as i  # noqa: E401 (the text: their sources)
+    import argparse as a  # noqa: E401 (the text: their sources)
+    import inspect as i
+    import json as j
+    import textwrap
+
     return "".join(inspect.getsource(module) for module in (a, textwrap, j.decoder, i))
 
 
 def windows(data: torch.Tensor, rows: int, context: int, step: int) -> torch.Tensor:
     """`rows` random windows of context + 1 characters, the same on every rank for a given step."""
     starts = torch.randint(0, len(data) - context - 1, (rows,), generator=torch.Generator().manual_seed(step))
-    return torch.stack([data[s:s + context + 1] for s in starts])
+    return torch.stack([data[s : s + context + 1] for s in starts])
 
 
 def loss_of(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -91,8 +96,9 @@ def main() -> None:
     with torch.device("meta"):  # no memory: shard_parameters materialises one block at a time
         model = GPT(len(chars), context=context)
     hvd.shard_parameters(model, units=[Block], param_dtype=torch.bfloat16 if args.bf16 else None)
-    optimizer = hvd.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01),
-                                  named_parameters=model.named_parameters())
+    optimizer = hvd.ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01), named_parameters=model.named_parameters()
+    )
     units = model._hvdplus_zero3.units
     held = sum(unit.nbytes() for unit in units)
     total = sum(shape.numel() for unit in units for shape in unit.shapes) * 4
@@ -126,10 +132,24 @@ def main() -> None:
             tokens = data[:context].clone()
             for _ in range(80):
                 logits = plain(tokens[None, -context:])[0, -1]
-                tokens = torch.cat([tokens, torch.multinomial(torch.softmax(logits, -1), 1,
-                                                              generator=torch.Generator().manual_seed(len(tokens)))])
-        print(json.dumps({"sharded_eval_loss": round(sharded_loss, 5), "plain_eval_loss": round(plain_loss, 5),
-                          "checkpoint": path}), flush=True)
+                tokens = torch.cat(
+                    [
+                        tokens,
+                        torch.multinomial(
+                            torch.softmax(logits, -1), 1, generator=torch.Generator().manual_seed(len(tokens))
+                        ),
+                    ]
+                )
+        print(
+            json.dumps(
+                {
+                    "sharded_eval_loss": round(sharded_loss, 5),
+                    "plain_eval_loss": round(plain_loss, 5),
+                    "checkpoint": path,
+                }
+            ),
+            flush=True,
+        )
         print("sample:", repr("".join(chars[t] for t in tokens[context:])), flush=True)
         if not args.checkpoint:
             os.remove(path)

@@ -25,10 +25,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32, help="input batch size")
     parser.add_argument("--image-size", type=int, default=32, help="height and width of the random images")
     parser.add_argument("--num-warmup-batches", type=int, default=10, help="number of warm-up batches")
-    parser.add_argument("--num-batches-per-iter", type=int, default=10,
-                        help="number of batches per benchmark iteration")
+    parser.add_argument(
+        "--num-batches-per-iter", type=int, default=10, help="number of batches per benchmark iteration"
+    )
     parser.add_argument("--num-iters", type=int, default=10, help="number of benchmark iterations")
-    parser.add_argument("--eager", action="store_true", help="run the training step eagerly instead of as a tf.function")
+    parser.add_argument(
+        "--eager", action="store_true", help="run the training step eagerly instead of as a tf.function"
+    )
     return parser.parse_args()
 
 
@@ -36,8 +39,12 @@ def make_model(name: str, image_size: int) -> keras.Model:
     if name == "small_cnn":
         layers = [keras.Input((image_size, image_size, 3))]
         for width in (32, 64, 128):
-            layers += [keras.layers.Conv2D(width, 3, padding="same", use_bias=False), keras.layers.BatchNormalization(),
-                       keras.layers.ReLU(), keras.layers.MaxPooling2D()]
+            layers += [
+                keras.layers.Conv2D(width, 3, padding="same", use_bias=False),
+                keras.layers.BatchNormalization(),
+                keras.layers.ReLU(),
+                keras.layers.MaxPooling2D(),
+            ]
         return keras.Sequential(layers + [keras.layers.GlobalAveragePooling2D(), keras.layers.Dense(1000)])
     if not hasattr(keras.applications, name):
         raise SystemExit(f"unknown --model {name}: use small_cnn or a keras.applications name such as ResNet50")

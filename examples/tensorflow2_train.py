@@ -36,10 +36,20 @@ def main() -> None:
     digits = load_digits()
     images, labels = (digits.images[..., None] / 16.0).astype(np.float32), digits.target
     split = len(images) * 4 // 5
-    train = (tf.data.Dataset.from_tensor_slices((images[:split], labels[:split]))
-             .shard(hvd.size(), hvd.rank()).shuffle(split, seed=args.seed).batch(args.batch_size))
-    model = keras.Sequential([keras.Input((8, 8, 1)), keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
-                              keras.layers.Flatten(), keras.layers.Dense(10)])
+    train = (
+        tf.data.Dataset.from_tensor_slices((images[:split], labels[:split]))
+        .shard(hvd.size(), hvd.rank())
+        .shuffle(split, seed=args.seed)
+        .batch(args.batch_size)
+    )
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    )
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     optimizer = keras.optimizers.SGD(args.lr * hvd.size(), momentum=0.9)
     optimizer.build(model.trainable_variables)

@@ -71,9 +71,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -97,13 +98,25 @@ MODES = (IN_PLACE, NEW_OUTPUT)
 # The timed sides: hvdplus's call(s), the raw call while hvdplus is not running, the raw call beside it.
 HVDPLUS, ASYNC, GROUPED, QUIET, BESIDE = "hvdplus", "async", "grouped", "quiet", "beside"
 # The per-tensor cost's ways, as the JSON fields' prefixes, with the plot's line labels.
-SWEEP_WAYS = {ASYNC: "hvdplus: N x allreduce_async_, then synchronize",
-              GROUPED: "hvdplus: one grouped_allreduce_ of N",
-              "raw": "raw: N blocking calls, hvdplus not running"}
+SWEEP_WAYS = {
+    ASYNC: "hvdplus: N x allreduce_async_, then synchronize",
+    GROUPED: "hvdplus: one grouped_allreduce_ of N",
+    "raw": "raw: N blocking calls, hvdplus not running",
+}
 # Child environment variables that would steer hvdplus to another engine or rank layout.
-_LAUNCH_VARS = ("HOROVOD_CPU_OPERATIONS", "HVDPLUS_CPU_OPERATIONS", "HOROVOD_RANK", "HVDPLUS_RANK",
-                "HOROVOD_SIZE", "HVDPLUS_SIZE", "HOROVOD_LOCAL_RANK", "HVDPLUS_LOCAL_RANK",
-                "HVDPLUS_RENDEZVOUS_FILE", "HVDPLUS_RENDEZVOUS_ADDR", "HVDPLUS_RENDEZVOUS_PORT")
+_LAUNCH_VARS = (
+    "HOROVOD_CPU_OPERATIONS",
+    "HVDPLUS_CPU_OPERATIONS",
+    "HOROVOD_RANK",
+    "HVDPLUS_RANK",
+    "HOROVOD_SIZE",
+    "HVDPLUS_SIZE",
+    "HOROVOD_LOCAL_RANK",
+    "HVDPLUS_LOCAL_RANK",
+    "HVDPLUS_RENDEZVOUS_FILE",
+    "HVDPLUS_RENDEZVOUS_ADDR",
+    "HVDPLUS_RENDEZVOUS_PORT",
+)
 _MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMPI_MCA_mpi_yield_when_idle": "1"}
 
 
@@ -197,11 +210,18 @@ class EngineReport:
 
 def make_plans(quick: bool) -> list[Plan]:
     """Every item of one job, in the order it is timed: the sizes in both modes, fusion, the sweep."""
-    return [Plan(mode, nbytes, **size_timing(nbytes, quick)) for mode in MODES for nbytes in sizes(quick)] + \
-        [Plan(FUSION, SMALL_BYTES, **round_timing(FUSION_TENSORS, FUSION_REPS_QUICK if quick else FUSION_REPS,
-                                                  quick))] + \
-        [Plan(SWEEP, SMALL_BYTES, **round_timing(n, SWEEP_REPS_QUICK if quick else SWEEP_REPS, quick))
-         for n in SWEEP_TENSORS]
+    return (
+        [Plan(mode, nbytes, **size_timing(nbytes, quick)) for mode in MODES for nbytes in sizes(quick)]
+        + [
+            Plan(
+                FUSION, SMALL_BYTES, **round_timing(FUSION_TENSORS, FUSION_REPS_QUICK if quick else FUSION_REPS, quick)
+            )
+        ]
+        + [
+            Plan(SWEEP, SMALL_BYTES, **round_timing(n, SWEEP_REPS_QUICK if quick else SWEEP_REPS, quick))
+            for n in SWEEP_TENSORS
+        ]
+    )
 
 
 def sizes(quick: bool) -> tuple[int, ...]:
@@ -255,6 +275,7 @@ class RawMPI:
 
     def __init__(self) -> None:
         from mpi4py import MPI
+
         self._MPI = MPI
         self._comm = MPI.COMM_WORLD
         self.rank, self.world = self._comm.Get_rank(), self._comm.Get_size()
@@ -291,9 +312,14 @@ class RawGloo:
     def __init__(self) -> None:
         import torch
         import torch.distributed as dist
+
         size = int(os.environ["HOROVOD_SIZE"])
-        dist.init_process_group("gloo", store=dist.FileStore(os.environ["HVDPLUS_RENDEZVOUS_FILE"] + ".raw", size),
-                                rank=int(os.environ["HOROVOD_RANK"]), world_size=size)
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(os.environ["HVDPLUS_RENDEZVOUS_FILE"] + ".raw", size),
+            rank=int(os.environ["HOROVOD_RANK"]),
+            world_size=size,
+        )
         self._torch, self._dist = torch, dist
         self.rank, self.world = dist.get_rank(), size
 
@@ -342,7 +368,7 @@ class Timing:
     p75: float
 
     @classmethod
-    def of(cls, samples: np.ndarray) -> "Timing":
+    def of(cls, samples: np.ndarray) -> Timing:
         p25, median, p75 = np.percentile(samples, [25, 50, 75])
         return cls(float(median), float(p25), float(p75))
 
@@ -350,7 +376,7 @@ class Timing:
     def quartiles(self) -> tuple[float, float]:
         return self.p25, self.p75
 
-    def per_tensor_us(self, tensors: int) -> "Timing":
+    def per_tensor_us(self, tensors: int) -> Timing:
         """The same times for a round of `tensors`, as microseconds per tensor."""
         scale = 1e6 / tensors
         return Timing(self.median * scale, self.p25 * scale, self.p75 * scale)
@@ -367,8 +393,7 @@ def blocks(call: Callable[[], None], raw: RawEngine, inner: int, reps: int, warm
     return raw.max_over_ranks(times).tolist()
 
 
-def alternate(calls: list[Callable[[], None]], raw: RawEngine, inner: int, reps: int,
-              warmup: int) -> list[list[float]]:
+def alternate(calls: list[Callable[[], None]], raw: RawEngine, inner: int, reps: int, warmup: int) -> list[list[float]]:
     """Seconds per call (slowest rank per repetition) of each call, run in ABBA order (ABC CBA for three), so
     no call always runs first or always follows the same neighbour."""
     for _ in range(warmup):
@@ -401,6 +426,7 @@ def hvdplus_calls(hvd: Any, plan: Plan) -> dict[str, Callable[[], Any]]:
     """hvdplus's call(s) for the plan, by side: the one call matching the raw call, or for the sweep the
     async round and the grouped round. Each item has its own names, so the response cache stays warm."""
     import torch
+
     if plan.mode in MODES:
         tensor, name = torch.zeros(plan.elements), f"bench.allreduce.{plan.nbytes}"
         reduce = hvd.allreduce_ if plan.mode == IN_PLACE else hvd.allreduce
@@ -409,8 +435,10 @@ def hvdplus_calls(hvd: Any, plan: Plan) -> dict[str, Callable[[], Any]]:
     if plan.mode == FUSION:
         return {HVDPLUS: lambda: fused_round(hvd, tensors)}
     prefix = f"bench.sweep.{plan.tensors}"
-    return {ASYNC: lambda: fused_round(hvd, tensors, prefix, in_place=True),
-            GROUPED: lambda: hvd.grouped_allreduce_(tensors, op=hvd.Sum, name=f"{prefix}.grouped")}
+    return {
+        ASYNC: lambda: fused_round(hvd, tensors, prefix, in_place=True),
+        GROUPED: lambda: hvd.grouped_allreduce_(tensors, op=hvd.Sum, name=f"{prefix}.grouped"),
+    }
 
 
 def fused_round(hvd: Any, tensors: list[Any], prefix: str = "bench.fusion", in_place: bool = False) -> list[Any]:
@@ -429,15 +457,17 @@ def quiet_blocks(raw: RawEngine, plans: list[Plan], rounds: int, samples: Sample
     """The raw calls while hvdplus is not running: the baseline."""
     for plan in plans:
         samples.setdefault((QUIET, plan), []).extend(
-            blocks(raw_call(raw, plan), raw, plan.inner, _per_round(plan.reps, rounds), plan.warmup))
+            blocks(raw_call(raw, plan), raw, plan.inner, _per_round(plan.reps, rounds), plan.warmup)
+        )
 
 
 def hvdplus_blocks(hvd: Any, raw: RawEngine, plans: list[Plan], rounds: int, samples: Samples) -> None:
     """hvdplus's calls, alternating with the raw calls timed beside the running hvdplus (its interference)."""
     for plan in plans:
         calls = hvdplus_calls(hvd, plan)
-        timed = alternate([*calls.values(), raw_call(raw, plan)], raw, plan.inner,
-                          _per_round(plan.reps, rounds), plan.warmup)
+        timed = alternate(
+            [*calls.values(), raw_call(raw, plan)], raw, plan.inner, _per_round(plan.reps, rounds), plan.warmup
+        )
         for side, times in zip([*calls, BESIDE], timed):
             samples.setdefault((side, plan), []).extend(times)
 
@@ -453,48 +483,87 @@ def timing(samples: Samples, side: str, plan: Plan) -> Timing:
 def size_result(samples: Samples, plan: Plan, world: int) -> AllreduceResult:
     hvd_time, raw_time, beside = (timing(samples, side, plan) for side in (HVDPLUS, QUIET, BESIDE))
     hvd_bw, raw_bw = busbw_gbps(plan.nbytes, hvd_time.median, world), busbw_gbps(plan.nbytes, raw_time.median, world)
-    return AllreduceResult(plan.mode, plan.nbytes, plan.elements, plan.inner, len(samples[(HVDPLUS, plan)]),
-                           hvd_time.median, raw_time.median, hvd_bw, raw_bw, hvd_bw / raw_bw, hvd_time.quartiles,
-                           raw_time.quartiles, beside.median)
+    return AllreduceResult(
+        plan.mode,
+        plan.nbytes,
+        plan.elements,
+        plan.inner,
+        len(samples[(HVDPLUS, plan)]),
+        hvd_time.median,
+        raw_time.median,
+        hvd_bw,
+        raw_bw,
+        hvd_bw / raw_bw,
+        hvd_time.quartiles,
+        raw_time.quartiles,
+        beside.median,
+    )
 
 
 def fusion_result(samples: Samples, plan: Plan) -> FusionResult:
     hvd_time, raw_time, beside = (timing(samples, side, plan) for side in (HVDPLUS, QUIET, BESIDE))
     speedup = raw_time.median / hvd_time.median
-    return FusionResult(plan.tensors, plan.nbytes, len(samples[(HVDPLUS, plan)]), hvd_time.median,
-                        raw_time.median, speedup, target_met=speedup >= FUSION_TARGET,
-                        hvdplus_time_p25_p75_s=hvd_time.quartiles, raw_time_p25_p75_s=raw_time.quartiles,
-                        raw_beside_time_s=beside.median)
+    return FusionResult(
+        plan.tensors,
+        plan.nbytes,
+        len(samples[(HVDPLUS, plan)]),
+        hvd_time.median,
+        raw_time.median,
+        speedup,
+        target_met=speedup >= FUSION_TARGET,
+        hvdplus_time_p25_p75_s=hvd_time.quartiles,
+        raw_time_p25_p75_s=raw_time.quartiles,
+        raw_beside_time_s=beside.median,
+    )
 
 
 def sweep_result(samples: Samples, plan: Plan) -> SweepResult:
-    ours, grouped, raw, beside = (timing(samples, side, plan).per_tensor_us(plan.tensors)
-                                  for side in (ASYNC, GROUPED, QUIET, BESIDE))
-    return SweepResult(plan.tensors, plan.nbytes, plan.inner, len(samples[(ASYNC, plan)]), ours.median,
-                       grouped.median, raw.median, raw.median / ours.median, raw.median / grouped.median,
-                       ours.quartiles, grouped.quartiles, raw.quartiles, beside.median)
+    ours, grouped, raw, beside = (
+        timing(samples, side, plan).per_tensor_us(plan.tensors) for side in (ASYNC, GROUPED, QUIET, BESIDE)
+    )
+    return SweepResult(
+        plan.tensors,
+        plan.nbytes,
+        plan.inner,
+        len(samples[(ASYNC, plan)]),
+        ours.median,
+        grouped.median,
+        raw.median,
+        raw.median / ours.median,
+        raw.median / grouped.median,
+        ours.quartiles,
+        grouped.quartiles,
+        raw.quartiles,
+        beside.median,
+    )
 
 
 def check_allreduce(hvd: Any, raw: RawEngine, elements: int, rank: int, world: int) -> None:
     """Both sides must produce the sum of (rank + 1) over the ranks."""
     import torch
+
     expected = world * (world + 1) / 2
     got = hvd.allreduce(torch.full((elements,), float(rank + 1)), op=hvd.Sum, name=f"bench.check.{elements}")
     buf = raw.buffer(elements, float(rank + 1))
     raw.allreduce(buf)
     for side, values in (("hvdplus", got.numpy()), ("raw", raw.values(buf))):
         if not np.all(values == expected):
-            raise AssertionError(f"{side} allreduce of {elements} floats is wrong on rank {rank}: "
-                                 f"expected {expected}, got e.g. {values[:4]}")
+            raise AssertionError(
+                f"{side} allreduce of {elements} floats is wrong on rank {rank}: "
+                f"expected {expected}, got e.g. {values[:4]}"
+            )
 
 
 def check_rounds(hvd: Any, rank: int, world: int) -> None:
     """Each kind of round (fused async, in-place async, grouped in place) must give every tensor i the sum of
     (rank + i) over the ranks."""
     import torch
-    kinds = {"fused allreduce": lambda ts: fused_round(hvd, ts),
-             "in-place async allreduce": lambda ts: fused_round(hvd, ts, "bench.check.async", in_place=True),
-             "grouped allreduce": lambda ts: hvd.grouped_allreduce_(ts, op=hvd.Sum, name="bench.check.grouped")}
+
+    kinds = {
+        "fused allreduce": lambda ts: fused_round(hvd, ts),
+        "in-place async allreduce": lambda ts: fused_round(hvd, ts, "bench.check.async", in_place=True),
+        "grouped allreduce": lambda ts: hvd.grouped_allreduce_(ts, op=hvd.Sum, name="bench.check.grouped"),
+    }
     for kind, run in kinds.items():
         tensors = [torch.full((SMALL_BYTES // 4,), float(rank + i)) for i in range(FUSION_TENSORS)]
         for i, out in enumerate(run(tensors)):
@@ -517,53 +586,75 @@ def fmt_time(seconds: float) -> str:
 
 
 def table_header() -> str:
-    return (f"{'size':>8} {'hvdplus time':>13} {'raw time':>12} {'hvdplus busbw GB/s':>19} "
-            f"{'raw busbw GB/s':>15} {'ratio':>7} {'raw beside hvdplus':>19}")
+    return (
+        f"{'size':>8} {'hvdplus time':>13} {'raw time':>12} {'hvdplus busbw GB/s':>19} "
+        f"{'raw busbw GB/s':>15} {'ratio':>7} {'raw beside hvdplus':>19}"
+    )
 
 
 def table_row(r: AllreduceResult) -> str:
-    return (f"{fmt_size(r.bytes):>8} {fmt_time(r.hvdplus_time_s):>13} {fmt_time(r.raw_time_s):>12} "
-            f"{r.hvdplus_busbw_GBps:>19.3f} {r.raw_busbw_GBps:>15.3f} {r.ratio:>7.3f} "
-            f"{fmt_time(r.raw_beside_time_s):>19}")
+    return (
+        f"{fmt_size(r.bytes):>8} {fmt_time(r.hvdplus_time_s):>13} {fmt_time(r.raw_time_s):>12} "
+        f"{r.hvdplus_busbw_GBps:>19.3f} {r.raw_busbw_GBps:>15.3f} {r.ratio:>7.3f} "
+        f"{fmt_time(r.raw_beside_time_s):>19}"
+    )
 
 
 def sweep_header() -> str:
-    return (f"{'tensors':>8} {'async us':>10} {'grouped us':>11} {'raw us':>10} {'raw/async':>10} "
-            f"{'raw/grouped':>12} {'raw beside us':>14}")
+    return (
+        f"{'tensors':>8} {'async us':>10} {'grouped us':>11} {'raw us':>10} {'raw/async':>10} "
+        f"{'raw/grouped':>12} {'raw beside us':>14}"
+    )
 
 
 def sweep_row(r: SweepResult) -> str:
-    return (f"{r.tensors:>8} {r.async_us:>10.1f} {r.grouped_us:>11.1f} {r.raw_us:>10.1f} "
-            f"{r.raw_over_async:>10.3f} {r.raw_over_grouped:>12.3f} {r.raw_beside_us:>14.1f}")
+    return (
+        f"{r.tensors:>8} {r.async_us:>10.1f} {r.grouped_us:>11.1f} {r.raw_us:>10.1f} "
+        f"{r.raw_over_async:>10.3f} {r.raw_over_grouped:>12.3f} {r.raw_beside_us:>14.1f}"
+    )
 
 
 def interference_lines(report: EngineReport) -> str:
     """The raw call timed beside a running hvdplus over the same call timed quiet (1.0: no interference)."""
     rows = [f"  {fmt_size(r.bytes)} {r.mode}: {r.raw_beside_time_s / r.raw_time_s:.2f}x" for r in report.allreduce]
     fusion = report.fusion
-    rows.append(f"  {fusion.tensors} x {fmt_size(fusion.tensor_bytes)} raw calls: "
-                f"{fusion.raw_beside_time_s / fusion.raw_time_s:.2f}x")
-    rows += [f"  {r.tensors} x {fmt_size(r.tensor_bytes)} raw calls (sweep): {r.raw_beside_us / r.raw_us:.2f}x"
-             for r in report.sweep]
+    rows.append(
+        f"  {fusion.tensors} x {fmt_size(fusion.tensor_bytes)} raw calls: "
+        f"{fusion.raw_beside_time_s / fusion.raw_time_s:.2f}x"
+    )
+    rows += [
+        f"  {r.tensors} x {fmt_size(r.tensor_bytes)} raw calls (sweep): {r.raw_beside_us / r.raw_us:.2f}x"
+        for r in report.sweep
+    ]
     return "interference (raw call beside a running hvdplus / quiet raw call):\n" + "\n".join(rows)
 
 
 def fusion_line(f: FusionResult) -> str:
     verdict = "met" if f.target_met else "NOT met"
-    return (f"fusion: {f.tensors} x {fmt_size(f.tensor_bytes)} allreduce_async + synchronize: hvdplus "
-            f"{fmt_time(f.hvdplus_time_s)} vs {f.tensors} raw blocking calls {fmt_time(f.raw_time_s)} "
-            f"-> speedup {f.speedup:.2f}x (target >= {f.target:g}x: {verdict})")
+    return (
+        f"fusion: {f.tensors} x {fmt_size(f.tensor_bytes)} allreduce_async + synchronize: hvdplus "
+        f"{fmt_time(f.hvdplus_time_s)} vs {f.tensors} raw blocking calls {fmt_time(f.raw_time_s)} "
+        f"-> speedup {f.speedup:.2f}x (target >= {f.target:g}x: {verdict})"
+    )
 
 
 def engine_info(engine: str) -> dict[str, Any]:
     """Versions and machine facts recorded with the numbers."""
     import torch
-    info: dict[str, Any] = {"torch": torch.__version__, "numpy": np.__version__, "python": platform.python_version(),
-                            "machine": platform.machine(), "cpus": os.cpu_count(),
-                            "torch_threads": torch.get_num_threads(), "load_average_at_start": load_average()}
+
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_at_start": load_average(),
+    }
     if engine == "mpi":
         import mpi4py
         from mpi4py import MPI
+
         info["mpi4py"] = mpi4py.__version__
         info["mpi_library"] = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
     return info
@@ -587,6 +678,7 @@ def run_worker(engine: str, quick: bool, result_file: str | None) -> None:
     """One rank of the benchmark job (started by the driver): quiet raw blocks, then hvdplus blocks (with raw
     blocks beside them) between hvd.init() and hvd.shutdown(), ROUNDS times, then quiet raw blocks again."""
     import hvdplus.torch as hvd
+
     started = time.perf_counter()
     raw = make_raw_engine(engine)
     rank, world, plans = raw.rank, raw.world, make_plans(quick)
@@ -620,16 +712,22 @@ def fill_report(report: EngineReport, samples: Samples, plans: list[Plan], round
     """Turn the samples into the report's results, and print its tables (rank 0)."""
     world = report.np
     for mode in MODES:
-        say(rank, f"\n== engine {report.engine}, {world} ranks, float32 Sum, {mode}; medians over {rounds} rounds, "
-                  f"slowest rank, time per call; raw = quiet (hvdplus not running)\n{table_header()}")
+        say(
+            rank,
+            f"\n== engine {report.engine}, {world} ranks, float32 Sum, {mode}; medians over {rounds} rounds, "
+            f"slowest rank, time per call; raw = quiet (hvdplus not running)\n{table_header()}",
+        )
         for plan in (p for p in plans if p.mode == mode):
             report.allreduce.append(size_result(samples, plan, world))
             say(rank, table_row(report.allreduce[-1]))
     report.fusion = fusion_result(samples, next(p for p in plans if p.mode == FUSION))
     say(rank, fusion_line(report.fusion))
     report.sweep = [sweep_result(samples, plan) for plan in plans if plan.mode == SWEEP]
-    say(rank, f"\n== engine {report.engine}, {world} ranks: per-tensor cost of N x {fmt_size(SMALL_BYTES)} "
-              f"float32 Sum in place; medians, slowest rank, microseconds per tensor; raw = quiet\n{sweep_header()}")
+    say(
+        rank,
+        f"\n== engine {report.engine}, {world} ranks: per-tensor cost of N x {fmt_size(SMALL_BYTES)} "
+        f"float32 Sum in place; medians, slowest rank, microseconds per tensor; raw = quiet\n{sweep_header()}",
+    )
     for result in report.sweep:
         say(rank, sweep_row(result))
     say(rank, interference_lines(report))
@@ -702,8 +800,14 @@ def launch_gloo(np_ranks: int, quick: bool, result_file: str, timeout_s: float, 
     rendezvous = os.path.join(workdir, "rendezvous")
     procs = []
     for rank in range(np_ranks):
-        env = child_env({"HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_RANK": str(rank),
-                         "HOROVOD_SIZE": str(np_ranks), "HVDPLUS_RENDEZVOUS_FILE": rendezvous})
+        env = child_env(
+            {
+                "HOROVOD_CPU_OPERATIONS": "gloo",
+                "HOROVOD_RANK": str(rank),
+                "HOROVOD_SIZE": str(np_ranks),
+                "HVDPLUS_RENDEZVOUS_FILE": rendezvous,
+            }
+        )
         procs.append(subprocess.Popen(worker_args("gloo", quick, result_file), env=env, start_new_session=True))
     return wait_all(procs, timeout_s)
 
@@ -730,9 +834,13 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     rows, fusion = report["allreduce"], report["fusion"]
     largest = max(row["bytes"] for row in rows)
     ratios = {row["mode"]: row["ratio"] for row in rows if row["bytes"] == largest}
-    return {"large_tensor_bytes": largest, "large_tensor_busbw_ratio": ratios,
-            "fusion_speedup": fusion["speedup"], "fusion_target": fusion["target"],
-            "fusion_target_met": fusion["target_met"]}
+    return {
+        "large_tensor_bytes": largest,
+        "large_tensor_busbw_ratio": ratios,
+        "fusion_speedup": fusion["speedup"],
+        "fusion_target": fusion["target"],
+        "fusion_target_met": fusion["target_met"],
+    }
 
 
 def config_label(engine: str, np_ranks: int) -> str:
@@ -753,8 +861,10 @@ def summary_cells(report: dict[str, Any]) -> dict[str, str]:
 
 def print_summary(reports: dict[str, dict[str, Any]], failures: dict[str, str]) -> None:
     """One table over every configuration (rows: measures, columns: engine x ranks), then a line for each."""
-    print("\n== summary: hvdplus vs the quiet raw call (busbw rows: hvdplus / raw bus bandwidth; fusion and sweep "
-          "rows: raw time / hvdplus time; above 1 favours hvdplus)")
+    print(
+        "\n== summary: hvdplus vs the quiet raw call (busbw rows: hvdplus / raw bus bandwidth; fusion and sweep "
+        "rows: raw time / hvdplus time; above 1 favours hvdplus)"
+    )
     columns = {label: summary_cells(report) for label, report in reports.items()}
     measures = list(dict.fromkeys(measure for cells in columns.values() for measure in cells))
     if measures:
@@ -765,21 +875,30 @@ def print_summary(reports: dict[str, dict[str, Any]], failures: dict[str, str]) 
     for label, report in reports.items():
         s, info = report["summary"], report["info"]
         verdict = "met" if s["fusion_target_met"] else "NOT met"
-        print(f"{label}: fusion target >= {s['fusion_target']:g}x {verdict}; job took {report['job_wall_s']:.0f} s, "
-              f"load average {info.get('load_average_at_start')} -> {info.get('load_average_at_end')}")
+        print(
+            f"{label}: fusion target >= {s['fusion_target']:g}x {verdict}; job took {report['job_wall_s']:.0f} s, "
+            f"load average {info.get('load_average_at_start')} -> {info.get('load_average_at_end')}"
+        )
     for label, error in failures.items():
         print(f"{label}: FAILED: {error}")
 
 
-def write_json(path: str, args: argparse.Namespace, reports: dict[str, dict[str, Any]],
-               failures: dict[str, str]) -> None:
-    document = {"benchmark": "hvdplus allreduce vs raw engine", "np": list(args.np), "quick": args.quick,
-                "host": platform.node(), "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
-                "busbw_definition": "bytes * 2(n-1)/n / time (nccl-tests), GB/s = 1e9 bytes/s",
-                "sweep_definition": "microseconds per tensor of a round of N 4 KiB allreduces: N allreduce_async_ "
-                                    "then synchronize (async), one grouped_allreduce_ (grouped), N raw blocking "
-                                    "calls with hvdplus not running (raw); raw_over_* = raw / hvdplus",
-                "configurations": reports, "failures": failures}
+def write_json(
+    path: str, args: argparse.Namespace, reports: dict[str, dict[str, Any]], failures: dict[str, str]
+) -> None:
+    document = {
+        "benchmark": "hvdplus allreduce vs raw engine",
+        "np": list(args.np),
+        "quick": args.quick,
+        "host": platform.node(),
+        "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
+        "busbw_definition": "bytes * 2(n-1)/n / time (nccl-tests), GB/s = 1e9 bytes/s",
+        "sweep_definition": "microseconds per tensor of a round of N 4 KiB allreduces: N allreduce_async_ "
+        "then synchronize (async), one grouped_allreduce_ (grouped), N raw blocking "
+        "calls with hvdplus not running (raw); raw_over_* = raw / hvdplus",
+        "configurations": reports,
+        "failures": failures,
+    }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {path}")
@@ -792,19 +911,24 @@ def load_pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit("--plot needs matplotlib, hvdplus's optional 'bench' extra: "
-                         ".venv/bin/pip install -e '.[bench]' (or pip install 'matplotlib>=3.7')") from None
+        raise SystemExit(
+            "--plot needs matplotlib, hvdplus's optional 'bench' extra: "
+            ".venv/bin/pip install -e '.[bench]' (or pip install 'matplotlib>=3.7')"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
-def plot_sweep(plt: Any, path: str, engines: tuple[str, ...], nps: tuple[int, ...],
-               reports: dict[str, dict[str, Any]]) -> None:
+def plot_sweep(
+    plt: Any, path: str, engines: tuple[str, ...], nps: tuple[int, ...], reports: dict[str, dict[str, Any]]
+) -> None:
     """Per-tensor cost against tensors per round, log-log: a subplot per engine (row) and rank count (column),
     sharing axes so they compare at a glance; a failed configuration leaves its subplot marked as such."""
-    fig, axes = plt.subplots(len(engines), len(nps), figsize=(5.5 * len(nps), 4.2 * len(engines)),
-                             sharex=True, sharey=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(engines), len(nps), figsize=(5.5 * len(nps), 4.2 * len(engines)), sharex=True, sharey=True, squeeze=False
+    )
     for row, engine in enumerate(engines):
         for col, np_ranks in enumerate(nps):
             label = config_label(engine, np_ranks)
@@ -872,17 +996,26 @@ def rank_counts(text: str) -> tuple[int, ...]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--engine", choices=(*ENGINES, "both"), default="both", help="engine(s) to benchmark")
-    parser.add_argument("--np", type=rank_counts, default="2",
-                        help="number of ranks, or a comma list run one after another (e.g. 2,3; default 2)")
+    parser.add_argument(
+        "--np",
+        type=rank_counts,
+        default="2",
+        help="number of ranks, or a comma list run one after another (e.g. 2,3; default 2)",
+    )
     parser.add_argument("--quick", action="store_true", help="sizes up to 1 MiB and few repetitions")
     parser.add_argument("--json", metavar="PATH", help="write the results here (e.g. results/bench_collectives.json)")
-    parser.add_argument("--plot", metavar="PATH",
-                        help="draw the per-tensor cost sweep to this PNG (needs matplotlib: the 'bench' extra)")
-    parser.add_argument("--timeout", type=float, default=900.0,
-                        help="seconds one configuration's job may run (default 900)")
+    parser.add_argument(
+        "--plot",
+        metavar="PATH",
+        help="draw the per-tensor cost sweep to this PNG (needs matplotlib: the 'bench' extra)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds one configuration's job may run (default 900)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

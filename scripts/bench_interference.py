@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from bench_collectives import load_average
 from training_bench import finish_job, start_mpi_job
 
@@ -36,6 +35,7 @@ TARGET_SLOWDOWN, TARGET_CPU_PERCENT = 1.03, 2.0
 def compute_block(matmuls: int) -> float:
     """Seconds for a fixed loop of 256x256 float32 matmuls (the work an idle hvdplus must not slow)."""
     import torch
+
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     started = time.perf_counter()
     for _ in range(matmuls):
@@ -95,29 +95,47 @@ def run_worker(args: argparse.Namespace) -> None:
 
 def summarize(samples: dict[str, list[float]]) -> dict[str, float]:
     median = {key: float(np.median(values)) for key, values in samples.items()}
-    return {"quiet_compute_s": median["quiet"], "idle_compute_s": median["idle"],
-            "slowdown": median["idle"] / median["quiet"], "cpu_idle_percent": median["cpu_idle"],
-            "cpu_beside_busy_percent": median["cpu_beside_busy"]}
+    return {
+        "quiet_compute_s": median["quiet"],
+        "idle_compute_s": median["idle"],
+        "slowdown": median["idle"] / median["quiet"],
+        "cpu_idle_percent": median["cpu_idle"],
+        "cpu_beside_busy_percent": median["cpu_beside_busy"],
+    }
 
 
 def run_driver(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="hvdplus-interference-") as workdir:
         result_file = os.path.join(workdir, "rank0.json")
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result-file", result_file,
-                   "--rounds", str(args.rounds), "--matmuls", str(args.matmuls),
-                   "--cpu-seconds", str(args.cpu_seconds)]
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--result-file",
+            result_file,
+            "--rounds",
+            str(args.rounds),
+            "--matmuls",
+            str(args.matmuls),
+            "--cpu-seconds",
+            str(args.cpu_seconds),
+        ]
         load_before = load_average()
         samples = finish_job("interference", start_mpi_job(args.np, command, {}), args.timeout, result_file)
     summary = summarize(samples)
     verdict = {True: "met", False: "NOT met"}
     print(f"\n== idle hvdplus interference, MPI engine, {args.np} ranks, median of {args.rounds} rounds")
     print(f"  matmul loop, quiet (hvdplus not running): {summary['quiet_compute_s'] * 1e3:8.1f} ms")
-    print(f"  matmul loop, beside an idle hvdplus:      {summary['idle_compute_s'] * 1e3:8.1f} ms   "
-          f"ratio {summary['slowdown']:.3f} (target <= {TARGET_SLOWDOWN}: "
-          f"{verdict[summary['slowdown'] <= TARGET_SLOWDOWN]})")
+    print(
+        f"  matmul loop, beside an idle hvdplus:      {summary['idle_compute_s'] * 1e3:8.1f} ms   "
+        f"ratio {summary['slowdown']:.3f} (target <= {TARGET_SLOWDOWN}: "
+        f"{verdict[summary['slowdown'] <= TARGET_SLOWDOWN]})"
+    )
     for key, label in (("cpu_idle_percent", "all ranks idle"), ("cpu_beside_busy_percent", "a peer busy")):
-        print(f"  CPU of an idle hvdplus process, {label:14}: {summary[key]:5.1f}% of a core (target <= "
-              f"{TARGET_CPU_PERCENT:g}%: {verdict[summary[key] <= TARGET_CPU_PERCENT]})")
+        print(
+            f"  CPU of an idle hvdplus process, {label:14}: {summary[key]:5.1f}% of a core (target <= "
+            f"{TARGET_CPU_PERCENT:g}%: {verdict[summary[key] <= TARGET_CPU_PERCENT]})"
+        )
     print(f"  load average {load_before} -> {load_average()}")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

@@ -67,6 +67,7 @@ class _MPIComm:
 
     def __init__(self) -> None:
         from mpi4py import MPI
+
         self._MPI, self._comm = MPI, MPI.COMM_WORLD
         self.rank, self.size = self._comm.rank, self._comm.size
 
@@ -96,10 +97,10 @@ class _GlooComm:
     def __init__(self, master: str) -> None:
         import torch
         import torch.distributed as dist
+
         self._torch, self._dist = torch, dist
         self.rank, self.size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
-        dist.init_process_group("gloo", init_method=f"tcp://{master}:{GLOO_PORT}", rank=self.rank,
-                                world_size=self.size)
+        dist.init_process_group("gloo", init_method=f"tcp://{master}:{GLOO_PORT}", rank=self.rank, world_size=self.size)
 
     def barrier(self) -> None:
         self._dist.barrier()
@@ -128,6 +129,7 @@ class _GlooComm:
 def _pingpong(comm, peer: int, nbytes: int, reps: int) -> float:
     """Half the median round trip of `nbytes` between rank 0 and `peer`, in seconds (other ranks wait)."""
     import numpy as np
+
     buf = np.zeros(max(nbytes, 1), dtype=np.uint8)
     times = []
     for _ in range(reps):
@@ -161,8 +163,12 @@ def predict(nbytes: int, hosts: int, local: int, links: dict, compression: float
     al, bl = links["local"]["alpha_s"], links["local"]["beta_Bps"]
     ring = 2 * (n - 1) * a + 2 * (n - 1) / n * size / b
     doubling = math.log2(n) * a + (math.log2(n) - math.log2(hosts)) * size / bl + local * size / b
-    hierarchical = (2 * (local - 1) * al + 2 * (local - 1) / local * size / bl
-                    + 2 * math.log2(hosts) * a + 2 * (hosts - 1) / hosts * size / b)
+    hierarchical = (
+        2 * (local - 1) * al
+        + 2 * (local - 1) / local * size / bl
+        + 2 * math.log2(hosts) * a
+        + 2 * (hosts - 1) / hosts * size / b
+    )
     return {"ring": ring, "recursive_doubling": doubling, "hierarchical": hierarchical}
 
 
@@ -193,7 +199,7 @@ def _time_mode(comm, hvd, tensors: dict, mode: str, reps: int) -> dict:
         allreduce(tensor, f"{mode}.{label}.check")
         assert float(tensor[0]) == expected and float(tensor[-1]) == expected, (mode, label, float(tensor[0]))
         times = []
-        for rep in range(reps):
+        for _ in range(reps):
             comm.barrier()
             start = time.perf_counter()
             allreduce(tensor, f"{mode}.{label}")
@@ -210,7 +216,7 @@ def _steps_per_second(comm, hvd, tensors: list, steps: int) -> float:
     """Time `steps` training-like steps (every gradient allreduced asynchronously, then synchronised)."""
     comm.barrier()
     start = time.perf_counter()
-    for step in range(steps):
+    for _ in range(steps):
         handles = [hvd.allreduce_async_(t, name=f"grad{i}") for i, t in enumerate(tensors)]
         for handle in handles:
             hvd.synchronize(handle)
@@ -218,8 +224,13 @@ def _steps_per_second(comm, hvd, tensors: list, steps: int) -> float:
 
 
 def _settings(env: dict[str, str]) -> None:
-    for name in ("HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_AUTOTUNE",
-                 "HVDPLUS_CROSS_ALGORITHM"):
+    for name in (
+        "HOROVOD_HIERARCHICAL_ALLREDUCE",
+        "HOROVOD_FUSION_THRESHOLD",
+        "HOROVOD_CYCLE_TIME",
+        "HOROVOD_AUTOTUNE",
+        "HVDPLUS_CROSS_ALGORITHM",
+    ):
         os.environ.pop(name, None)
     os.environ.update(env)
 
@@ -227,19 +238,27 @@ def _settings(env: dict[str, str]) -> None:
 def autotune_worker(comm) -> dict:
     """Steps per second under each fixed setting of GRID and under autotune once it has settled."""
     import torch
+
     import hvdplus.torch as hvd
     from hvdplus.common.basics import runtime
+
     tensors = [torch.ones(nbytes // 4) for nbytes in GRADIENTS]
     grid = {}
     for hier, fusion, cycle in GRID:
-        _settings({"HOROVOD_HIERARCHICAL_ALLREDUCE": hier, "HOROVOD_FUSION_THRESHOLD": str(fusion),
-                   "HOROVOD_CYCLE_TIME": str(cycle)})
+        _settings(
+            {
+                "HOROVOD_HIERARCHICAL_ALLREDUCE": hier,
+                "HOROVOD_FUSION_THRESHOLD": str(fusion),
+                "HOROVOD_CYCLE_TIME": str(cycle),
+            }
+        )
         hvd.init()
         _steps_per_second(comm, hvd, tensors, 2)
         grid[f"hier={hier} fusion={fusion >> 20}MiB cycle={cycle}ms"] = _steps_per_second(comm, hvd, tensors, 6)
         hvd.shutdown()
-    _settings({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
-               "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "5"})
+    _settings(
+        {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "5"}
+    )
     hvd.init()
     started, steps = time.perf_counter(), 0
     while not comm.bcast(runtime().coordinator.autotune_done if comm.rank == 0 else None):
@@ -247,15 +266,25 @@ def autotune_worker(comm) -> dict:
         steps += 1
     search_s = time.perf_counter() - started
     tuned = runtime().coordinator.tunables
-    chosen = {"hierarchical_allreduce": tuned.hierarchical_allreduce, "fusion_threshold": tuned.fusion_threshold,
-              "cycle_time_ms": tuned.cycle_time_ms, "cross_algorithm": tuned.cross_algorithm,
-              "hierarchical_allgather": tuned.hierarchical_allgather}
+    chosen = {
+        "hierarchical_allreduce": tuned.hierarchical_allreduce,
+        "fusion_threshold": tuned.fusion_threshold,
+        "cycle_time_ms": tuned.cycle_time_ms,
+        "cross_algorithm": tuned.cross_algorithm,
+        "hierarchical_allgather": tuned.hierarchical_allgather,
+    }
     autotuned = _steps_per_second(comm, hvd, tensors, 6)
     hvd.shutdown()
     best = max(grid, key=grid.get)
-    return {"grid_steps_per_s": grid, "best_fixed": best, "autotune_steps_per_s": autotuned,
-            "autotune_over_best": autotuned / grid[best], "search_steps": steps, "search_s": search_s,
-            "chosen": chosen}
+    return {
+        "grid_steps_per_s": grid,
+        "best_fixed": best,
+        "autotune_steps_per_s": autotuned,
+        "autotune_over_best": autotuned / grid[best],
+        "search_steps": steps,
+        "search_s": search_s,
+        "chosen": chosen,
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -269,8 +298,9 @@ def worker(args: argparse.Namespace) -> None:
         result = autotune_worker(comm)
         if comm.rank == 0:
             with open(args.out, "a") as handle:
-                handle.write(json.dumps({"engine": args.engine, "hosts": args.hosts, "local": local,
-                                         "autotune": result}) + "\n")
+                handle.write(
+                    json.dumps({"engine": args.engine, "hosts": args.hosts, "local": local, "autotune": result}) + "\n"
+                )
         return
     links = _links(comm, local)
     sizes = {label: SIZES[label] for label in args.sizes.split(",")}
@@ -289,15 +319,22 @@ def worker(args: argparse.Namespace) -> None:
             os.environ["HVDPLUS_CROSS_ALGORITHM"] = algorithm
             import hvdplus.torch as hvd
             from hvdplus.common.basics import runtime
+
             hvd.init()
             for label, seconds in _time_mode(comm, hvd, tensors, mode, args.reps).items():
                 samples[mode][label].append(seconds)
             runs[mode] = runtime().coordinator.hierarchical_runs
             hvd.shutdown()
     if comm.rank == 0:
-        record = {"engine": args.engine, "hosts": args.hosts, "local": local, "links": links, "sizes": sizes,
-                  "samples": samples,
-                  "hierarchical_runs": runs}
+        record = {
+            "engine": args.engine,
+            "hosts": args.hosts,
+            "local": local,
+            "links": links,
+            "sizes": sizes,
+            "samples": samples,
+            "hierarchical_runs": runs,
+        }
         with open(args.out, "a") as handle:
             handle.write(json.dumps(record) + "\n")
 
@@ -308,14 +345,17 @@ def _job(topology, hosts: int, local: int, args: argparse.Namespace, out: Path) 
     hosts_arg = ",".join(f"{h.name}:{local}" for h in topology.hosts)
     mpi_args = f"--mca mpi_yield_when_idle 1 {args.mpi_args}".strip()
     launch = "--gloo" if args.engine == "gloo" else f"--mpi --mpi-args '{mpi_args}'"
-    command = (f"{runner} -np {hosts * local} -H {hosts_arg} -i {topology.key} {launch} "
-               f"{sys.executable} {Path(__file__).resolve()} --worker --engine {args.engine} "
-               f"--master {topology.hosts[0].addr} "
-               f"--hosts {hosts} --local {local} --sizes {args.sizes} --modes {args.modes} "
-               f"--rounds {args.rounds} --reps {args.reps} --out {out}" + (" --autotune" if args.autotune else ""))
+    command = (
+        f"{runner} -np {hosts * local} -H {hosts_arg} -i {topology.key} {launch} "
+        f"{sys.executable} {Path(__file__).resolve()} --worker --engine {args.engine} "
+        f"--master {topology.hosts[0].addr} "
+        f"--hosts {hosts} --local {local} --sizes {args.sizes} --modes {args.modes} "
+        f"--rounds {args.rounds} --reps {args.reps} --out {out}" + (" --autotune" if args.autotune else "")
+    )
     started = time.time()
-    done = subprocess.run(topology.launcher_argv(f"cd {ROOT} && {command}"), capture_output=True, text=True,
-                          timeout=args.job_timeout)
+    done = subprocess.run(
+        topology.launcher_argv(f"cd {ROOT} && {command}"), capture_output=True, text=True, timeout=args.job_timeout
+    )
     if done.returncode:
         raise SystemExit(f"job {hosts}x{local} failed ({done.returncode}):\n{done.stdout[-4000:]}{done.stderr[-4000:]}")
     print(f"  job {hosts}x{local} done in {time.time() - started:.0f} s", flush=True)
@@ -329,50 +369,71 @@ def _summarise(records: list[dict], rate_bps: float) -> dict:
     summary = {}
     for shape, runs in shapes.items():
         hosts, local, sizes = runs[0]["hosts"], runs[0]["local"], runs[0]["sizes"]
-        links = {name: {key: statistics.median(r["links"][name][key] for r in runs) for key in ("alpha_s", "beta_Bps")}
-                 for name in ("local", "inter")}
-        medians = {mode: {label: statistics.median(v for r in runs for v in r["samples"][mode][label])
-                          for label in sizes} for mode in runs[0]["samples"]}
+        links = {
+            name: {key: statistics.median(r["links"][name][key] for r in runs) for key in ("alpha_s", "beta_Bps")}
+            for name in ("local", "inter")
+        }
+        medians = {
+            mode: {label: statistics.median(v for r in runs for v in r["samples"][mode][label]) for label in sizes}
+            for mode in runs[0]["samples"]
+        }
         rows = {}
         for label, nbytes in sizes.items():
             measured = {mode: medians[mode][label] for mode in medians}
-            row = {"bytes": nbytes, "measured_s": measured, "predicted_s": predict(nbytes, hosts, local, links),
-                   "predicted_fp16_hierarchical_s": predict(nbytes, hosts, local, links, 0.5)["hierarchical"]}
+            row = {
+                "bytes": nbytes,
+                "measured_s": measured,
+                "predicted_s": predict(nbytes, hosts, local, links),
+                "predicted_fp16_hierarchical_s": predict(nbytes, hosts, local, links, 0.5)["hierarchical"],
+            }
             if "flat" in measured and "hierarchical" in measured:
                 row["hierarchical_over_flat"] = measured["hierarchical"] / measured["flat"]
             if "hierarchical-fp16" in measured:
-                row["fp16_over_uncompressed"] = measured["hierarchical-fp16"] / min(measured["flat"],
-                                                                                    measured["hierarchical"])
+                row["fp16_over_uncompressed"] = measured["hierarchical-fp16"] / min(
+                    measured["flat"], measured["hierarchical"]
+                )
             best = min(measured[m] for m in ("flat", "hierarchical") if m in measured)
             row["link_utilisation"] = 2 * (hosts - 1) / hosts * nbytes / best / (rate_bps / 8) if rate_bps else None
             rows[label] = row
-        summary[shape] = {"hosts": hosts, "local": local, "runs": len(runs), "links": links, "sizes": rows,
-                          "hierarchical_runs": runs[-1]["hierarchical_runs"]}
+        summary[shape] = {
+            "hosts": hosts,
+            "local": local,
+            "runs": len(runs),
+            "links": links,
+            "sizes": rows,
+            "hierarchical_runs": runs[-1]["hierarchical_runs"],
+        }
     return summary
 
 
 def _print(summary: dict) -> None:
     for shape, data in summary.items():
         links = data["links"]
-        print(f"\n{shape} ({data['runs']} runs): local link alpha {links['local']['alpha_s'] * 1e6:.0f} us, "
-              f"beta {links['local']['beta_Bps'] / 1e9:.2f} GB/s; inter-host alpha "
-              f"{links['inter']['alpha_s'] * 1e6:.0f} us, beta {links['inter']['beta_Bps'] / 1e6:.0f} MB/s")
+        print(
+            f"\n{shape} ({data['runs']} runs): local link alpha {links['local']['alpha_s'] * 1e6:.0f} us, "
+            f"beta {links['local']['beta_Bps'] / 1e9:.2f} GB/s; inter-host alpha "
+            f"{links['inter']['alpha_s'] * 1e6:.0f} us, beta {links['inter']['beta_Bps'] / 1e6:.0f} MB/s"
+        )
         modes = list(next(iter(data["sizes"].values()))["measured_s"])
-        print(f"{'size':>5} " + " ".join(f"{m:>17}" for m in modes) + "  | predicted: ring  rec.dbl  hier"
-              "  | hier/flat fp16/best link")
+        print(
+            f"{'size':>5} " + " ".join(f"{m:>17}" for m in modes) + "  | predicted: ring  rec.dbl  hier"
+            "  | hier/flat fp16/best link"
+        )
         for label, row in data["sizes"].items():
             measured = " ".join(f"{row['measured_s'][m] * 1e3:15.1f}ms" for m in modes)
             p = row["predicted_s"]
             ratios = [row.get(k) for k in ("hierarchical_over_flat", "fp16_over_uncompressed", "link_utilisation")]
-            print(f"{label:>5} {measured}  | {p['ring'] * 1e3:8.1f} {p['recursive_doubling'] * 1e3:8.1f} "
-                  f"{p['hierarchical'] * 1e3:8.1f} | "
-                  + " ".join("   -  " if r is None else f"{r:6.2f}" for r in ratios))
+            print(
+                f"{label:>5} {measured}  | {p['ring'] * 1e3:8.1f} {p['recursive_doubling'] * 1e3:8.1f} "
+                f"{p['hierarchical'] * 1e3:8.1f} | " + " ".join("   -  " if r is None else f"{r:6.2f}" for r in ratios)
+            )
         print("hierarchical engine calls in the last run:", data["hierarchical_runs"])
 
 
 def driver(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     from tests.integration.netns_hosts import NetnsHosts, missing_for_netns
+
     reason = missing_for_netns(shaping=True)
     if reason:
         raise SystemExit(f"cannot build simulated hosts here: {reason}")
@@ -397,18 +458,27 @@ def driver(args: argparse.Namespace) -> None:
     _print(summary)
     for record in tuned:
         result = record["autotune"]
-        print(f"\nautotune {record['engine']} {record['hosts']}x{record['local']}: "
-              f"{result['autotune_steps_per_s']:.2f} steps/s after "
-              f"{result['search_steps']} steps ({result['search_s']:.0f} s) of search, chose {result['chosen']}; "
-              f"best fixed {result['best_fixed']}: {result['grid_steps_per_s'][result['best_fixed']]:.2f} steps/s; "
-              f"ratio {result['autotune_over_best']:.2f}")
+        print(
+            f"\nautotune {record['engine']} {record['hosts']}x{record['local']}: "
+            f"{result['autotune_steps_per_s']:.2f} steps/s after "
+            f"{result['search_steps']} steps ({result['search_s']:.0f} s) of search, chose {result['chosen']}; "
+            f"best fixed {result['best_fixed']}: {result['grid_steps_per_s'][result['best_fixed']]:.2f} steps/s; "
+            f"ratio {result['autotune_over_best']:.2f}"
+        )
         for name, value in sorted(result["grid_steps_per_s"].items(), key=lambda kv: -kv[1]):
             print(f"  {name:40} {value:6.2f} steps/s")
     if args.json:
-        _save(Path(args.json), {"rate": args.rate, "rate_bps": rate_bps, "summary": summary,
-                                "autotune": [{"shape": f"{r['engine']} {r['hosts']}x{r['local']}", **r["autotune"]}
-                                             for r in tuned],
-                                "records": records, "date": time.strftime("%Y-%m-%d")})
+        _save(
+            Path(args.json),
+            {
+                "rate": args.rate,
+                "rate_bps": rate_bps,
+                "summary": summary,
+                "autotune": [{"shape": f"{r['engine']} {r['hosts']}x{r['local']}", **r["autotune"]} for r in tuned],
+                "records": records,
+                "date": time.strftime("%Y-%m-%d"),
+            },
+        )
 
 
 def _save(path: Path, result: dict) -> None:
@@ -436,11 +506,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1, help="jobs per shape (medians span all of them)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode within a job")
     parser.add_argument("--reps", type=int, default=3, help="timed calls per size, mode and round")
-    parser.add_argument("--engine", choices=("mpi", "gloo"), default="mpi",
-                        help="hvdplus's engine (and the raw baseline: MPI Allreduce or torch.distributed all_reduce)")
+    parser.add_argument(
+        "--engine",
+        choices=("mpi", "gloo"),
+        default="mpi",
+        help="hvdplus's engine (and the raw baseline: MPI Allreduce or torch.distributed all_reduce)",
+    )
     parser.add_argument("--mpi-args", default="", help="more mpirun arguments, e.g. Open MPI coll_tuned rules")
-    parser.add_argument("--autotune", action="store_true",
-                        help="instead: a training-like step under a grid of fixed settings and under autotune")
+    parser.add_argument(
+        "--autotune",
+        action="store_true",
+        help="instead: a training-like step under a grid of fixed settings and under autotune",
+    )
     parser.add_argument("--job-timeout", type=float, default=1800)
     parser.add_argument("--json", help="write the summary and every record here (adding to an earlier file)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

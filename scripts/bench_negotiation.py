@@ -81,8 +81,12 @@ class _Rank:
     def step(self, names: list[str]) -> None:
         """Submit one allreduce per name, then wait for all (the CPU of the submits is counted)."""
         started = time.thread_time()
-        handles = [self.coordinator.submit(Request(name=name, kind=OpKind.ALLREDUCE, shape=(1,)),
-                                           np.ones(1, np.float32), np.empty(1, np.float32)) for name in names]
+        handles = [
+            self.coordinator.submit(
+                Request(name=name, kind=OpKind.ALLREDUCE, shape=(1,)), np.ones(1, np.float32), np.empty(1, np.float32)
+            )
+            for name in names
+        ]
         self.submit_cpu += time.thread_time() - started
         for handle in handles:
             handle.wait(600)
@@ -115,9 +119,17 @@ def _measure(ranks: list[_Rank], names: list[str], repeats: int, size: int, phas
     received = [(a[2] - b[2]) / repeats for a, b in zip(after, before)]
     median_cycles = statistics.median(cycles)
     median_cpu, median_bytes = statistics.median(cpu), statistics.median(received)
-    return Row(size, phase, exchange, round(median_cpu * 1e3, 3), round(max(cpu) * 1e3, 3), median_cycles,
-               round(median_cpu * 1e6 / median_cycles, 1), round(median_bytes / 1024, 2),
-               round(median_bytes / 1024 / median_cycles, 3))
+    return Row(
+        size,
+        phase,
+        exchange,
+        round(median_cpu * 1e3, 3),
+        round(max(cpu) * 1e3, 3),
+        median_cycles,
+        round(median_cpu * 1e6 / median_cycles, 1),
+        round(median_bytes / 1024, 2),
+        round(median_bytes / 1024 / median_cycles, 3),
+    )
 
 
 def run(size: int, tensors: int, steady_steps: int, exchange: str) -> list[Row]:
@@ -149,24 +161,30 @@ def main() -> None:
     threading.stack_size(512 * 1024)  # 2 threads a rank: keep 1024 ranks' stacks small
     rows: list[Row] = []
     sizes = [int(n) for n in args.ranks.split(",")]
-    header = (f"{'ranks':>6} {'phase':<13} {'exchange':<10} {'CPU ms/step':>12} {'(max)':>8} {'cycles':>7} "
-              f"{'CPU us/cycle':>13} {'KiB/step':>10} {'KiB/cycle':>10}")
+    header = (
+        f"{'ranks':>6} {'phase':<13} {'exchange':<10} {'CPU ms/step':>12} {'(max)':>8} {'cycles':>7} "
+        f"{'CPU us/cycle':>13} {'KiB/step':>10} {'KiB/cycle':>10}"
+    )
     print(f"negotiation cost per rank, {args.tensors} allreduces a step\n{header}")
     for size in sizes:
         for exchange in ("doubling", "allgather") if size <= args.allgather_max else ("doubling",):
             for row in run(size, args.tensors, args.steady_steps, exchange):
                 rows.append(row)
-                print(f"{row.ranks:>6} {row.phase:<13} {row.exchange:<10} {row.cpu_ms:>12.2f} {row.cpu_ms_max:>8.2f} "
-                      f"{row.cycles:>7.1f} {row.cpu_us_per_cycle:>13.1f} {row.kib:>10.1f} {row.kib_per_cycle:>10.2f}",
-                      flush=True)
+                print(
+                    f"{row.ranks:>6} {row.phase:<13} {row.exchange:<10} {row.cpu_ms:>12.2f} {row.cpu_ms_max:>8.2f} "
+                    f"{row.cycles:>7.1f} {row.cpu_us_per_cycle:>13.1f} {row.kib:>10.1f} {row.kib_per_cycle:>10.2f}",
+                    flush=True,
+                )
     steady = {row.ranks: row for row in rows if row.phase == "steady state"}
     if len(steady) > 1:
         low, high = steady[min(steady)], steady[max(steady)]
-        print(f"\nsteady state, {high.ranks} vs {low.ranks} ranks, per step of {args.tensors} cached allreduces: CPU "
-              f"{high.cpu_ms / low.cpu_ms:.2f}x (target: within 1.5x), bytes {high.kib / low.kib:.2f}x; per cycle: "
-              f"CPU {high.cpu_us_per_cycle / low.cpu_us_per_cycle:.2f}x. The per-step figure is the like-for-like one: "
-              f"how many cycles a step takes depends on how the GIL interleaves the simulated ranks, and fewer cycles "
-              f"carry more tensors each.")
+        print(
+            f"\nsteady state, {high.ranks} vs {low.ranks} ranks, per step of {args.tensors} cached allreduces: CPU "
+            f"{high.cpu_ms / low.cpu_ms:.2f}x (target: within 1.5x), bytes {high.kib / low.kib:.2f}x; per cycle: "
+            f"CPU {high.cpu_us_per_cycle / low.cpu_us_per_cycle:.2f}x. The per-step figure is the like-for-like one: "
+            f"how many cycles a step takes depends on how the GIL interleaves the simulated ranks, and fewer cycles "
+            f"carry more tensors each."
+        )
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"tensors": args.tensors, "rows": [asdict(row) for row in rows]}, out, indent=2)

@@ -74,8 +74,13 @@ from training_bench import finish_job, start_mpi_job  # noqa: E402
 from hvdplus.common.pipeline import build_schedule, chunk_stages, simulate, theoretical_bubble  # noqa: E402
 
 # name -> (schedule of hvdplus.common.pipeline, virtual_stages)
-SCHEDULES = {"gpipe": ("gpipe", 1), "1f1b": ("1f1b", 1), "interleaved": ("interleaved", 2),
-             "zb-h1": ("zero-bubble", 1), "zb-v": ("zero-bubble", 2)}
+SCHEDULES = {
+    "gpipe": ("gpipe", 1),
+    "1f1b": ("1f1b", 1),
+    "interleaved": ("interleaved", 2),
+    "zb-h1": ("zero-bubble", 1),
+    "zb-v": ("zero-bubble", 2),
+}
 CHUNKS_PER_STAGE = 2  # the model has S * 2 equal chunks' worth of layers: 2 chunks per stage at most
 COMPARE_MODES = ("pipeline", "data-parallel")
 BUBBLE_TOLERANCE, ZB_BUBBLE_RATIO, ZB_MEMORY_RATIO = 0.05, 0.5, 1.1
@@ -123,8 +128,9 @@ def layer_classes() -> tuple[type, type]:
             self.seconds = seconds
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return (Delay.apply(super().forward(x), self.seconds, self.seconds)
-                    * Delay.apply(self.weight, 0.0, self.seconds))
+            return Delay.apply(super().forward(x), self.seconds, self.seconds) * Delay.apply(
+                self.weight, 0.0, self.seconds
+            )
 
     return SleepLayer, Shift
 
@@ -153,11 +159,11 @@ class SavedBytes:
         self.refs: dict[tuple[int, int], int] = {}
         self.live = self.peak = 0
 
-    def pack(self, tensor: Any) -> "_Held":
+    def pack(self, tensor: Any) -> _Held:
         return _Held(self, tensor)
 
     @staticmethod
-    def unpack(held: "_Held") -> Any:
+    def unpack(held: _Held) -> Any:
         return held.tensor
 
 
@@ -216,8 +222,10 @@ def check_sleep_layer(seconds: float = 0.02, width: int = 16) -> dict[str, float
         raise RuntimeError("the sleep layer's W left a parameter without a gradient")
     bad = {k: v for k, v in times.items() if not seconds * 0.9 < v < seconds * 1.6}
     if bad:
-        raise RuntimeError(f"sleep layer: expected {seconds * 1e3:.0f} ms per pass, got "
-                           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in bad.items()))
+        raise RuntimeError(
+            f"sleep layer: expected {seconds * 1e3:.0f} ms per pass, got "
+            + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in bad.items())
+        )
     return times
 
 
@@ -268,8 +276,9 @@ def bubble_worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     hvd.init()
-    results = [measure_schedule(key, int(m), args) for key in args.schedules.split(",")
-               for m in args.micro_batches.split(",")]
+    results = [
+        measure_schedule(key, int(m), args) for key in args.schedules.split(",") for m in args.micro_batches.split(",")
+    ]
     everyone = hvd.allgather_object(results)
     if hvd.rank() == 0:
         Path(args.result_file).write_text(json.dumps(everyone))
@@ -287,8 +296,9 @@ def measure_schedule(key: str, micro_batches: int, args: argparse.Namespace) -> 
     kind = layer_kind(stages, args)
     layers, width = build_layers(kind, stages, args)
     chunks = stages * virtual
-    pipe = hvd.pipeline.Pipeline(layers, stages, micro_batches, schedule=name, virtual_stages=virtual,
-                                 balance=[len(layers) // chunks] * chunks)
+    pipe = hvd.pipeline.Pipeline(
+        layers, stages, micro_batches, schedule=name, virtual_stages=virtual, balance=[len(layers) // chunks] * chunks
+    )
     chunk_times = time_chunks(pipe, args.micro_rows, width)
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(args.micro_rows * micro_batches, width, generator=generator)
@@ -311,9 +321,17 @@ def measure_schedule(key: str, micro_batches: int, args: argparse.Namespace) -> 
     meter = SavedBytes(pipe.parameters())
     with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
         pipe.train_step(x, y, loss_fn)
-    return {"schedule": key, "micro_batches": micro_batches, "stage": pipe.stage, "kind": kind, "steps": steps,
-            "chunk_times": chunk_times, "op_median_s": {op: statistics.median(v) for op, v in op_times.items()},
-            "peak_saved_bytes": meter.peak, "timeline": timeline}
+    return {
+        "schedule": key,
+        "micro_batches": micro_batches,
+        "stage": pipe.stage,
+        "kind": kind,
+        "steps": steps,
+        "chunk_times": chunk_times,
+        "op_median_s": {op: statistics.median(v) for op, v in op_times.items()},
+        "peak_saved_bytes": meter.peak,
+        "timeline": timeline,
+    }
 
 
 def compare_worker(args: argparse.Namespace) -> None:
@@ -326,8 +344,9 @@ def compare_worker(args: argparse.Namespace) -> None:
     hvd.init()
     torch.manual_seed(0)
     width = args.compare_width
-    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())
-                                  for _ in range(args.compare_layers)])
+    model = torch.nn.Sequential(
+        *[torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in range(args.compare_layers)]
+    )
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(args.compare_batch, width, generator=generator)
     y = torch.randn(args.compare_batch, width, generator=generator)
@@ -342,15 +361,17 @@ def compare_worker(args: argparse.Namespace) -> None:
             optimizer.zero_grad()
     else:
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
-                                             named_parameters=model.named_parameters())
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=1e-3), named_parameters=model.named_parameters()
+        )
         share = args.compare_batch // hvd.size()
-        xs, ys = x[hvd.rank() * share:(hvd.rank() + 1) * share], y[hvd.rank() * share:(hvd.rank() + 1) * share]
+        xs, ys = x[hvd.rank() * share : (hvd.rank() + 1) * share], y[hvd.rank() * share : (hvd.rank() + 1) * share]
 
         def step() -> None:
             optimizer.zero_grad()
             loss_fn(model(xs), ys).backward()
             optimizer.step()
+
     times = []
     for i in range(args.warmup + args.compare_steps):
         started = time.perf_counter()
@@ -371,18 +392,46 @@ def layer_kind(stages: int, args: argparse.Namespace) -> str:
 def run_job(ranks: int, label: str, extra: list[str], args: argparse.Namespace) -> Any:
     """One MPI job of `ranks` ranks running this script's worker with `extra` options; every rank's results (as
     rank 0 wrote them)."""
-    options = ["--width", str(args.width), "--real-layers", str(args.real_layers), "--real-stages", args.real_stages,
-               "--sleep-ms", str(args.sleep_ms), "--sleep-width", str(args.sleep_width),
-               "--micro-rows", str(args.micro_rows), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--compare-width", str(args.compare_width), "--compare-layers", str(args.compare_layers),
-               "--compare-batch", str(args.compare_batch), "--compare-steps", str(args.compare_steps),
-               "--compare-micro-batches", str(args.compare_micro_batches)]
+    options = [
+        "--width",
+        str(args.width),
+        "--real-layers",
+        str(args.real_layers),
+        "--real-stages",
+        args.real_stages,
+        "--sleep-ms",
+        str(args.sleep_ms),
+        "--sleep-width",
+        str(args.sleep_width),
+        "--micro-rows",
+        str(args.micro_rows),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--compare-width",
+        str(args.compare_width),
+        "--compare-layers",
+        str(args.compare_layers),
+        "--compare-batch",
+        str(args.compare_batch),
+        "--compare-steps",
+        str(args.compare_steps),
+        "--compare-micro-batches",
+        str(args.compare_micro_batches),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         result_file = str(Path(tmp) / "result.json")
-        command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--result-file", result_file,
-                   *options, *extra]
-        return finish_job(label, start_mpi_job(ranks, command, {"OMP_NUM_THREADS": "1"}), args.timeout,
-                          result_file)
+        command = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--result-file",
+            result_file,
+            *options,
+            *extra,
+        ]
+        return finish_job(label, start_mpi_job(ranks, command, {"OMP_NUM_THREADS": "1"}), args.timeout, result_file)
 
 
 def summarize(rounds: list[list[dict]], key: str, stages: int, micro_batches: int) -> dict[str, Any]:
@@ -406,31 +455,48 @@ def summarize(rounds: list[list[dict]], key: str, stages: int, micro_batches: in
     every_rank = [r for results in rounds for r in results]
     f, b, w, bw = (statistics.mean(r["chunk_times"][op] for r in every_rank) for op in ("F", "B", "W", "BW"))
     # Schedules without the B/W split run the whole backward, which costs less than B + W.
-    times = {"forward": f, "backward_input": b, "backward_weight": w} if name == "zero-bubble" else \
-        {"forward": f, "backward_input": bw, "backward_weight": 0.0}
+    times = (
+        {"forward": f, "backward_input": b, "backward_weight": w}
+        if name == "zero-bubble"
+        else {"forward": f, "backward_input": bw, "backward_weight": 0.0}
+    )
     schedule, owner = build_schedule(name, stages, micro_batches, virtual), chunk_stages(name, stages, virtual)
     sim = simulate(schedule, owner, **times)
     last = rounds[-1]
     hop = statistics.median(hop_latency(results, owner) for results in rounds)
     with_p2p = simulate(schedule, owner, **times, transfer=hop)
     origin = min(r["steps"][-1][0] for r in last)  # the last timed step's start: its timeline's zero
-    return {"schedule": key, "stages": stages, "micro_batches": micro_batches, "virtual_stages": virtual,
-            "layers": last[0]["kind"], "rounds": len(rounds), "bubble": bubble,
-            "bubble_mean": statistics.mean(bubble), "bubble_max": max(bubble),
-            "bubble_own": [statistics.median(values) for values in own],
-            "bubble_per_round": [[statistics.median(steps) for steps in one] for one in per_round],
-            "step_s_median": statistics.median(makespans), "chunk_F_B_W_BW_s": [f, b, w, bw],
-            "chunk_saved_bytes": max(r["chunk_times"]["chunk_bytes"] for r in every_rank),
-            "simulated": list(sim.bubble), "simulated_mean": statistics.mean(sim.bubble),
-            "simulated_step_s": sim.makespan, "hop_latency_s": hop, "simulated_with_p2p": list(with_p2p.bubble),
-            "simulated_with_p2p_mean": statistics.mean(with_p2p.bubble),
-            "simulated_peak_chunks": list(sim.peak_activations),
-            "theory": theoretical_bubble(name, stages, micro_batches, virtual),
-            "theory_measured_times": theoretical_bubble(name, stages, micro_batches, virtual, f, b, w),
-            "peak_saved_bytes": [max(results[s]["peak_saved_bytes"] for results in rounds) for s in range(stages)],
-            "op_median_s": [r["op_median_s"] for r in last],
-            "timeline_last_step": {r["stage"]: [[op, m, c, round(a - origin, 6), round(e - origin, 6)]
-                                               for op, m, c, a, e in r["timeline"]] for r in last}}
+    return {
+        "schedule": key,
+        "stages": stages,
+        "micro_batches": micro_batches,
+        "virtual_stages": virtual,
+        "layers": last[0]["kind"],
+        "rounds": len(rounds),
+        "bubble": bubble,
+        "bubble_mean": statistics.mean(bubble),
+        "bubble_max": max(bubble),
+        "bubble_own": [statistics.median(values) for values in own],
+        "bubble_per_round": [[statistics.median(steps) for steps in one] for one in per_round],
+        "step_s_median": statistics.median(makespans),
+        "chunk_F_B_W_BW_s": [f, b, w, bw],
+        "chunk_saved_bytes": max(r["chunk_times"]["chunk_bytes"] for r in every_rank),
+        "simulated": list(sim.bubble),
+        "simulated_mean": statistics.mean(sim.bubble),
+        "simulated_step_s": sim.makespan,
+        "hop_latency_s": hop,
+        "simulated_with_p2p": list(with_p2p.bubble),
+        "simulated_with_p2p_mean": statistics.mean(with_p2p.bubble),
+        "simulated_peak_chunks": list(sim.peak_activations),
+        "theory": theoretical_bubble(name, stages, micro_batches, virtual),
+        "theory_measured_times": theoretical_bubble(name, stages, micro_batches, virtual, f, b, w),
+        "peak_saved_bytes": [max(results[s]["peak_saved_bytes"] for results in rounds) for s in range(stages)],
+        "op_median_s": [r["op_median_s"] for r in last],
+        "timeline_last_step": {
+            r["stage"]: [[op, m, c, round(a - origin, 6), round(e - origin, 6)] for op, m, c, a, e in r["timeline"]]
+            for r in last
+        },
+    }
 
 
 def hop_latency(results: list[dict], owner: list[int]) -> float:
@@ -464,8 +530,11 @@ def judge(rows: list[dict]) -> None:
         row["target"] = None
         if row["schedule"] in ("gpipe", "1f1b"):
             error = max(abs(b - row["theory"]) for b in row["bubble"])
-            row["target"] = {"passed": error <= BUBBLE_TOLERANCE, "max_abs_error": error,
-                             "text": f"|err| {100 * error:.1f} pp (<= {100 * BUBBLE_TOLERANCE:.0f} pp)"}
+            row["target"] = {
+                "passed": error <= BUBBLE_TOLERANCE,
+                "max_abs_error": error,
+                "text": f"|err| {100 * error:.1f} pp (<= {100 * BUBBLE_TOLERANCE:.0f} pp)",
+            }
         elif row["schedule"] in ("zb-h1", "zb-v"):
             ref = baseline.get((row["stages"], row["micro_batches"]))
             if ref is None:
@@ -473,10 +542,12 @@ def judge(rows: list[dict]) -> None:
                 continue
             ratio = row["bubble_mean"] / ref["bubble_mean"] if ref["bubble_mean"] > 0 else float("inf")
             memory = row["peak_saved_bytes"][0] / ref["peak_saved_bytes"][0]
-            row["target"] = {"passed": ratio <= ZB_BUBBLE_RATIO and memory <= ZB_MEMORY_RATIO,
-                             "bubble_ratio": ratio, "memory_ratio": memory,
-                             "text": f"{ratio:.2f}x 1f1b (<= {ZB_BUBBLE_RATIO}), "
-                                     f"mem {memory:.2f}x (<= {ZB_MEMORY_RATIO})"}
+            row["target"] = {
+                "passed": ratio <= ZB_BUBBLE_RATIO and memory <= ZB_MEMORY_RATIO,
+                "bubble_ratio": ratio,
+                "memory_ratio": memory,
+                "text": f"{ratio:.2f}x 1f1b (<= {ZB_BUBBLE_RATIO}), mem {memory:.2f}x (<= {ZB_MEMORY_RATIO})",
+            }
 
 
 def run_bubbles(args: argparse.Namespace) -> list[dict]:
@@ -485,7 +556,7 @@ def run_bubbles(args: argparse.Namespace) -> list[dict]:
     keys = args.schedules.split(",")
     jobs = []  # (stages, [(schedule, M), ...])
     for stages in (int(s) for s in args.stages.split(",")):
-        for group in ([keys] if args.group == "stages" else [[k] for k in keys]):
+        for group in [keys] if args.group == "stages" else [[k] for k in keys]:
             configs = [(key, int(m)) for key in group for m in args.micro_batches.split(",")]
             for key, m in configs:
                 if key == "interleaved" and m % stages:
@@ -495,26 +566,43 @@ def run_bubbles(args: argparse.Namespace) -> list[dict]:
                 jobs.append((stages, configs))
     if any(layer_kind(stages, args) == "sleep" for stages, _ in jobs):
         times = check_sleep_layer()
-        print("sleep layer check (20 ms per pass): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()),
-              flush=True)
+        print(
+            "sleep layer check (20 ms per pass): " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in times.items()),
+            flush=True,
+        )
     samples: dict[tuple[int, str, int], list[list[dict]]] = {}
     loads: dict[tuple[int, str, int], list[float]] = {}
     for round_index in range(args.rounds):
-        for stages, configs in (jobs if round_index % 2 == 0 else jobs[::-1]):
+        for stages, configs in jobs if round_index % 2 == 0 else jobs[::-1]:
             started, load = time.perf_counter(), os.getloadavg()[0]
             schedules = sorted({k for k, _ in configs}, key=keys.index)
-            by_rank = run_job(stages, f"{','.join(schedules)} S={stages}",
-                              ["--mode", "bubble", "--schedules", ",".join(schedules),
-                               "--micro-batches", ",".join(str(m) for m in sorted({m for _, m in configs}))], args)
+            by_rank = run_job(
+                stages,
+                f"{','.join(schedules)} S={stages}",
+                [
+                    "--mode",
+                    "bubble",
+                    "--schedules",
+                    ",".join(schedules),
+                    "--micro-batches",
+                    ",".join(str(m) for m in sorted({m for _, m in configs})),
+                ],
+                args,
+            )
             for index, (key, m) in enumerate(sorted(configs, key=lambda c: (keys.index(c[0]), c[1]))):
                 results = [rank_results[index] for rank_results in by_rank]
                 if (results[0]["schedule"], results[0]["micro_batches"]) != (key, m):
-                    raise RuntimeError(f"job results out of order: expected {key} M={m}, got "
-                                       f"{results[0]['schedule']} M={results[0]['micro_batches']}")
+                    raise RuntimeError(
+                        f"job results out of order: expected {key} M={m}, got "
+                        f"{results[0]['schedule']} M={results[0]['micro_batches']}"
+                    )
                 samples.setdefault((stages, key, m), []).append(results)
                 loads.setdefault((stages, key, m), []).append(load)
-            print(f"  round {round_index + 1}: {','.join(schedules)} S={stages} M={args.micro_batches}: job "
-                  f"{time.perf_counter() - started:.0f} s (load average {load:.2f} before it)", flush=True)
+            print(
+                f"  round {round_index + 1}: {','.join(schedules)} S={stages} M={args.micro_batches}: job "
+                f"{time.perf_counter() - started:.0f} s (load average {load:.2f} before it)",
+                flush=True,
+            )
     rows = []
     for (stages, key, m), rounds in samples.items():
         rows.append({**summarize(rounds, key, stages, m), "load_average_1min_before_jobs": loads[(stages, key, m)]})
@@ -527,34 +615,53 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     samples: dict[str, list[float]] = {mode: [] for mode in COMPARE_MODES}
     for round_index in range(args.compare_rounds):
-        for mode in (COMPARE_MODES if round_index % 2 == 0 else COMPARE_MODES[::-1]):
+        for mode in COMPARE_MODES if round_index % 2 == 0 else COMPARE_MODES[::-1]:
             samples[mode] += run_job(2, mode, ["--mode", mode], args)[0]
     medians = {mode: statistics.median(times) for mode, times in samples.items()}
-    return {"ranks": 2, "layers": args.compare_layers, "width": args.compare_width, "batch": args.compare_batch,
-            "micro_batches": args.compare_micro_batches, "rounds": args.compare_rounds, "step_s": samples,
-            "step_s_median": medians, "ratio": medians["pipeline"] / medians["data-parallel"]}
+    return {
+        "ranks": 2,
+        "layers": args.compare_layers,
+        "width": args.compare_width,
+        "batch": args.compare_batch,
+        "micro_batches": args.compare_micro_batches,
+        "rounds": args.compare_rounds,
+        "step_s": samples,
+        "step_s_median": medians,
+        "ratio": medians["pipeline"] / medians["data-parallel"],
+    }
 
 
 def print_table(rows: list[dict], compare: dict[str, Any] | None) -> None:
-    print("\nBubble per stage (idle / step wall time), median over timed steps, mean and max over stages; sim: "
-          "simulator (mean) with the measured chunk F/B/W,\n+p2p: and the measured median hop latency as transfer "
-          "time; theory: F = B = W; act0: stage 0's peak autograd-saved bytes")
-    print(f"{'schedule':11} {'S':>2} {'M':>3} {'layers':6} {'mean':>6} {'max':>6} {'sim':>6} {'sim+p2p':>7} "
-          f"{'theory':>6} {'act0 KiB':>9}  target")
+    print(
+        "\nBubble per stage (idle / step wall time), median over timed steps, mean and max over stages; sim: "
+        "simulator (mean) with the measured chunk F/B/W,\n+p2p: and the measured median hop latency as transfer "
+        "time; theory: F = B = W; act0: stage 0's peak autograd-saved bytes"
+    )
+    print(
+        f"{'schedule':11} {'S':>2} {'M':>3} {'layers':6} {'mean':>6} {'max':>6} {'sim':>6} {'sim+p2p':>7} "
+        f"{'theory':>6} {'act0 KiB':>9}  target"
+    )
     for r in rows:
         target = r["target"]
-        verdict = "-" if target is None else (
-            f"{'n/a' if target['passed'] is None else 'PASS' if target['passed'] else 'FAIL'} {target['text']}")
-        print(f"{r['schedule']:11} {r['stages']:>2} {r['micro_batches']:>3} {r['layers']:6} "
-              f"{r['bubble_mean']:6.3f} {r['bubble_max']:6.3f} {r['simulated_mean']:6.3f} "
-              f"{r['simulated_with_p2p_mean']:7.3f} {r['theory']:6.3f} "
-              f"{r['peak_saved_bytes'][0] / 1024:9.0f}  {verdict}")
+        verdict = (
+            "-"
+            if target is None
+            else (f"{'n/a' if target['passed'] is None else 'PASS' if target['passed'] else 'FAIL'} {target['text']}")
+        )
+        print(
+            f"{r['schedule']:11} {r['stages']:>2} {r['micro_batches']:>3} {r['layers']:6} "
+            f"{r['bubble_mean']:6.3f} {r['bubble_max']:6.3f} {r['simulated_mean']:6.3f} "
+            f"{r['simulated_with_p2p_mean']:7.3f} {r['theory']:6.3f} "
+            f"{r['peak_saved_bytes'][0] / 1024:9.0f}  {verdict}"
+        )
     if compare:
         m = compare["step_s_median"]
-        print(f"\nstep time, {compare['layers']} x (Linear({compare['width']}, {compare['width']}) + Tanh), batch "
-              f"{compare['batch']}, {compare['ranks']} ranks: pipeline 1f1b S=2 M={compare['micro_batches']} "
-              f"{m['pipeline'] * 1e3:.1f} ms, data-parallel {m['data-parallel'] * 1e3:.1f} ms: "
-              f"ratio pipeline / data-parallel {compare['ratio']:.2f}")
+        print(
+            f"\nstep time, {compare['layers']} x (Linear({compare['width']}, {compare['width']}) + Tanh), batch "
+            f"{compare['batch']}, {compare['ranks']} ranks: pipeline 1f1b S=2 M={compare['micro_batches']} "
+            f"{m['pipeline'] * 1e3:.1f} ms, data-parallel {m['data-parallel'] * 1e3:.1f} ms: "
+            f"ratio pipeline / data-parallel {compare['ratio']:.2f}"
+        )
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -568,8 +675,9 @@ def plot(rows: list[dict], path: str) -> None:
     colors = dict(zip(SCHEDULES, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
     for ax, stages in zip(axes[0], stage_counts):
         for key in SCHEDULES:
-            mine = sorted((r for r in rows if r["stages"] == stages and r["schedule"] == key),
-                          key=lambda r: r["micro_batches"])
+            mine = sorted(
+                (r for r in rows if r["stages"] == stages and r["schedule"] == key), key=lambda r: r["micro_batches"]
+            )
             if not mine:
                 continue
             ms = [r["micro_batches"] for r in mine]
@@ -578,15 +686,25 @@ def plot(rows: list[dict], path: str) -> None:
             means = [r["bubble_mean"] for r in mine]
             offset = 1 + 0.025 * (list(SCHEDULES).index(key) - 2)  # markers side by side (log x axis)
             upper = [r["bubble_max"] - m for r, m in zip(mine, means)]
-            ax.errorbar([m * offset for m in ms], means, yerr=[[0] * len(mine), upper], fmt="o", color=colors[key],
-                        capsize=3, label=f"{key} measured")
+            ax.errorbar(
+                [m * offset for m in ms],
+                means,
+                yerr=[[0] * len(mine), upper],
+                fmt="o",
+                color=colors[key],
+                capsize=3,
+                label=f"{key} measured",
+            )
         ax.set_xscale("log", base=2)
         ticks = sorted({r["micro_batches"] for r in rows})
         ax.set_xticks(ticks, [str(m) for m in ticks])
         ax.set_xlabel("micro-batches M")
         ax.set_ylabel("bubble fraction")
-        ax.set_title(f"S = {stages} ({mine[0]['layers'] if mine else ''} layers); markers: measured mean "
-                     "(bar to max), lines: theory, dotted: simulator", fontsize=8)
+        ax.set_title(
+            f"S = {stages} ({mine[0]['layers'] if mine else ''} layers); markers: measured mean "
+            "(bar to max), lines: theory, dotted: simulator",
+            fontsize=8,
+        )
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
@@ -596,33 +714,52 @@ def plot(rows: list[dict], path: str) -> None:
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--schedules", default=",".join(SCHEDULES),
-                        help="comma-separated, from " + ", ".join(SCHEDULES))
+    parser.add_argument(
+        "--schedules", default=",".join(SCHEDULES), help="comma-separated, from " + ", ".join(SCHEDULES)
+    )
     parser.add_argument("--stages", default="2,4", help="comma-separated stage counts (one rank per stage)")
     parser.add_argument("--micro-batches", default=None, help="comma-separated M (default 4,8,16; --quick: 4)")
     parser.add_argument("--real-stages", default="2", help="stage counts that use real Linear layers (others sleep)")
     parser.add_argument("--width", type=int, default=512, help="real layers: Linear width")
-    parser.add_argument("--real-layers", type=int, default=2, help="real layers: Linear+Tanh blocks per chunk of the "
-                        "2-chunk split (4 per chunk with 1 chunk per stage)")
+    parser.add_argument(
+        "--real-layers",
+        type=int,
+        default=2,
+        help="real layers: Linear+Tanh blocks per chunk of the 2-chunk split (4 per chunk with 1 chunk per stage)",
+    )
     parser.add_argument("--sleep-ms", type=float, default=5.0, help="sleep layers: ms per layer and pass (2 per chunk)")
     parser.add_argument("--sleep-width", type=int, default=256, help="sleep layers: activation width")
     parser.add_argument("--micro-rows", type=int, default=512, help="rows per micro-batch (batch = M x this)")
     parser.add_argument("--steps", type=int, default=None, help="timed train_steps per job (default 5; --quick 2)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; --quick 1)")
-    parser.add_argument("--compare-rounds", type=int, default=None, help="jobs per mode for the step-time "
-                        "comparison, alternating (default 2; --quick 1; 0 skips it)")
+    parser.add_argument(
+        "--compare-rounds",
+        type=int,
+        default=None,
+        help="jobs per mode for the step-time comparison, alternating (default 2; --quick 1; 0 skips it)",
+    )
     parser.add_argument("--compare-steps", type=int, default=None, help="timed steps per comparison job (default 8)")
     parser.add_argument("--compare-layers", type=int, default=8)
     parser.add_argument("--compare-width", type=int, default=2048)
     parser.add_argument("--compare-batch", type=int, default=64)
     parser.add_argument("--compare-micro-batches", type=int, default=8)
-    parser.add_argument("--group", choices=("schedule", "stages"), default=None,
-                        help="what one MPI job covers: a schedule's M values at one S (default), or every schedule "
-                             "and M at one S (--quick's default: fewer process starts)")
-    parser.add_argument("--rounds", type=int, default=None, help="jobs per configuration, in alternating order; "
-                        "bubbles are medians over the timed steps of all (default 2; --quick 1)")
-    parser.add_argument("--quick", action="store_true", help="smoke run: M = 4, 1 + 2 steps, 1 round, 1 comparison "
-                        "round, one job per S")
+    parser.add_argument(
+        "--group",
+        choices=("schedule", "stages"),
+        default=None,
+        help="what one MPI job covers: a schedule's M values at one S (default), or every schedule "
+        "and M at one S (--quick's default: fewer process starts)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="jobs per configuration, in alternating order; "
+        "bubbles are medians over the timed steps of all (default 2; --quick 1)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: M = 4, 1 + 2 steps, 1 round, 1 comparison round, one job per S"
+    )
     parser.add_argument("--timeout", type=float, default=300, help="seconds per job before it is stopped")
     parser.add_argument("--json", default="bench_pipeline.json")
     parser.add_argument("--plot", default="bench_pipeline.png")
@@ -630,9 +767,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mode", choices=("bubble", *COMPARE_MODES), help=argparse.SUPPRESS)
     parser.add_argument("--result-file", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    defaults = {"micro_batches": ("4,8,16", "4"), "steps": (5, 2), "warmup": (2, 1), "compare_rounds": (2, 1),
-                "compare_steps": (8, 3), "group": ("schedule", "stages"),
-                "rounds": (2, 1)}
+    defaults = {
+        "micro_batches": ("4,8,16", "4"),
+        "steps": (5, 2),
+        "warmup": (2, 1),
+        "compare_rounds": (2, 1),
+        "compare_steps": (8, 3),
+        "group": ("schedule", "stages"),
+        "rounds": (2, 1),
+    }
     for name, (full, quick) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else full)
@@ -652,10 +795,15 @@ def main(argv: list[str] | None = None) -> int:
     compare = run_compare(args)
     print_table(rows, compare)
     wall = time.perf_counter() - started
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-              "cpus": os.cpu_count(), "wall_s": wall,
-              "args": {k: v for k, v in vars(args).items() if k not in ("worker", "mode", "result_file")},
-              "rows": rows, "compare": compare}
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "wall_s": wall,
+        "args": {k: v for k, v in vars(args).items() if k not in ("worker", "mode", "result_file")},
+        "rows": rows,
+        "compare": compare,
+    }
     Path(args.json).write_text(json.dumps(report, indent=1))
     if rows:
         plot(rows, args.plot)

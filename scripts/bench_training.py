@@ -10,9 +10,9 @@ linear layers, 1.07 M parameters, 32x32x3 images) and an MLP (784-1024-1024-10, 
 How it is timed: each mode runs as its own job (so no mode shares its CPU with another's background
 threads), and the jobs of all modes are repeated --rounds times in alternating order (ABC, CBA, ...)
 so that a slow spell of the shared machine does not land on one mode only. Every job runs with
-THP_MEM_ALLOC_ENABLE=1, which hvdplus.torch sets on import, so the DDP baseline uses the same allocator. In a job, each model warms
-up for --warmup steps, then --reps blocks of --steps steps are timed, each block after a barrier; a
-block's time is the slowest rank's. Reported: median step time over all blocks of all rounds (and the
+THP_MEM_ALLOC_ENABLE=1, which hvdplus.torch sets on import, so the DDP baseline uses the same allocator. In a
+job, each model warms up for --warmup steps, then --reps blocks of --steps steps are timed, each block after a
+barrier; a block's time is the slowest rank's. Reported: median step time over all blocks of all rounds (and the
 quartiles), throughput = batch x ranks / step time, and each mode's throughput ratio to the baseline.
 
     .venv/bin/python scripts/bench_training.py                 # 2 ranks, hvdplus over MPI
@@ -29,11 +29,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
-
 import training_bench as tb
 from bench_collectives import child_env
 
@@ -53,12 +53,26 @@ def torch_model(name: str) -> Any:
 
     torch.manual_seed(0)
     if name == "cnn":
-        return torch.nn.Sequential(torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-                                   torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-                                   torch.nn.Flatten(), torch.nn.Linear(64 * 8 * 8, 256), torch.nn.ReLU(),
-                                   torch.nn.Linear(256, 10))
-    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 1024), torch.nn.ReLU(),
-                               torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+        return torch.nn.Sequential(
+            torch.nn.Conv2d(3, 32, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(32, 64, 3, padding=1),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(64 * 8 * 8, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, 10),
+        )
+    return torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(784, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 1024),
+        torch.nn.ReLU(),
+        torch.nn.Linear(1024, 10),
+    )
 
 
 def torch_worker(args: argparse.Namespace) -> dict[str, list[float]]:
@@ -69,8 +83,9 @@ def torch_worker(args: argparse.Namespace) -> dict[str, list[float]]:
     torch.set_num_threads(1)
     if args.mode == "ddp":
         rank, size = int(os.environ["HOROVOD_RANK"]), int(os.environ["HOROVOD_SIZE"])
-        dist.init_process_group("gloo", store=dist.FileStore(os.environ["HVDPLUS_RENDEZVOUS_FILE"], size),
-                                rank=rank, world_size=size)
+        dist.init_process_group(
+            "gloo", store=dist.FileStore(os.environ["HVDPLUS_RENDEZVOUS_FILE"], size), rank=rank, world_size=size
+        )
         barrier = dist.barrier
 
         def slowest(times: np.ndarray) -> np.ndarray:
@@ -94,14 +109,16 @@ def torch_worker(args: argparse.Namespace) -> dict[str, list[float]]:
             model = torch.nn.parallel.DistributedDataParallel(model)
         else:
             compression = hvd.Compression.fp16 if args.mode == "hvdplus_fp16" else hvd.Compression.none
-            optimizer = hvd.DistributedOptimizer(optimizer, compression=compression,
-                                                 named_parameters=[(f"{model_name}.{n}", p)
-                                                                   for n, p in model.named_parameters()])
+            optimizer = hvd.DistributedOptimizer(
+                optimizer,
+                compression=compression,
+                named_parameters=[(f"{model_name}.{n}", p) for n, p in model.named_parameters()],
+            )
         generator = torch.Generator().manual_seed(rank)
         shape = (tb.BATCH, 3, 32, 32) if model_name == "cnn" else (tb.BATCH, 784)
         x, y = torch.randn(shape, generator=generator), torch.randint(0, 10, (tb.BATCH,), generator=generator)
 
-        def step() -> None:
+        def step(model=model, optimizer=optimizer, x=x, y=y) -> None:
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
@@ -139,10 +156,22 @@ def run_job(args: argparse.Namespace, mode: str) -> dict[str, list[float]]:
         if FRAMEWORKS[args.framework].uses_hvdplus(mode) and args.engine == "mpi":
             procs = tb.start_mpi_job(args.np, command, threads)
         else:
-            procs = [subprocess.Popen(command, start_new_session=True, env=child_env({
-                **threads, "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_RANK": str(rank),
-                "HOROVOD_SIZE": str(args.np), "HVDPLUS_RENDEZVOUS_FILE": os.path.join(workdir, "rendezvous")}))
-                for rank in range(args.np)]
+            procs = [
+                subprocess.Popen(
+                    command,
+                    start_new_session=True,
+                    env=child_env(
+                        {
+                            **threads,
+                            "HOROVOD_CPU_OPERATIONS": "gloo",
+                            "HOROVOD_RANK": str(rank),
+                            "HOROVOD_SIZE": str(args.np),
+                            "HVDPLUS_RENDEZVOUS_FILE": os.path.join(workdir, "rendezvous"),
+                        }
+                    ),
+                )
+                for rank in range(args.np)
+            ]
         return tb.finish_job(mode, procs, args.timeout, result_file)
 
 
@@ -162,8 +191,12 @@ def run_driver(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     samples = tb.collect(modes, args.rounds, lambda mode: run_job(args, mode))
     summary = summarize(samples, modes, args.np)
-    tb.print_table(f"{args.framework}, {args.np} ranks, batch {tb.BATCH} per rank, hvdplus engine {args.engine}",
-                   summary, modes, [("vs " + modes[0], "ratio_to_" + modes[0])])
+    tb.print_table(
+        f"{args.framework}, {args.np} ranks, batch {tb.BATCH} per rank, hvdplus engine {args.engine}",
+        summary,
+        modes,
+        [("vs " + modes[0], "ratio_to_" + modes[0])],
+    )
     tb.write_report(args, summary, samples, started)
     return 0
 

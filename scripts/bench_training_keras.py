@@ -38,7 +38,6 @@ import time
 from typing import Any
 
 import numpy as np
-
 import training_bench as tb
 from bench_collectives import child_env
 
@@ -51,13 +50,26 @@ def keras_model(name: str) -> Any:
 
     keras.utils.set_random_seed(0)
     if name == "cnn":
-        return keras.Sequential([keras.Input((32, 32, 3)), keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
-                                 keras.layers.MaxPooling2D(), keras.layers.Conv2D(64, 3, padding="same",
-                                                                                  activation="relu"),
-                                 keras.layers.MaxPooling2D(), keras.layers.Flatten(),
-                                 keras.layers.Dense(256, activation="relu"), keras.layers.Dense(10)])
-    return keras.Sequential([keras.Input((784,)), keras.layers.Dense(1024, activation="relu"),
-                             keras.layers.Dense(1024, activation="relu"), keras.layers.Dense(10)])
+        return keras.Sequential(
+            [
+                keras.Input((32, 32, 3)),
+                keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Conv2D(64, 3, padding="same", activation="relu"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+    return keras.Sequential(
+        [
+            keras.Input((784,)),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def synthetic_batch(model_name: str, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -67,8 +79,9 @@ def synthetic_batch(model_name: str, seed: int) -> tuple[np.ndarray, np.ndarray]
     return generator.normal(size=shape).astype(np.float32), generator.integers(0, 10, tb.BATCH)
 
 
-def step_times(model: Any, optimizer: Any, batch: tuple[np.ndarray, np.ndarray], strategy: Any,
-               args: argparse.Namespace) -> list[float]:
+def step_times(
+    model: Any, optimizer: Any, batch: tuple[np.ndarray, np.ndarray], strategy: Any, args: argparse.Namespace
+) -> list[float]:
     """Per-step times of --reps blocks of --steps training steps, after --warmup blocks.
 
     One step is the same tf.function in every mode: forward, tape gradient, optimizer.apply_gradients, run by
@@ -113,7 +126,8 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
     if args.mode == "mwms":
         rank = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
         options = tf.distribute.experimental.CommunicationOptions(
-            implementation=tf.distribute.experimental.CommunicationImplementation.RING)
+            implementation=tf.distribute.experimental.CommunicationImplementation.RING
+        )
         strategy = tf.distribute.MultiWorkerMirroredStrategy(communication_options=options)
         for name in args.models.split(","):
             with strategy.scope():
@@ -126,8 +140,9 @@ def worker(args: argparse.Namespace) -> dict[str, list[float]]:
     if args.mode == "single":
         for name in args.models.split(","):
             model = keras_model(name)
-            results[name] = step_times(model, keras.optimizers.SGD(0.01, momentum=0.9), synthetic_batch(name, 0),
-                                       strategy, args)
+            results[name] = step_times(
+                model, keras.optimizers.SGD(0.01, momentum=0.9), synthetic_batch(name, 0), strategy, args
+            )
         return results
     import hvdplus.keras as hvd
     from hvdplus.tensorflow import broadcast_variables
@@ -166,9 +181,21 @@ def run_job(args: argparse.Namespace, mode: str) -> dict[str, list[float]]:
             procs = [subprocess.Popen(command, env=child_env(base), start_new_session=True)]
         elif mode == "mwms":
             workers = [f"localhost:{port}" for port in free_ports(args.np)]
-            procs = [subprocess.Popen(command, start_new_session=True, env=child_env({**base, "TF_CONFIG": json.dumps(
-                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}})}))
-                for rank in range(args.np)]
+            procs = [
+                subprocess.Popen(
+                    command,
+                    start_new_session=True,
+                    env=child_env(
+                        {
+                            **base,
+                            "TF_CONFIG": json.dumps(
+                                {"cluster": {"worker": workers}, "task": {"type": "worker", "index": rank}}
+                            ),
+                        }
+                    ),
+                )
+                for rank in range(args.np)
+            ]
         else:
             procs = tb.start_mpi_job(args.np, command, base)
         return tb.finish_job(mode, procs, args.timeout, result_file)
@@ -191,16 +218,22 @@ def run_driver(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     samples = tb.collect(MODES, args.rounds, lambda mode: run_job(args, mode))
     summary = summarize(samples, args.np)
-    tb.print_table(f"keras, {args.np} ranks, batch {tb.BATCH} per rank, tf.function step, CPU", summary, MODES,
-                   [("vs mwms", "step_time_vs_mwms"), ("vs single", "step_time_vs_single")])
+    tb.print_table(
+        f"keras, {args.np} ranks, batch {tb.BATCH} per rank, tf.function step, CPU",
+        summary,
+        MODES,
+        [("vs mwms", "step_time_vs_mwms"), ("vs single", "step_time_vs_single")],
+    )
     print("(step-time ratios: below 1.0 means hvdplus steps faster)")
     tb.write_report(args, summary, samples, started)
     return 0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return tb.parse(tb.parser(__doc__.splitlines()[0], "results/bench_training_keras.json",
-                              "untimed blocks per job and model", 1), argv)
+    return tb.parse(
+        tb.parser(__doc__.splitlines()[0], "results/bench_training_keras.json", "untimed blocks per job and model", 1),
+        argv,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

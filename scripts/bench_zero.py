@@ -48,10 +48,18 @@ def worker(args: argparse.Namespace) -> None:
         optimizer.step()
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
-    state = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)
-    result = {"params": sum(p.numel() for p in model.parameters()), "state_bytes": state, "step_s": times,
-              "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    state = sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
+    result = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "state_bytes": state,
+        "step_s": times,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
     everyone = hvd.allgather_object(result)
     if hvd.rank() == 0:
         Path(args.result_file).write_text(json.dumps(everyone))
@@ -66,12 +74,26 @@ def run(args: argparse.Namespace) -> dict:
             for mode in MODES:
                 with tempfile.TemporaryDirectory() as tmp:
                     result_file = str(Path(tmp) / "result.json")
-                    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode,
-                               "--result-file", result_file, "--params", str(args.params), "--width",
-                               str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
-                               "--warmup", str(args.warmup)]
-                    samples[mode].append(finish_job(mode, start_mpi_job(ranks, command, {}), args.timeout,
-                                                    result_file))
+                    command = [
+                        sys.executable,
+                        str(Path(__file__).resolve()),
+                        "--worker",
+                        "--mode",
+                        mode,
+                        "--result-file",
+                        result_file,
+                        "--params",
+                        str(args.params),
+                        "--width",
+                        str(args.width),
+                        "--batch",
+                        str(args.batch),
+                        "--steps",
+                        str(args.steps),
+                        "--warmup",
+                        str(args.warmup),
+                    ]
+                    samples[mode].append(finish_job(mode, start_mpi_job(ranks, command, {}), args.timeout, result_file))
         report["ranks"][ranks] = summarize(samples, ranks)
     return report
 
@@ -80,35 +102,46 @@ def summarize(samples: dict[str, list[list[dict]]], ranks: int) -> dict:
     rows = {}
     for mode, jobs in samples.items():
         per_rank = [result for job in jobs for result in job]
-        rows[mode] = {"params": per_rank[0]["params"],
-                      "state_bytes_max": max(r["state_bytes"] for r in per_rank),
-                      "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in per_rank),
-                      "peak_rss_bytes_median": statistics.median(r["peak_rss_bytes"] for r in per_rank),
-                      "step_s_median": statistics.median(t for job in jobs for t in job[0]["step_s"])}
+        rows[mode] = {
+            "params": per_rank[0]["params"],
+            "state_bytes_max": max(r["state_bytes"] for r in per_rank),
+            "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in per_rank),
+            "peak_rss_bytes_median": statistics.median(r["peak_rss_bytes"] for r in per_rank),
+            "step_s_median": statistics.median(t for job in jobs for t in job[0]["step_s"]),
+        }
     full, zero = rows["distributed"], rows["zero"]
     state = full["state_bytes_max"]
     rows["checks"] = {
-        "state_ratio": zero["state_bytes_max"] / state, "state_target": 1 / ranks + 0.01,
+        "state_ratio": zero["state_bytes_max"] / state,
+        "state_target": 1 / ranks + 0.01,
         "rss_drop_bytes": full["peak_rss_bytes_median"] - zero["peak_rss_bytes_median"],
         "rss_drop_target_bytes": 0.8 * (ranks - 1) / ranks * state,
-        "step_ratio": zero["step_s_median"] / full["step_s_median"], "step_target": 1.10}
+        "step_ratio": zero["step_s_median"] / full["step_s_median"],
+        "step_target": 1.10,
+    }
     return rows
 
 
 def print_table(report: dict) -> None:
     mib = 1 << 20
-    print(f"\nZeroOptimizer vs DistributedOptimizer, AdamW, {report['params'] / 1e6:.0f}M parameters, "
-          f"batch {report['batch']}, MPI engine, {report['rounds']} rounds")
+    print(
+        f"\nZeroOptimizer vs DistributedOptimizer, AdamW, {report['params'] / 1e6:.0f}M parameters, "
+        f"batch {report['batch']}, MPI engine, {report['rounds']} rounds"
+    )
     print(f"{'ranks':>5} {'optimizer':>12} {'state MiB/rank':>15} {'peak RSS MiB':>13} {'step ms':>8}")
     for ranks, rows in report["ranks"].items():
         for mode in MODES:
             row = rows[mode]
-            print(f"{ranks:>5} {mode:>12} {row['state_bytes_max'] / mib:>15.1f} "
-                  f"{row['peak_rss_bytes_median'] / mib:>13.1f} {row['step_s_median'] * 1e3:>8.1f}")
+            print(
+                f"{ranks:>5} {mode:>12} {row['state_bytes_max'] / mib:>15.1f} "
+                f"{row['peak_rss_bytes_median'] / mib:>13.1f} {row['step_s_median'] * 1e3:>8.1f}"
+            )
         c = rows["checks"]
-        print(f"{'':>5} {'checks':>12} state {c['state_ratio']:.3f} of unsharded (target <= {c['state_target']:.3f}); "
-              f"RSS drop {c['rss_drop_bytes'] / mib:.0f} MiB (target >= {c['rss_drop_target_bytes'] / mib:.0f}); "
-              f"step {c['step_ratio']:.2f}x (target <= {c['step_target']:.2f}x)")
+        print(
+            f"{'':>5} {'checks':>12} state {c['state_ratio']:.3f} of unsharded (target <= {c['state_target']:.3f}); "
+            f"RSS drop {c['rss_drop_bytes'] / mib:.0f} MiB (target >= {c['rss_drop_target_bytes'] / mib:.0f}); "
+            f"step {c['step_ratio']:.2f}x (target <= {c['step_target']:.2f}x)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

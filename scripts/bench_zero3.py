@@ -60,8 +60,11 @@ def build_model(layers: int, meta: bool = False) -> Any:
             super().__init__()
             self.embed = torch.nn.Embedding(VOCAB, WIDTH)
             self.layers = torch.nn.ModuleList(
-                torch.nn.TransformerEncoderLayer(WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True,
-                                                 norm_first=True) for _ in range(layers))
+                torch.nn.TransformerEncoderLayer(
+                    WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True
+                )
+                for _ in range(layers)
+            )
             self.norm = torch.nn.LayerNorm(WIDTH)
             self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
 
@@ -119,8 +122,11 @@ def count_hvdplus_bytes(counter: SentBytes) -> None:
 
     wrap("submit_allreduce", "allreduce", lambda a, kw: a.nbytes)
     wrap("submit_reducescatter", "reducescatter", lambda a, kw: a.nbytes)
-    wrap("submit_allgather", "allgather",
-         lambda a, kw: kw["output"].nbytes if kw.get("output") is not None else a.nbytes * counter.size)
+    wrap(
+        "submit_allgather",
+        "allgather",
+        lambda a, kw: kw["output"].nbytes if kw.get("output") is not None else a.nbytes * counter.size,
+    )
 
 
 def count_torch_bytes(counter: SentBytes) -> None:
@@ -150,12 +156,14 @@ def worker(args: argparse.Namespace) -> None:
         enter_cgroup(args.cgroup, int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0"))))
     if args.mode == "fsdp2":
         import torch.distributed as dist
+
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
     elif args.mode == "single":
         rank, size = 0, 1
     else:
         import hvdplus.torch as hvd
+
         hvd.init()
         rank, size = hvd.rank(), hvd.size()
     counter = SentBytes(size)
@@ -163,6 +171,7 @@ def worker(args: argparse.Namespace) -> None:
     params = sum(p.numel() for p in model.parameters())
     if args.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
+
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
@@ -191,8 +200,14 @@ def worker(args: argparse.Namespace) -> None:
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
             sent.append(counter.total - before)
-    result = {"rank": rank, "params": params, "step_s": times, "sent_bytes": sent, "peak_rss_bytes": peak_rss(),
-              **resident(args.mode, model, optimizer)}
+    result = {
+        "rank": rank,
+        "params": params,
+        "step_s": times,
+        "sent_bytes": sent,
+        "peak_rss_bytes": peak_rss(),
+        **resident(args.mode, model, optimizer),
+    }
     if args.mode == "fsdp2":
         everyone: list[Any] = [None] * size
         dist.all_gather_object(everyone, result)
@@ -214,15 +229,15 @@ def resident(mode: str, model: Any, optimizer: Any) -> dict[str, int]:
         return t.to_local() if hasattr(t, "to_local") else t
 
     if mode == "zero3":
-        params = sum(unit.nbytes() + (nbytes(unit.full) if unit.persistent else 0)
-                     for unit in model._hvdplus_zero3.units)
+        params = sum(
+            unit.nbytes() + (nbytes(unit.full) if unit.persistent else 0) for unit in model._hvdplus_zero3.units
+        )
     else:
         params = nbytes(local(p) for p in model.parameters())
     grads = nbytes(local(p.grad) for p in model.parameters() if p.grad is not None)
     if mode in ("zero", "zero3"):
         grads += nbytes(flat.grad for flat in optimizer._zero.flats)
-    state = nbytes(local(v) for s in optimizer.state.values() for v in s.values()
-                   if torch.is_tensor(v) and v.dim() > 0)
+    state = nbytes(local(v) for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
     return {"param_bytes": params, "grad_bytes": grads, "state_bytes": state}
 
 
@@ -258,15 +273,34 @@ def enter_cgroup(prefix: str, index: int) -> None:
 
 # ============================================================================ the driver
 def start(mode: str, args: argparse.Namespace, ranks: int, result_file: str, cgroup: str = "") -> list[Any]:
-    command = [sys.executable, str(Path(__file__).resolve()), "--worker", "--mode", mode, "--layers",
-               str(args.layers), "--steps", str(args.steps), "--warmup", str(args.warmup), "--result-file",
-               result_file, *(["--cgroup", cgroup] if cgroup else [])]
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--mode",
+        mode,
+        "--layers",
+        str(args.layers),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--result-file",
+        result_file,
+        *(["--cgroup", cgroup] if cgroup else []),
+    ]
     env = child_env({"OMP_NUM_THREADS": "1"})
     if mode in ("fsdp2", "single"):
         procs = []
         for rank in range(ranks):
-            rank_env = dict(env, RANK=str(rank), WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
-                            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+            rank_env = dict(
+                env,
+                RANK=str(rank),
+                WORLD_SIZE=str(ranks),
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(29500 + os.getpid() % 1000),
+            )
             procs.append(subprocess.Popen(command, env=rank_env, start_new_session=True))
         return procs
     return start_mpi_job(ranks, command, {"OMP_NUM_THREADS": "1"})
@@ -282,13 +316,16 @@ def run_job(mode: str, args: argparse.Namespace, ranks: int, cgroup: str = "") -
 
 def summarize(mode: str, samples: list[list[dict]]) -> dict[str, Any]:
     ranks = [r for job in samples for r in job]
-    return {"step_s_median": statistics.median(t for r in ranks if r["rank"] == 0 for t in r["step_s"]),
-            "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in ranks),
-            "peak_rss_bytes_per_rank": [max(r["peak_rss_bytes"] for r in ranks if r["rank"] == k)
-                                        for k in sorted({r["rank"] for r in ranks})],
-            "sent_bytes_per_step": statistics.median(s for r in ranks for s in r["sent_bytes"]),
-            **{key: max(r[key] for r in ranks) for key in ("param_bytes", "grad_bytes", "state_bytes")},
-            "params": ranks[0]["params"]}
+    return {
+        "step_s_median": statistics.median(t for r in ranks if r["rank"] == 0 for t in r["step_s"]),
+        "peak_rss_bytes_max": max(r["peak_rss_bytes"] for r in ranks),
+        "peak_rss_bytes_per_rank": [
+            max(r["peak_rss_bytes"] for r in ranks if r["rank"] == k) for k in sorted({r["rank"] for r in ranks})
+        ],
+        "sent_bytes_per_step": statistics.median(s for r in ranks for s in r["sent_bytes"]),
+        **{key: max(r[key] for r in ranks) for key in ("param_bytes", "grad_bytes", "state_bytes")},
+        "params": ranks[0]["params"],
+    }
 
 
 def memory_limit_demo(args: argparse.Namespace, limit: int) -> dict[str, Any]:
@@ -300,32 +337,48 @@ def memory_limit_demo(args: argparse.Namespace, limit: int) -> dict[str, Any]:
         zero3_codes, zero3 = run_job("zero3", args, args.np, prefix)
     finally:
         remove_cgroups(prefix, args.np)
-    return {"limit_bytes": limit, "single_exit_codes": single_codes, "zero3_exit_codes": zero3_codes,
-            "zero3_peak_rss_bytes": [r["peak_rss_bytes"] for r in zero3] if zero3 else None,
-            "zero3_step_s": statistics.median(zero3[0]["step_s"]) if zero3 else None}
+    return {
+        "limit_bytes": limit,
+        "single_exit_codes": single_codes,
+        "zero3_exit_codes": zero3_codes,
+        "zero3_peak_rss_bytes": [r["peak_rss_bytes"] for r in zero3] if zero3 else None,
+        "zero3_step_s": statistics.median(zero3[0]["step_s"]) if zero3 else None,
+    }
 
 
 def checks(summary: dict[str, Any], ranks: int) -> dict[str, Any]:
     z3, fsdp, z2, ddp = (summary[m] for m in MODES)
     model_state = lambda row: row["param_bytes"] + row["grad_bytes"] + row["state_bytes"]  # noqa: E731
     unit = 4 * (12 * WIDTH * WIDTH + 13 * WIDTH)  # one TransformerEncoderLayer, fp32
-    return {"state_ratio_vs_distributed": model_state(z3) / model_state(ddp),
-            "state_target_bytes": model_state(ddp) / ranks + unit,
-            "state_ok": model_state(z3) <= model_state(ddp) / ranks + unit,
-            "rss_ok": z3["peak_rss_bytes_max"] < fsdp["peak_rss_bytes_max"],
-            "step_ratio_vs_fsdp2": z3["step_s_median"] / fsdp["step_s_median"],
-            "step_ratio_vs_zero": z3["step_s_median"] / z2["step_s_median"],
-            "step_ok": z3["step_s_median"] <= 0.6 * fsdp["step_s_median"]
-            and z3["step_s_median"] <= 1.25 * z2["step_s_median"]}
+    return {
+        "state_ratio_vs_distributed": model_state(z3) / model_state(ddp),
+        "state_target_bytes": model_state(ddp) / ranks + unit,
+        "state_ok": model_state(z3) <= model_state(ddp) / ranks + unit,
+        "rss_ok": z3["peak_rss_bytes_max"] < fsdp["peak_rss_bytes_max"],
+        "step_ratio_vs_fsdp2": z3["step_s_median"] / fsdp["step_s_median"],
+        "step_ratio_vs_zero": z3["step_s_median"] / z2["step_s_median"],
+        "step_ok": z3["step_s_median"] <= 0.6 * fsdp["step_s_median"]
+        and z3["step_s_median"] <= 1.25 * z2["step_s_median"],
+    }
 
 
 def build_report(args: argparse.Namespace, samples: dict[str, list[Any]]) -> dict[str, Any]:
     """The JSON report of the timed jobs (the memory-limit run is added to it after)."""
     summary = {mode: summarize(mode, samples[mode]) for mode in MODES}
-    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-            "cpus": os.cpu_count(), "ranks": args.np, "layers": args.layers, "params": summary["zero3"]["params"],
-            "batch": [BATCH, SEQ], "steps": args.steps, "rounds": args.rounds, "summary": summary,
-            "checks": checks(summary, args.np), "samples": samples}
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "ranks": args.np,
+        "layers": args.layers,
+        "params": summary["zero3"]["params"],
+        "batch": [BATCH, SEQ],
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "summary": summary,
+        "checks": checks(summary, args.np),
+        "samples": samples,
+    }
 
 
 def print_table(report: dict[str, Any]) -> None:
@@ -334,17 +387,23 @@ def print_table(report: dict[str, Any]) -> None:
     print(f"{'':<12}{'peak RSS/rank':>15}{'params':>10}{'grads':>10}{'state':>10}{'sent/step':>11}{'step':>9}")
     for mode in MODES:
         row = report["summary"][mode]
-        print(f"{mode:<12}{row['peak_rss_bytes_max'] / mib:>11.0f} MiB{row['param_bytes'] / mib:>6.0f} MiB"
-              f"{row['grad_bytes'] / mib:>6.0f} MiB{row['state_bytes'] / mib:>6.0f} MiB"
-              f"{row['sent_bytes_per_step'] / mib:>7.0f} MiB{row['step_s_median']:>8.2f} s")
+        print(
+            f"{mode:<12}{row['peak_rss_bytes_max'] / mib:>11.0f} MiB{row['param_bytes'] / mib:>6.0f} MiB"
+            f"{row['grad_bytes'] / mib:>6.0f} MiB{row['state_bytes'] / mib:>6.0f} MiB"
+            f"{row['sent_bytes_per_step'] / mib:>7.0f} MiB{row['step_s_median']:>8.2f} s"
+        )
     c = report["checks"]
-    print(f"stage 3 model state {c['state_ratio_vs_distributed']:.3f}x DistributedOptimizer's (ok: {c['state_ok']}); "
-          f"peak RSS below FSDP2's: {c['rss_ok']}; step {c['step_ratio_vs_fsdp2']:.2f}x FSDP2's (target <= 0.6) and "
-          f"{c['step_ratio_vs_zero']:.2f}x stage 2's (target <= 1.25)")
+    print(
+        f"stage 3 model state {c['state_ratio_vs_distributed']:.3f}x DistributedOptimizer's (ok: {c['state_ok']}); "
+        f"peak RSS below FSDP2's: {c['rss_ok']}; step {c['step_ratio_vs_fsdp2']:.2f}x FSDP2's (target <= 0.6) and "
+        f"{c['step_ratio_vs_zero']:.2f}x stage 2's (target <= 1.25)"
+    )
     demo = report.get("memory_limit")
     if demo:
-        print(f"under a {demo['limit_bytes'] / mib:.0f} MiB limit per process: one process exits "
-              f"{demo['single_exit_codes']}, stage 3 at {report['ranks']} ranks exits {demo['zero3_exit_codes']}")
+        print(
+            f"under a {demo['limit_bytes'] / mib:.0f} MiB limit per process: one process exits "
+            f"{demo['single_exit_codes']}, stage 3 at {report['ranks']} ranks exits {demo['zero3_exit_codes']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -356,8 +415,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=15, help="transformer layers (12: 168M, 15: 206M)")
     parser.add_argument("--np", type=int, default=2, help="ranks")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per job")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per job (the first two fault in "
-                                                                 "memory and find the units' order)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed steps per job (the first two fault in memory and find the units' order)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="jobs per configuration, in alternating order")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     parser.add_argument("--no-limit-demo", action="store_true", help="skip the memory-limit demonstration")
@@ -369,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.time()
     samples: dict[str, list[Any]] = {mode: [] for mode in MODES}
     for round_ in range(args.rounds):
-        for mode in (MODES if round_ % 2 == 0 else tuple(reversed(MODES))):
+        for mode in MODES if round_ % 2 == 0 else tuple(reversed(MODES)):
             codes, found = run_job(mode, args, args.np)
             if any(codes) or not found:
                 raise RuntimeError(f"the {mode} job failed (exit codes {codes})")

@@ -27,7 +27,8 @@ import os  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -73,6 +74,7 @@ def tensors_of(tree: Any) -> list[torch.Tensor]:
         elif isinstance(value, (list, tuple)):
             for item in value:
                 walk(item)
+
     walk(tree)
     return list(found.values())
 
@@ -209,24 +211,36 @@ def measure_sync(model: torch.nn.Module, optimizer: Any, state: TimedState, roun
     state.commit() and state.save() in this 2-rank elastic job; the slowest rank's times, printed by rank 0."""
     moved = nbytes(state_tensors(model, optimizer))
     flat = torch.zeros(moved // 4, dtype=torch.float32)
-    ops = {"sync": state.sync, "broadcast": lambda: hvd.broadcast_(flat, root_rank=0, name="bench.flat"),
-           "commit": state.commit, "save": state.save}
+    ops = {
+        "sync": state.sync,
+        "broadcast": lambda: hvd.broadcast_(flat, root_rank=0, name="bench.flat"),
+        "commit": state.commit,
+        "save": state.save,
+    }
     names = list(ops)
     times: dict[str, list[float]] = {name: [] for name in names}
     for index in range(rounds):
-        for name in (names if index % 2 == 0 else names[::-1]):
+        for name in names if index % 2 == 0 else names[::-1]:
             times[name].append(timed(ops[name]))
     flat_times = torch.tensor([times[name] for name in names], dtype=torch.float64)
     slowest = hvd.allreduce(flat_times, op=hvd.Max, name="bench.slowest")
     if hvd.rank() == 0:
-        say("syncbench", bytes=moved, params=sum(p.numel() for p in model.parameters()),
-            times={name: slowest[i].tolist() for i, name in enumerate(names)}, **where())
+        say(
+            "syncbench",
+            bytes=moved,
+            params=sum(p.numel() for p in model.parameters()),
+            times={name: slowest[i].tolist() for i, name in enumerate(names)},
+            **where(),
+        )
 
 
 # ============================================================================ commit: one process
 def run_commit() -> None:
-    params, width, rounds = int(float(os.environ["BENCH_PARAMS"])), int(os.environ["BENCH_WIDTH"]), \
-        int(os.environ.get("BENCH_ROUNDS", "7"))
+    params, width, rounds = (
+        int(float(os.environ["BENCH_PARAMS"])),
+        int(os.environ["BENCH_WIDTH"]),
+        int(os.environ.get("BENCH_ROUNDS", "7")),
+    )
     model = mlp(params, width)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1)
@@ -264,15 +278,26 @@ def run_commit() -> None:
     for index in range(rounds):
         shift = index % len(names)
         order = names[shift:] + names[:shift]
-        for name in (order if index % 2 == 0 else order[::-1]):
+        for name in order if index % 2 == 0 else order[::-1]:
             times[name].append(timed_local(ops[name]))
     hvd.shutdown()
     quiet_after = [timed_local(copy_baseline) for _ in range(rounds)]
-    say("commitbench", params=sum(p.numel() for p in model.parameters()), state_bytes=nbytes(live),
-        tensors=len(live), snapshot_bytes=nbytes(snapshot), snapshot_tensors=len(snapshot),
-        rss_before_state=rss_before, rss_after_state=rss_after, rss_after_saves=rss_after_saves,
-        times=times, quiet_copy_before=quiet_before, quiet_copy_after=quiet_after, threads=torch.get_num_threads(),
-        median={name: statistics.median(values) for name, values in times.items()})
+    say(
+        "commitbench",
+        params=sum(p.numel() for p in model.parameters()),
+        state_bytes=nbytes(live),
+        tensors=len(live),
+        snapshot_bytes=nbytes(snapshot),
+        snapshot_tensors=len(snapshot),
+        rss_before_state=rss_before,
+        rss_after_state=rss_after,
+        rss_after_saves=rss_after_saves,
+        times=times,
+        quiet_copy_before=quiet_before,
+        quiet_copy_after=quiet_after,
+        threads=torch.get_num_threads(),
+        median={name: statistics.median(values) for name, values in times.items()},
+    )
 
 
 def timed_local(op: Callable[[], Any]) -> float:

@@ -15,11 +15,11 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
-
 from bench_collectives import _MPI_ENV, child_env, find_mpirun, load_average, wait_all
 
 BATCH = 32
@@ -54,12 +54,28 @@ def parse(parser_: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     return args
 
 
-def worker_command(script: str, args: argparse.Namespace, mode: str, result_file: str,
-                   extra: Sequence[str] = ()) -> list[str]:
+def worker_command(
+    script: str, args: argparse.Namespace, mode: str, result_file: str, extra: Sequence[str] = ()
+) -> list[str]:
     """The command line of one worker process of `mode`, passing the timing options on."""
-    return [sys.executable, str(Path(script).resolve()), "--worker", "--mode", mode, *extra,
-            "--models", args.models, "--steps", str(args.steps), "--reps", str(args.reps),
-            "--warmup", str(args.warmup), "--result-file", result_file]
+    return [
+        sys.executable,
+        str(Path(script).resolve()),
+        "--worker",
+        "--mode",
+        mode,
+        *extra,
+        "--models",
+        args.models,
+        "--steps",
+        str(args.steps),
+        "--reps",
+        str(args.reps),
+        "--warmup",
+        str(args.warmup),
+        "--result-file",
+        result_file,
+    ]
 
 
 def start_mpi_job(np_ranks: int, command: list[str], env: dict[str, str]) -> list[subprocess.Popen]:
@@ -82,7 +98,7 @@ def collect(modes: tuple[str, ...], rounds: int, run_job: Callable[[str], dict[s
     shared machine does not land on one mode only."""
     samples: Samples = {mode: {} for mode in modes}
     for round_index in range(rounds):
-        for mode in (modes if round_index % 2 == 0 else modes[::-1]):
+        for mode in modes if round_index % 2 == 0 else modes[::-1]:
             for model, times in run_job(mode).items():
                 samples[mode].setdefault(model, []).extend(times)
     return samples
@@ -92,31 +108,48 @@ def row(times: Sequence[float], ranks: int) -> dict[str, Any]:
     """Median step time, its quartiles and the throughput of `ranks` ranks at BATCH samples per rank."""
     times = np.asarray(times)
     median = float(np.median(times))
-    return {"step_time_s": median, "p25_p75_s": [float(q) for q in np.percentile(times, [25, 75])],
-            "samples_per_s": BATCH * ranks / median, "ranks": ranks, "blocks": len(times)}
+    return {
+        "step_time_s": median,
+        "p25_p75_s": [float(q) for q in np.percentile(times, [25, 75])],
+        "samples_per_s": BATCH * ranks / median,
+        "ranks": ranks,
+        "blocks": len(times),
+    }
 
 
-def print_table(title: str, summary: dict[str, Any], modes: tuple[str, ...],
-                ratio_columns: Sequence[tuple[str, str]]) -> None:
+def print_table(
+    title: str, summary: dict[str, Any], modes: tuple[str, ...], ratio_columns: Sequence[tuple[str, str]]
+) -> None:
     """One line per model and mode; `ratio_columns` are (heading, row key) of the ratios to show."""
     print(f"\n{title}")
-    print(f"{'model':6} {'mode':14} {'step (ms)':>10} {'p25-p75 (ms)':>15} {'samples/s':>10}"
-          + "".join(f" {heading:>9}" for heading, _ in ratio_columns))
+    print(
+        f"{'model':6} {'mode':14} {'step (ms)':>10} {'p25-p75 (ms)':>15} {'samples/s':>10}"
+        + "".join(f" {heading:>9}" for heading, _ in ratio_columns)
+    )
     for model, rows in summary.items():
         for mode in modes:
             entry = rows[mode]
             p25, p75 = (1000 * q for q in entry["p25_p75_s"])
             ratios = "".join(f" {entry[key]:8.2f}x" if key in entry else f" {'':9}" for _, key in ratio_columns)
-            print(f"{model:6} {mode:14} {1000 * entry['step_time_s']:10.2f} {p25:7.2f}-{p75:<7.2f} "
-                  f"{entry['samples_per_s']:10.1f}{ratios}")
+            print(
+                f"{model:6} {mode:14} {1000 * entry['step_time_s']:10.2f} {p25:7.2f}-{p75:<7.2f} "
+                f"{entry['samples_per_s']:10.1f}{ratios}"
+            )
 
 
 def write_report(args: argparse.Namespace, summary: dict[str, Any], samples: Samples, started: float) -> None:
     """The JSON report: machine, options, summary and every sample."""
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
-              "cpus": os.cpu_count(), "load_average": load_average(), "wall_s": time.perf_counter() - started,
-              "args": {k: v for k, v in vars(args).items() if k not in ("worker", "mode", "result_file")},
-              "batch_per_rank": BATCH, "summary": summary, "step_times_s": samples}
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_average": load_average(),
+        "wall_s": time.perf_counter() - started,
+        "args": {k: v for k, v in vars(args).items() if k not in ("worker", "mode", "result_file")},
+        "batch_per_rank": BATCH,
+        "summary": summary,
+        "step_times_s": samples,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nwrote {args.json}")

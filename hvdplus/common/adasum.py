@@ -8,7 +8,8 @@ keeps its own dot product and norms. Dots and norms accumulate in float64; fp16 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +25,10 @@ _TINY_NORM = 1e-8
 def check_adasum_size(set_size: int) -> None:
     """Raise ValueError unless the process set has a power-of-two number of ranks."""
     if set_size < 1 or set_size & (set_size - 1):
-        raise ValueError(f"op=Adasum needs a power-of-two number of ranks in the process set, got {set_size}; "
-                         f"use op=Average, or run on 1, 2, 4, 8, ... ranks")
+        raise ValueError(
+            f"op=Adasum needs a power-of-two number of ranks in the process set, got {set_size}; "
+            f"use op=Average, or run on 1, 2, 4, 8, ... ranks"
+        )
 
 
 def partners(rank: int, set_size: int) -> list[int]:
@@ -53,17 +56,18 @@ def combine(a: np.ndarray, b: np.ndarray, counts: Sequence[int], dtype: str, out
     result = np.empty_like(wide_a)
     offset = 0
     for count in counts:
-        x, y = wide_a[offset:offset + count], wide_b[offset:offset + count]
+        x, y = wide_a[offset : offset + count], wide_b[offset : offset + count]
         dot, norm_a, norm_b = float(np.dot(x, y)), float(np.dot(x, x)), float(np.dot(y, y))
         coeff_a = 1.0 - dot / (2.0 * norm_a) if norm_a >= _TINY_NORM else 1.0
         coeff_b = 1.0 - dot / (2.0 * norm_b) if norm_b >= _TINY_NORM else 1.0
-        np.add(coeff_a * x, coeff_b * y, out=result[offset:offset + count])
+        np.add(coeff_a * x, coeff_b * y, out=result[offset : offset + count])
         offset += count
     _narrow(result, dtype, out)
 
 
-def adasum_allreduce(engine: Engine, group: Any, set_rank: int, set_size: int, buffer: np.ndarray,
-                     counts: Sequence[int], dtype: str) -> None:
+def adasum_allreduce(
+    engine: Engine, group: Any, set_rank: int, set_size: int, buffer: np.ndarray, counts: Sequence[int], dtype: str
+) -> None:
     """Replace `buffer` (tensors of `counts` elements, packed) by the Adasum of every rank's buffer.
 
     Collective: every rank of `group` calls this with buffers of the same layout. The lower rank of each
@@ -75,8 +79,17 @@ def adasum_allreduce(engine: Engine, group: Any, set_rank: int, set_size: int, b
         combine(first, second, counts, dtype, out=buffer)
 
 
-def adasum_tensors(engine: Engine, group: Any, set_rank: int, set_size: int, inputs: Sequence[np.ndarray],
-                   outputs: Sequence[np.ndarray], dtype: str, prescale: float, postscale: float) -> None:
+def adasum_tensors(
+    engine: Engine,
+    group: Any,
+    set_rank: int,
+    set_size: int,
+    inputs: Sequence[np.ndarray],
+    outputs: Sequence[np.ndarray],
+    dtype: str,
+    prescale: float,
+    postscale: float,
+) -> None:
     """Adasum of several tensors in one exchange per level: pack, scale, reduce, scale, unpack into `outputs`."""
     counts = [array.size for array in inputs]
     buffer = np.concatenate([array.reshape(-1) for array in inputs])
@@ -85,5 +98,5 @@ def adasum_tensors(engine: Engine, group: Any, set_rank: int, set_size: int, inp
     halfops.scale_inplace(buffer, dtype, postscale)
     offset = 0
     for output, count in zip(outputs, counts):
-        output.reshape(-1)[...] = buffer[offset:offset + count]
+        output.reshape(-1)[...] = buffer[offset : offset + count]
         offset += count

@@ -14,7 +14,8 @@ Two ways to exchange, with the same result:
 from __future__ import annotations
 
 import pickle
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -27,8 +28,9 @@ __all__ = ["exchange_announcements"]
 _Merged = dict[Request, tuple[int, int]]  # request -> (ranks mask, order)
 
 
-def exchange_announcements(engine: Engine, group: Any, requests: Sequence[Request],
-                           doubling_from: int) -> list[tuple[Request, int]]:
+def exchange_announcements(
+    engine: Engine, group: Any, requests: Sequence[Request], doubling_from: int
+) -> list[tuple[Request, int]]:
     """Every rank's new requests, merged: (request, ranks mask) in an order all ranks share.
     Jobs of `doubling_from` ranks or more use recursive doubling, smaller ones one allgather."""
     rank, size = engine.rank, engine.size
@@ -36,8 +38,9 @@ def exchange_announcements(engine: Engine, group: Any, requests: Sequence[Reques
         merged = _recursive_doubling(engine, group, _own(requests, rank, size), rank, size)
     else:
         merged = {}
-        for peer, data in enumerate(engine.allgather_bytes(pickle.dumps(list(requests), pickle.HIGHEST_PROTOCOL),
-                                                           group)):
+        for peer, data in enumerate(
+            engine.allgather_bytes(pickle.dumps(list(requests), pickle.HIGHEST_PROTOCOL), group)
+        ):
             _merge(merged, _own(pickle.loads(data), peer, size))
     return [(request, mask) for request, (mask, _) in sorted(merged.items(), key=lambda item: item[1][1])]
 

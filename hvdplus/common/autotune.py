@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import csv
 import logging
-from typing import Any, Collection, Iterator, NamedTuple
+from collections.abc import Collection, Iterator
+from typing import Any, NamedTuple
 
 from hvdplus.common.tunables import Tunables
 
@@ -41,8 +42,9 @@ class TuningSpace:
         for name in TUNED:
             self.size *= len(self.candidates[name])
         # A starting value outside the grid ('auto') starts at the first candidate, which is what 'auto' does.
-        self.start = self.encode({name: start[name] if start[name] in values else values[0]
-                                  for name, values in self.candidates.items()})
+        self.start = self.encode(
+            {name: start[name] if start[name] in values else values[0] for name, values in self.candidates.items()}
+        )
 
     def encode(self, values: dict[str, Any]) -> int:
         """The index of a configuration: its candidates' positions as digits of a mixed-radix number."""
@@ -90,8 +92,9 @@ def tuning_space(start: Tunables, fixed: Collection[str], hierarchical: bool, ho
         "hierarchical_allgather": (False, True) if hierarchical else (),
     }
     current = {name: getattr(start, name) for name in TUNED}
-    return TuningSpace({name: grid[name] if grid[name] and name not in fixed else (current[name],) for name in TUNED},
-                       current)
+    return TuningSpace(
+        {name: grid[name] if grid[name] and name not in fixed else (current[name],) for name in TUNED}, current
+    )
 
 
 class _Sample(NamedTuple):
@@ -104,8 +107,9 @@ class _Sample(NamedTuple):
 class Autotuner:
     """Rank 0's search. Call `record` after every cycle; `config` is the configuration every rank should run."""
 
-    def __init__(self, space: TuningSpace, *, warmup_samples: int, steps_per_sample: int, max_samples: int,
-                 log_path: str = "") -> None:
+    def __init__(
+        self, space: TuningSpace, *, warmup_samples: int, steps_per_sample: int, max_samples: int, log_path: str = ""
+    ) -> None:
         self._space = space
         self._warmup_left, self._steps, self._max = warmup_samples, steps_per_sample, max_samples
         self._log_path = log_path
@@ -175,8 +179,16 @@ class Autotuner:
     def _log_sample(self, phase: str, config: int, sample: _Sample) -> None:
         if self._log_path:
             values = self._space.decode(config)
-            self._write([sample.number, phase, *(values[name] for name in TUNED), sample.nbytes,
-                         f"{sample.seconds:.6f}", f"{sample.score:.1f}"])
+            self._write(
+                [
+                    sample.number,
+                    phase,
+                    *(values[name] for name in TUNED),
+                    sample.nbytes,
+                    f"{sample.seconds:.6f}",
+                    f"{sample.score:.1f}",
+                ]
+            )
 
     def _write(self, row: list[Any], mode: str = "a") -> None:
         """One CSV row, the file closed after each, so the log is complete whenever the job stops."""

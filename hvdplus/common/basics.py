@@ -8,7 +8,8 @@ import importlib.util
 import logging
 import socket
 import threading
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from hvdplus.common.buffer_ops import agreed_device_kinds
 from hvdplus.common.coordinator import Coordinator
@@ -21,15 +22,46 @@ from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline
 from hvdplus.common.topology import Topology
 
-__all__ = ["ProcessSet", "global_process_set", "init", "shutdown", "is_initialized", "runtime",
-           "rank", "size", "local_rank", "local_size", "cross_rank", "cross_size", "is_homogeneous",
-           "add_process_set", "remove_process_set", "mpi_built", "mpi_enabled", "gloo_built", "gloo_enabled",
-           "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "mpi_threads_supported",
-           "start_timeline", "stop_timeline", "elastic_worker"]
+__all__ = [
+    "ProcessSet",
+    "global_process_set",
+    "init",
+    "shutdown",
+    "is_initialized",
+    "runtime",
+    "rank",
+    "size",
+    "local_rank",
+    "local_size",
+    "cross_rank",
+    "cross_size",
+    "is_homogeneous",
+    "add_process_set",
+    "remove_process_set",
+    "mpi_built",
+    "mpi_enabled",
+    "gloo_built",
+    "gloo_enabled",
+    "nccl_built",
+    "ddl_built",
+    "ccl_built",
+    "cuda_built",
+    "rocm_built",
+    "mpi_threads_supported",
+    "start_timeline",
+    "stop_timeline",
+    "elastic_worker",
+]
 
 log = logging.getLogger("hvdplus")
-_LOG_LEVELS = {"trace": logging.DEBUG, "debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
-               "error": logging.ERROR, "fatal": logging.CRITICAL}
+_LOG_LEVELS = {
+    "trace": logging.DEBUG,
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "fatal": logging.CRITICAL,
+}
 
 
 class ProcessSet:
@@ -40,9 +72,11 @@ class ProcessSet:
     def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
         if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator
             from mpi4py import MPI
+
             world = MPI.COMM_WORLD.Get_group()
-            ranks_or_comm = MPI.Group.Translate_ranks(ranks_or_comm.Get_group(),
-                                                      list(range(ranks_or_comm.Get_size())), world)
+            ranks_or_comm = MPI.Group.Translate_ranks(
+                ranks_or_comm.Get_group(), list(range(ranks_or_comm.Get_size())), world
+            )
         ranks = sorted(int(r) for r in ranks_or_comm)
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"process set ranks must be unique, got {list(ranks_or_comm)}")
@@ -85,8 +119,7 @@ class Runtime:
         hostname = settings.launch.hostname or socket.gethostname()
         hostnames = tuple(h.decode() for h in self.engine.allgather_bytes(hostname.encode(), self.engine.world))
         self.topology = Topology(self.engine.rank, hostnames)
-        self.coordinator = Coordinator(self.engine, settings, self.topology,
-                                       agreed_device_kinds(self.engine, settings))
+        self.coordinator = Coordinator(self.engine, settings, self.topology, agreed_device_kinds(self.engine, settings))
         self._counters: dict[str, int] = {}
         self._counter_lock = threading.Lock()
 
@@ -149,8 +182,10 @@ def _elastic_runtime(settings: Settings, comm: Any) -> Runtime:
         except Exception:
             if _elastic.latest() == launch.elastic_generation:
                 raise
-            log.warning("generation %d of the elastic job was replaced while connecting: joining the next",
-                        launch.elastic_generation)
+            log.warning(
+                "generation %d of the elastic job was replaced while connecting: joining the next",
+                launch.elastic_generation,
+            )
 
 
 def elastic_worker() -> ElasticWorker | None:
@@ -233,8 +268,9 @@ def _add(process_set: ProcessSet) -> ProcessSet:
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a new process set. Collective: every rank of the job must call this, in the same order."""
     if not runtime().settings.dynamic_process_sets:
-        raise RuntimeError("add_process_set after init needs HOROVOD_DYNAMIC_PROCESS_SETS=1 "
-                           "(or pass process_sets=[...] to hvd.init())")
+        raise RuntimeError(
+            "add_process_set after init needs HOROVOD_DYNAMIC_PROCESS_SETS=1 (or pass process_sets=[...] to hvd.init())"
+        )
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     return _add(process_set)
@@ -252,8 +288,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     rt = runtime()
     if process_set.process_set_id in (None, 0):
         return False
-    request = Request(rt.auto_name("remove_process_set", 0), OpKind.REMOVE_PROCESS_SET,
-                      root=process_set.process_set_id)
+    request = Request(rt.auto_name("remove_process_set", 0), OpKind.REMOVE_PROCESS_SET, root=process_set.process_set_id)
     rt.coordinator.submit(request).wait()
     process_set.process_set_id = None
     return True
@@ -311,8 +346,8 @@ def mpi_threads_supported() -> bool:
     if not mpi_built():
         return False
     from mpi4py import MPI
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 __all__ = ["mask_of", "bits"]
 

@@ -9,16 +9,26 @@ registered with `register_device_plane` (for torch: torch tensors on NCCL, or on
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from hvdplus.common import halfops, nan
 from hvdplus.common.ops import storage_dtype
 
-__all__ = ["BufferOps", "NumpyBufferOps", "NUMPY_OPS", "DataPlane", "DeviceKind", "ReadyEvent", "SubmitEvent",
-           "register_device_plane", "agreed_device_kinds"]
+__all__ = [
+    "BufferOps",
+    "NumpyBufferOps",
+    "NUMPY_OPS",
+    "DataPlane",
+    "DeviceKind",
+    "ReadyEvent",
+    "SubmitEvent",
+    "register_device_plane",
+    "agreed_device_kinds",
+]
 
 log = logging.getLogger("hvdplus")
 
@@ -108,7 +118,7 @@ class NumpyBufferOps:
     def unpack(self, src: np.ndarray, destinations: Sequence[np.ndarray]) -> None:
         offset = 0
         for dst in destinations:
-            dst[...] = src[offset:offset + dst.size]
+            dst[...] = src[offset : offset + dst.size]
             offset += dst.size
 
     def scale(self, buf: np.ndarray, dtype: str, factor: float) -> None:
@@ -182,6 +192,10 @@ def agreed_device_kinds(host_engine: Any, settings: Any) -> dict[str, DeviceKind
         if not lacking:
             agreed[kind] = _device_kinds[kind]
         elif len(lacking) < len(everyone) and host_engine.rank == 0:
-            log.warning("%s tensors are staged through host memory on every rank: ranks %s cannot use the %s plane",
-                        kind, lacking, _device_kinds[kind].plane)
+            log.warning(
+                "%s tensors are staged through host memory on every rank: ranks %s cannot use the %s plane",
+                kind,
+                lacking,
+                _device_kinds[kind].plane,
+            )
     return agreed

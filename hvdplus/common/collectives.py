@@ -7,7 +7,8 @@ check that two adapters would both need lives here.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -20,9 +21,22 @@ from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind, ReduceOp, check_reducible, storage_dtype
 from hvdplus.common.pickled import pickled
 
-__all__ = ["resolve_op", "process_set_size", "check_root", "check_counts", "check_reducescatter_op", "submit_allreduce",
-           "submit_allgather", "submit_broadcast", "submit_alltoall", "submit_reducescatter", "submit_barrier",
-           "submit_join", "broadcast_object", "allgather_object"]
+__all__ = [
+    "resolve_op",
+    "process_set_size",
+    "check_root",
+    "check_counts",
+    "check_reducescatter_op",
+    "submit_allreduce",
+    "submit_allgather",
+    "submit_broadcast",
+    "submit_alltoall",
+    "submit_reducescatter",
+    "submit_barrier",
+    "submit_join",
+    "broadcast_object",
+    "allgather_object",
+]
 
 
 def resolve_op(average: bool | None, op: ReduceOp | None, default: ReduceOp = ReduceOp.AVERAGE) -> ReduceOp:
@@ -44,9 +58,11 @@ def _set_id(process_set: ProcessSet) -> int:
     if process_set.process_set_id is None:
         raise ValueError(f"{process_set} is not registered; call hvd.add_process_set() on every rank first")
     if process_set.process_set_id != 0 and process_set.registered_in is not runtime():
-        raise ValueError(f"{process_set} belongs to a job that has ended (an elastic reset or a shutdown started "
-                         "a new one, whose ranks may differ): register the ranks you want in this one with "
-                         "hvd.add_process_set(), for instance in a reset callback")
+        raise ValueError(
+            f"{process_set} belongs to a job that has ended (an elastic reset or a shutdown started "
+            "a new one, whose ranks may differ): register the ranks you want in this one with "
+            "hvd.add_process_set(), for instance in a reset callback"
+        )
     return process_set.process_set_id
 
 
@@ -58,8 +74,9 @@ def process_set_size(set_id: int) -> int:
     return len(ranks)
 
 
-def _request(kind: OpKind, array: np.ndarray, dtype: str, name: str | None, process_set: ProcessSet,
-             device: str, **fields: Any) -> Request:
+def _request(
+    kind: OpKind, array: np.ndarray, dtype: str, name: str | None, process_set: ProcessSet, device: str, **fields: Any
+) -> Request:
     storage_dtype(dtype)
     set_id = _set_id(process_set)
     name = name if name is not None else runtime().auto_name(kind.name.lower(), set_id)
@@ -68,10 +85,19 @@ def _request(kind: OpKind, array: np.ndarray, dtype: str, name: str | None, proc
     return Request(name, kind, set_id, dtype, tuple(array.shape), device, **fields)
 
 
-def submit_allreduce(array: np.ndarray, output: np.ndarray, dtype: str, name: str | None, op: ReduceOp,
-                     prescale: float = 1.0, postscale: float = 1.0,
-                     process_set: ProcessSet = global_process_set, device: str = "cpu",
-                     parts: tuple[tuple[int, ...], ...] | None = None, group: int = 0) -> Handle:
+def submit_allreduce(
+    array: np.ndarray,
+    output: np.ndarray,
+    dtype: str,
+    name: str | None,
+    op: ReduceOp,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    device: str = "cpu",
+    parts: tuple[tuple[int, ...], ...] | None = None,
+    group: int = 0,
+) -> Handle:
     """Reduce `array` into `output`. `parts`: `array` packs a group of tensors of these shapes (checked against
     the other ranks' like the shape; Adasum, which reduces tensor by tensor, cannot be packed). `group`: the
     number of tensors of the grouped call this belongs to, so that ranks grouping different numbers of tensors
@@ -83,8 +109,19 @@ def submit_allreduce(array: np.ndarray, output: np.ndarray, dtype: str, name: st
         if parts is not None:
             raise ValueError("Adasum reduces each tensor on its own: submit the tensors of a group separately")
         check_adasum_size(process_set_size(_set_id(process_set)))
-    request = _request(OpKind.ALLREDUCE, array, dtype, name, process_set, device, op=op,
-                       prescale=float(prescale), postscale=float(postscale), parts=parts, group=group)
+    request = _request(
+        OpKind.ALLREDUCE,
+        array,
+        dtype,
+        name,
+        process_set,
+        device,
+        op=op,
+        prescale=float(prescale),
+        postscale=float(postscale),
+        parts=parts,
+        group=group,
+    )
     return runtime().coordinator.submit(request, array, output)
 
 
@@ -93,8 +130,9 @@ def _need_dims(array: np.ndarray, what: str) -> None:
         raise ValueError(f"{what} needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
 
 
-def check_counts(counts: Sequence[int] | None, shape: Sequence[int | None], process_set: ProcessSet,
-                 what: str) -> tuple[int, ...] | None:
+def check_counts(
+    counts: Sequence[int] | None, shape: Sequence[int | None], process_set: ProcessSet, what: str
+) -> tuple[int, ...] | None:
     """Explicit per-rank element counts of a flat collective: a tensor of `shape` (1-D) and one non-negative
     entry per member of the set. Adapters call it when they build an op, the core again at submit."""
     if counts is None:
@@ -102,9 +140,11 @@ def check_counts(counts: Sequence[int] | None, shape: Sequence[int | None], proc
     counts = tuple(int(c) for c in counts)
     set_size = process_set_size(_set_id(process_set))
     if len(shape) != 1 or len(counts) != set_size or any(c < 0 for c in counts):
-        raise ValueError(f"{what} with counts needs a flat (1-D) tensor and one non-negative count per rank of the "
-                         f"process set ({set_size}); got a tensor of shape {tuple(shape)} and counts "
-                         f"{list(counts)}")
+        raise ValueError(
+            f"{what} with counts needs a flat (1-D) tensor and one non-negative count per rank of the "
+            f"process set ({set_size}); got a tensor of shape {tuple(shape)} and counts "
+            f"{list(counts)}"
+        )
     return counts
 
 
@@ -113,10 +153,17 @@ def _check_output(output: np.ndarray | None, elements: int | None, what: str) ->
         raise ValueError(f"{what}: the output must hold {elements} elements, got {output.size}")
 
 
-def submit_allgather(array: np.ndarray, dtype: str, name: str | None,
-                     process_set: ProcessSet = global_process_set, device: str = "cpu", group: int = 0,
-                     counts: Sequence[int] | None = None, output: np.ndarray | None = None,
-                     tag: str = "") -> Handle:
+def submit_allgather(
+    array: np.ndarray,
+    dtype: str,
+    name: str | None,
+    process_set: ProcessSet = global_process_set,
+    device: str = "cpu",
+    group: int = 0,
+    counts: Sequence[int] | None = None,
+    output: np.ndarray | None = None,
+    tag: str = "",
+) -> Handle:
     """Concatenate every member's `array` along the first dimension. `counts`: the elements each member sends,
     for flat tensors (checked across ranks, so that a member's output can be sized before the call). `output`:
     where the result goes (needs `counts`); in place when `array` is this rank's own part of it. `group` as in
@@ -129,8 +176,7 @@ def submit_allgather(array: np.ndarray, dtype: str, name: str | None,
     if output is not None and counts is None:
         raise ValueError("allgather into a given output needs counts=, the number of elements of every rank")
     _check_output(output, None if counts is None else sum(counts), "allgather")
-    request = _request(OpKind.ALLGATHER, array, dtype, name, process_set, device, group=group, splits=counts,
-                       tag=tag)
+    request = _request(OpKind.ALLGATHER, array, dtype, name, process_set, device, group=group, splits=counts, tag=tag)
     return runtime().coordinator.submit(request, array, output)
 
 
@@ -141,11 +187,16 @@ def check_root(root_rank: int, process_set: ProcessSet = global_process_set) -> 
     root and set, so every member raises here, before anything is submitted, and the job stays usable."""
     set_id = _set_id(process_set)
     members = runtime().coordinator.process_set_ranks(set_id) or ()
-    if isinstance(root_rank, (bool, np.bool_)) or not isinstance(root_rank, (int, np.integer)) \
-            or root_rank not in members:
+    if (
+        isinstance(root_rank, (bool, np.bool_))
+        or not isinstance(root_rank, (int, np.integer))
+        or root_rank not in members
+    ):
         where = "the job" if set_id == 0 else f"process set {set_id}"
-        raise ValueError(f"root_rank must be the global rank (hvd.rank()) of a member of {where}, whose global "
-                         f"ranks are {_ranks_text(members)}; got {root_rank!r}")
+        raise ValueError(
+            f"root_rank must be the global rank (hvd.rank()) of a member of {where}, whose global "
+            f"ranks are {_ranks_text(members)}; got {root_rank!r}"
+        )
     return int(root_rank)
 
 
@@ -153,8 +204,16 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return f"0..{len(ranks) - 1}" if list(ranks) == list(range(len(ranks))) and len(ranks) > 3 else str(list(ranks))
 
 
-def submit_broadcast(array: np.ndarray, output: np.ndarray, dtype: str, root_rank: int, name: str | None,
-                     process_set: ProcessSet = global_process_set, device: str = "cpu", group: int = 0) -> Handle:
+def submit_broadcast(
+    array: np.ndarray,
+    output: np.ndarray,
+    dtype: str,
+    root_rank: int,
+    name: str | None,
+    process_set: ProcessSet = global_process_set,
+    device: str = "cpu",
+    group: int = 0,
+) -> Handle:
     """Copy the root's `array` into every member's `output`; `root_rank` is a global rank (see `check_root`);
     `group` as in `submit_allreduce`.
 
@@ -164,8 +223,14 @@ def submit_broadcast(array: np.ndarray, output: np.ndarray, dtype: str, root_ran
     return runtime().coordinator.submit(request, array, output)
 
 
-def submit_alltoall(array: np.ndarray, dtype: str, splits: Sequence[int] | None, name: str | None,
-                    process_set: ProcessSet = global_process_set, device: str = "cpu") -> Handle:
+def submit_alltoall(
+    array: np.ndarray,
+    dtype: str,
+    splits: Sequence[int] | None,
+    name: str | None,
+    process_set: ProcessSet = global_process_set,
+    device: str = "cpu",
+) -> Handle:
     """Collective: every rank in the process set must call this, in the same order."""
     _need_dims(array, "alltoall")
     set_size = process_set_size(_set_id(process_set))
@@ -175,8 +240,10 @@ def submit_alltoall(array: np.ndarray, dtype: str, splits: Sequence[int] | None,
     else:
         split_tuple = tuple(int(s) for s in splits)
         if len(split_tuple) != set_size or any(s < 0 for s in split_tuple) or sum(split_tuple) != array.shape[0]:
-            raise ValueError(f"splits must have one non-negative entry per rank ({set_size}) summing to the first "
-                             f"dimension ({array.shape[0]}), got {list(split_tuple)}")
+            raise ValueError(
+                f"splits must have one non-negative entry per rank ({set_size}) summing to the first "
+                f"dimension ({array.shape[0]}), got {list(split_tuple)}"
+            )
     request = _request(OpKind.ALLTOALL, array, dtype, name, process_set, device, splits=split_tuple)
     return runtime().coordinator.submit(request, array)
 
@@ -185,15 +252,26 @@ def check_reducescatter_op(op: ReduceOp) -> None:
     """Adasum cannot reduce-scatter: HorovodInternalError, the type horovod.torch raises for it (its core aborts
     the enqueue). Average and Sum are Horovod's; Min, Max and Product are hvdplus's additions."""
     if op == ReduceOp.ADASUM:
-        raise HorovodInternalError("Reducescatter does not support Adasum; use op=Average or op=Sum "
-                                   "(Min, Max and Product also work in hvdplus)")
+        raise HorovodInternalError(
+            "Reducescatter does not support Adasum; use op=Average or op=Sum "
+            "(Min, Max and Product also work in hvdplus)"
+        )
 
 
-def submit_reducescatter(array: np.ndarray, dtype: str, name: str | None, op: ReduceOp,
-                         prescale: float = 1.0, postscale: float = 1.0,
-                         process_set: ProcessSet = global_process_set, device: str = "cpu",
-                         group: int = 0, counts: Sequence[int] | None = None,
-                         output: np.ndarray | None = None, tag: str = "") -> Handle:
+def submit_reducescatter(
+    array: np.ndarray,
+    dtype: str,
+    name: str | None,
+    op: ReduceOp,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+    device: str = "cpu",
+    group: int = 0,
+    counts: Sequence[int] | None = None,
+    output: np.ndarray | None = None,
+    tag: str = "",
+) -> Handle:
     """Reduce `array` over the set; each member keeps its slice: Horovod's split of the first dimension, or, for
     a flat tensor, `counts[r]` elements for member r (checked across ranks). `output`: where this rank's slice
     goes; in place (no copy of the input) when it is this rank's own slice of `array`. `group` and `tag` as in
@@ -206,12 +284,25 @@ def submit_reducescatter(array: np.ndarray, dtype: str, name: str | None, op: Re
     counts = check_counts(counts, array.shape, process_set, "reducescatter")
     if counts is not None:
         if sum(counts) != array.size:
-            raise ValueError(f"reducescatter counts must add up to the tensor's {array.size} elements, got "
-                             f"{list(counts)}")
+            raise ValueError(
+                f"reducescatter counts must add up to the tensor's {array.size} elements, got {list(counts)}"
+            )
         set_rank = runtime().coordinator.process_set_ranks(_set_id(process_set)).index(runtime().rank)
         _check_output(output, counts[set_rank], "reducescatter")
-    request = _request(OpKind.REDUCESCATTER, array, dtype, name, process_set, device, op=op,
-                       prescale=float(prescale), postscale=float(postscale), group=group, splits=counts, tag=tag)
+    request = _request(
+        OpKind.REDUCESCATTER,
+        array,
+        dtype,
+        name,
+        process_set,
+        device,
+        op=op,
+        prescale=float(prescale),
+        postscale=float(postscale),
+        group=group,
+        splits=counts,
+        tag=tag,
+    )
     return runtime().coordinator.submit(request, array, output)
 
 
@@ -225,13 +316,15 @@ def submit_barrier(process_set: ProcessSet = global_process_set) -> Handle:
 def submit_join() -> Handle:
     """This rank has no more data: contribute zeros to other ranks' allreduces until all have joined."""
     from hvdplus.common.negotiation import JOIN_KEY
+
     rt = runtime()
     rt.coordinator.mark_joined()
     return rt.coordinator.submit(Request(JOIN_KEY[1], OpKind.JOIN, JOIN_KEY[0]))
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Any:
     """Pickle `obj` on the root (a global rank) and return a copy of it on every member.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -254,4 +347,4 @@ def allgather_object(obj: Any, name: str | None = None, process_set: ProcessSet 
     sizes = submit_allgather(np.array([payload.size], dtype=np.int64), "int64", f"{name}.sizes", process_set).wait()
     data = submit_allgather(payload, "uint8", f"{name}.data", process_set).wait()
     offsets = np.concatenate([[0], np.cumsum(sizes)])
-    return [pickle.loads(data[offsets[i]:offsets[i + 1]].tobytes()) for i in range(len(sizes))]
+    return [pickle.loads(data[offsets[i] : offsets[i + 1]].tobytes()) for i in range(len(sizes))]

@@ -4,7 +4,8 @@ The core moves whatever dtype it is given; each adapter supplies how to cast its
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 __all__ = ["Compressor", "NoneCompressor", "CastCompressor", "make_compression"]
 
@@ -36,8 +37,13 @@ class NoneCompressor:
 class CastCompressor:
     """Send floating-point tensors in a narrower dtype (fp16 or bf16); leave others untouched."""
 
-    def __init__(self, wire_dtype: Any, is_floating: Callable[[Any], bool], dtype_of: Callable[[Any], Any],
-                 cast: Callable[[Any, Any], Any]) -> None:
+    def __init__(
+        self,
+        wire_dtype: Any,
+        is_floating: Callable[[Any], bool],
+        dtype_of: Callable[[Any], Any],
+        cast: Callable[[Any, Any], Any],
+    ) -> None:
         self._wire, self._is_floating, self._dtype_of, self._cast = wire_dtype, is_floating, dtype_of, cast
 
     def compress(self, tensor: Any) -> tuple[Any, Any]:
@@ -50,8 +56,13 @@ class CastCompressor:
         return tensor if ctx is None or ctx == self._dtype_of(tensor) else self._cast(tensor, ctx)
 
 
-def make_compression(float16: Any, bfloat16: Any, is_floating: Callable[[Any], bool], dtype_of: Callable[[Any], Any],
-                     cast: Callable[[Any, Any], Any]) -> type:
+def make_compression(
+    float16: Any,
+    bfloat16: Any,
+    is_floating: Callable[[Any], bool],
+    dtype_of: Callable[[Any], Any],
+    cast: Callable[[Any, Any], Any],
+) -> type:
     """Build an adapter's `Compression` namespace (none, fp16, bf16) from its dtype and cast functions."""
 
     half = CastCompressor(float16, is_floating, dtype_of, cast)

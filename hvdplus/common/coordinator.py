@@ -18,8 +18,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -76,8 +77,9 @@ class _ProcessSet:
 class Coordinator:
     """Owns the engine after init: all collectives of this process run on its thread."""
 
-    def __init__(self, engine: Engine, settings: Settings, topology: Topology,
-                 device_kinds: dict[str, DeviceKind] | None = None) -> None:
+    def __init__(
+        self, engine: Engine, settings: Settings, topology: Topology, device_kinds: dict[str, DeviceKind] | None = None
+    ) -> None:
         """`device_kinds`: the device kinds every rank can reduce on a plane of its own (`agreed_device_kinds`)."""
         self._engine = engine
         self._settings = settings
@@ -91,7 +93,8 @@ class Coordinator:
         self.device_kinds = tuple(self._device_kinds)
         self._planes: dict[str, DataPlane] = {}
         self._sets: dict[int, _ProcessSet] = {
-            0: _ProcessSet(everyone, engine.world, self.rank, self._hierarchy_of(everyone))}
+            0: _ProcessSet(everyone, engine.world, self.rank, self._hierarchy_of(everyone))
+        }
         self._wake = threading.Event()
         self._doorbell = engine.open_doorbell(self._wake.set)
         self._next_set_id = 1
@@ -120,8 +123,9 @@ class Coordinator:
         self._last_stall_warning = 0.0
         self.rounds = 0  # control rounds run so far (a test checks that idle ranks run none)
         # Only this thread writes the timeline; others replace it through the slot, between cycles (set_timeline).
-        self._timeline = TimelineSlot(Timeline(settings.timeline, settings.timeline_mark_cycles)
-                                      if settings.timeline and self.rank == 0 else None)
+        self._timeline = TimelineSlot(
+            Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
+        )
         self._thread = threading.Thread(target=self._loop, name="hvdplus-coordinator", daemon=True)
         self._thread.start()
 
@@ -133,12 +137,16 @@ class Coordinator:
         if request.process_set not in self._sets:
             raise ValueError(f"process set {request.process_set} does not exist (it was removed or never added)")
         if self._sets[request.process_set].index is None:
-            raise ValueError(f"rank {self.rank} is not a member of process set {request.process_set} "
-                             f"(ranks {list(self._sets[request.process_set].ranks)}); only members may submit")
+            raise ValueError(
+                f"rank {self.rank} is not a member of process set {request.process_set} "
+                f"(ranks {list(self._sets[request.process_set].ranks)}); only members may submit"
+            )
         with self._lock:
             if request.name in self._names_in_flight:
-                raise ValueError(f"a collective named {request.name!r} is already in flight on this rank; "
-                                 f"names must be unique until synchronize() returns (duplicate name)")
+                raise ValueError(
+                    f"a collective named {request.name!r} is already in flight on this rank; "
+                    f"names must be unique until synchronize() returns (duplicate name)"
+                )
             self._names_in_flight.add(request.name)
         work = Work(request, Handle(request.name), input, output)
         if self.device_kinds and input is not None and not isinstance(input, np.ndarray):  # a device tensor
@@ -229,9 +237,13 @@ class Coordinator:
             self._fatal = error
             self._fail_everything(error)
         finally:
-            for release in [self._timeline.retire, *(channel.close for channel in self._channels),
-                            self._doorbell.close, *(plane.engine.shutdown for plane in self._planes.values()),
-                            self._engine.shutdown]:
+            for release in [
+                self._timeline.retire,
+                *(channel.close for channel in self._channels),
+                self._doorbell.close,
+                *(plane.engine.shutdown for plane in self._planes.values()),
+                self._engine.shutdown,
+            ]:
                 try:  # each on its own: a failing one must not keep the host engine's resources
                     release()
                 except Exception as exc:  # pragma: no cover - best effort at exit
@@ -327,7 +339,7 @@ class Coordinator:
         if self._tuning is not None:  # rank 0's configuration; the others' -1 leaves it as it is in the AND
             words[-1] = self._autotuner.config if self._autotuner else -1
         masks = (hits | self._foreign, self._full ^ hits, self._full ^ invalid)
-        words[1:1 + 3 * self._words] = np.frombuffer(b"".join(self._bytes(m) for m in masks), dtype=np.int64)
+        words[1 : 1 + 3 * self._words] = np.frombuffer(b"".join(self._bytes(m) for m in masks), dtype=np.int64)
         return words
 
     def _bytes(self, mask: int) -> bytes:
@@ -344,8 +356,9 @@ class Coordinator:
         words = self._exchange(self._control_words(), spin)
         flags = int(~words[0])
         n = self._words
-        all_hit, not_any_hit, not_any_invalid = (int.from_bytes(words[1 + i * n:1 + (i + 1) * n].tobytes(), "little")
-                                                 for i in range(3))
+        all_hit, not_any_hit, not_any_invalid = (
+            int.from_bytes(words[1 + i * n : 1 + (i + 1) * n].tobytes(), "little") for i in range(3)
+        )
         any_hit, any_invalid = self._full ^ not_any_hit, self._full ^ not_any_invalid
         self._invalid.clear()
         if flags & (_SHUTDOWN | _STALL_ABORT):
@@ -414,12 +427,16 @@ class Coordinator:
         requests = [work.request for work in self._to_send]
         self._to_send.clear()
         errors = []
-        for request, ranks in exchange_announcements(self._engine, self._engine.world, requests,
-                                                     self._settings.negotiation_doubling_ranks):
+        for request, ranks in exchange_announcements(
+            self._engine, self._engine.world, requests, self._settings.negotiation_doubling_ranks
+        ):
             problem = self._table.add(request, ranks)
             if problem:
-                errors.append(Response(request.key, request.kind, (request,), error=problem,
-                                       members=self._members(request.process_set)))
+                errors.append(
+                    Response(
+                        request.key, request.kind, (request,), error=problem, members=self._members(request.process_set)
+                    )
+                )
         return errors + self._table.take_ready(self._members)
 
     def _build_planes(self, responses: list[Response]) -> None:
@@ -430,16 +447,18 @@ class Coordinator:
             if kind in self._device_kinds and kind not in self._planes:
                 plane = self._device_kinds[kind].build(self._engine, self._settings, self._topology)
                 for set_id, entry in self._sets.items():
-                    entry.device_groups[plane.name] = plane.engine.world if set_id == 0 \
-                        else plane.engine.new_group(entry.ranks)
+                    entry.device_groups[plane.name] = (
+                        plane.engine.world if set_id == 0 else plane.engine.new_group(entry.ranks)
+                    )
                 self._planes[kind] = plane
 
     def _execute(self, responses: list[Response], timeline: Timeline | None) -> None:
         runnable = [response for response in responses if self.rank in response.members]
-        batches = [[(response, self._take_work(response)) for response in batch]
-                   for batch in plan_batches(runnable, self.tunables.fusion_threshold, self._engine.alone_bytes)]
-        names = [[work.request.name for _, work in pairs if work is not None] if timeline else []
-                 for pairs in batches]
+        batches = [
+            [(response, self._take_work(response)) for response in batch]
+            for batch in plan_batches(runnable, self.tunables.fusion_threshold, self._engine.alone_bytes)
+        ]
+        names = [[work.request.name for _, work in pairs if work is not None] if timeline else [] for pairs in batches]
         if timeline:  # agreed: each tensor leaves negotiation and queues behind the batches before its own
             for pairs, batch_names in zip(batches, names):
                 timeline.end(batch_names)
@@ -491,8 +510,11 @@ class Coordinator:
         if response.kind == OpKind.ALLREDUCE and response.error is None:
             request = response.first
             plane = self._planes.get(device_kind(request.device)) if request.op != ReduceOp.ADASUM else None
-            zeros = plane.ops.zeros(request.shape, request.dtype) if plane is not None \
+            zeros = (
+                plane.ops.zeros(request.shape, request.dtype)
+                if plane is not None
                 else np.zeros(request.shape, dtype=storage_dtype(request.dtype))
+            )
             return Work(request, Handle(request.name), zeros, zeros)
         return None
 
@@ -515,9 +537,13 @@ class Coordinator:
         """Collective over all ranks (it runs in the agreed order): create the set's engine group."""
         set_id = self._next_set_id
         index = ranks.index(self.rank) if self.rank in ranks else None
-        self._sets[set_id] = _ProcessSet(ranks, self._engine.new_group(ranks), index, self._hierarchy_of(ranks),
-                                         {plane.name: plane.engine.new_group(ranks)
-                                          for plane in self._planes.values()})
+        self._sets[set_id] = _ProcessSet(
+            ranks,
+            self._engine.new_group(ranks),
+            index,
+            self._hierarchy_of(ranks),
+            {plane.name: plane.engine.new_group(ranks) for plane in self._planes.values()},
+        )
         self._next_set_id += 1
         return set_id
 
@@ -540,22 +566,27 @@ class Coordinator:
         self._autotuner: Autotuner | None = None
         if not settings.autotune:
             return
-        self._tuning = tuning_space(self.tunables, settings.explicit, self._sets[0].hierarchy is not None,
-                                    len(topology.hosts))
+        self._tuning = tuning_space(
+            self.tunables, settings.explicit, self._sets[0].hierarchy is not None, len(topology.hosts)
+        )
         self._tuned = self._tuning.start
         self._tuning.apply(self._tuned, self.tunables)
         if self.rank == 0:
-            self._autotuner = Autotuner(self._tuning, warmup_samples=settings.autotune_warmup_samples,
-                                        steps_per_sample=settings.autotune_steps_per_sample,
-                                        max_samples=settings.autotune_bayes_opt_max_samples,
-                                        log_path=settings.autotune_log)
+            self._autotuner = Autotuner(
+                self._tuning,
+                warmup_samples=settings.autotune_warmup_samples,
+                steps_per_sample=settings.autotune_steps_per_sample,
+                max_samples=settings.autotune_bayes_opt_max_samples,
+                log_path=settings.autotune_log,
+            )
 
     def _autotune(self, config: int, responses: list[Response]) -> None:
         """After a cycle's execution: rank 0's tuner records the bytes it moved, then every rank switches to the
         configuration rank 0 sent in this round, all in the same cycle."""
         if self._autotuner is not None:
-            moved = sum(r.nbytes for r in responses if r.kind in _DATA_KINDS and r.error is None
-                        and self.rank in r.members)
+            moved = sum(
+                r.nbytes for r in responses if r.kind in _DATA_KINDS and r.error is None and self.rank in r.members
+            )
             self._autotuner.record(self._tuned, moved, time.monotonic())
         if config != self._tuned:
             self._tuning.apply(config, self.tunables)
@@ -580,20 +611,32 @@ class Coordinator:
         stalls = [s for s in self._table.stalls(threshold, self._members) if s.key != JOIN_KEY]
         if stalls:
             self._last_stall_warning = now
-            lines = [f"  {s.description} on process set {s.key[0]}: submitted by ranks {list(s.submitted)}, "
-                     f"missing ranks {list(s.missing)} (waiting {s.seconds:.0f} s)" for s in stalls]
-            log.warning("One or more collectives were submitted by only some ranks; the others may be "
-                        "stuck or running a different code path:\n%s", "\n".join(lines))
+            lines = [
+                f"  {s.description} on process set {s.key[0]}: submitted by ranks {list(s.submitted)}, "
+                f"missing ranks {list(s.missing)} (waiting {s.seconds:.0f} s)"
+                for s in stalls
+            ]
+            log.warning(
+                "One or more collectives were submitted by only some ranks; the others may be "
+                "stuck or running a different code path:\n%s",
+                "\n".join(lines),
+            )
 
     def _stop(self, flags: int) -> None:
         if flags & _STALL_ABORT:
             limit = self._settings.stall_shutdown_time_seconds
             # every rank holds the same table, so every rank can name what stalled and who is missing (at half
             # the limit: each rank dates an entry by its own clock)
-            stalled = "; ".join(sorted(f"{s.description} (missing ranks {list(s.missing)})"  # same text everywhere
-                                       for s in self._table.stalls(limit / 2, self._members) if s.key != JOIN_KEY))
-            reason = (f"a collective stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}"
-                      + (f": {stalled}" if stalled else ""))
+            stalled = "; ".join(
+                sorted(
+                    f"{s.description} (missing ranks {list(s.missing)})"  # same text everywhere
+                    for s in self._table.stalls(limit / 2, self._members)
+                    if s.key != JOIN_KEY
+                )
+            )
+            reason = f"a collective stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}" + (
+                f": {stalled}" if stalled else ""
+            )
         else:
             reason = f"hvdplus was shut down on {self._shutdown_ranks()}"
         self._fatal = HorovodInternalError(reason)

@@ -11,7 +11,8 @@ collectively: a worker that just joined always needs it, so no rank skips a sync
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -52,8 +53,9 @@ class Kept:
 class State(Kept):
     """What a job must keep across resets: saved at each commit, restored after a failure, synced from rank 0."""
 
-    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object,
-                 get_rank: Callable[[], int] = rank) -> None:
+    def __init__(
+        self, bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank
+    ) -> None:
         self._bcast_object = bcast_object
         self._rank = get_rank
         self._reset_callbacks: list[Callable[[], None]] = []
@@ -90,11 +92,13 @@ class State(Kept):
         worker = elastic_worker()
         return worker is not None and worker.wait_for_newer(timeout)
 
+
 class ObjectState(State):
     """State of plain Python objects, given as keyword arguments and kept as attributes."""
 
-    def __init__(self, bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank, **kwargs: Any
+    ) -> None:
         self._saved_state = kwargs
         self._set_attrs()
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
@@ -144,9 +148,13 @@ class HandledState(ObjectState):
     """ObjectState whose attributes of the kinds `handler_for` knows are kept by their handlers (tensors copied
     into buffers, synced by broadcasts); the others are plain Python objects. The frameworks' states build on it."""
 
-    def __init__(self, handler_for: Callable[[Any], StateHandler | None],
-                 bcast_object: Callable[[Any], Any] = broadcast_object, get_rank: Callable[[], int] = rank,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        handler_for: Callable[[Any], StateHandler | None],
+        bcast_object: Callable[[Any], Any] = broadcast_object,
+        get_rank: Callable[[], int] = rank,
+        **kwargs: Any,
+    ) -> None:
         self._handlers: dict[str, StateHandler] = {}
         plain = {}
         for name, value in kwargs.items():
@@ -193,6 +201,7 @@ def restart() -> None:
 def run_fn(func: Callable[..., Any], reset: Callable[[], None] = restart) -> Callable[..., Any]:
     """Wrap `func(state, ...)` in the elastic loop (see the module's docstring); `reset` starts the next
     generation."""
+
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
         needs_sync = True  # a worker's first run (a worker that joined late included) always syncs
@@ -208,4 +217,5 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None] = restart) -> Cal
                 needs_sync = not interrupt.skip_sync
             reset()
             state.on_reset()
+
     return wrapper

@@ -13,8 +13,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-__all__ = ["Plan", "GenerationReplaced", "worker_id", "LATEST_KEY", "plan_key", "arrived_key",
-           "generation_prefix", "failure_notice_key", "failure_key", "waiting_key", "host_of"]
+__all__ = [
+    "Plan",
+    "GenerationReplaced",
+    "worker_id",
+    "LATEST_KEY",
+    "plan_key",
+    "arrived_key",
+    "generation_prefix",
+    "failure_notice_key",
+    "failure_key",
+    "waiting_key",
+    "host_of",
+]
 
 LATEST_KEY = "elastic/latest"
 
@@ -85,6 +96,6 @@ class Plan:
         return json.dumps({"generation": self.generation, "workers": list(self.workers)}).encode()
 
     @classmethod
-    def decode(cls, data: bytes) -> "Plan":
+    def decode(cls, data: bytes) -> Plan:
         fields = json.loads(data)
         return cls(int(fields["generation"]), tuple(fields["workers"]))

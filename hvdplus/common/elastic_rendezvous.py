@@ -14,8 +14,7 @@ import dataclasses
 import sys
 import time
 
-from hvdplus.common.elastic_plan import (LATEST_KEY, Plan, arrived_key, generation_prefix, host_of, plan_key,
-                                         waiting_key)
+from hvdplus.common.elastic_plan import LATEST_KEY, Plan, arrived_key, generation_prefix, host_of, plan_key, waiting_key
 from hvdplus.common.rendezvous import RendezvousClient, RendezvousTimeout
 from hvdplus.common.settings import LaunchEnv
 
@@ -29,11 +28,14 @@ class ElasticWorker:
 
     def __init__(self, launch: LaunchEnv, connect_timeout: float) -> None:
         if not (launch.rendezvous_addr and launch.rendezvous_port and launch.secret_key and launch.elastic_worker):
-            raise RuntimeError("an elastic worker needs hvdplusrun's rendezvous (address, port, secret) and its "
-                               "worker id: start elastic jobs with hvdplusrun --min-np or --host-discovery-script")
+            raise RuntimeError(
+                "an elastic worker needs hvdplusrun's rendezvous (address, port, secret) and its "
+                "worker id: start elastic jobs with hvdplusrun --min-np or --host-discovery-script"
+            )
         self.worker = launch.elastic_worker
-        self._client = RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port, launch.secret_key,
-                                        connect_timeout)
+        self._client = RendezvousClient(
+            launch.rendezvous_addr, launch.rendezvous_port, launch.secret_key, connect_timeout
+        )
         self._next = launch.elastic_generation
         self.plan: Plan | None = None  # the generation this worker runs now
         self._client.set(waiting_key(self.worker), str(launch.elastic_generation).encode())  # ready to join
@@ -47,24 +49,36 @@ class ElasticWorker:
             try:
                 self._client.wait([plan_key(wanted)], timeout=max(0.0, deadline - time.monotonic()))
             except RendezvousTimeout:
-                raise RuntimeError(f"elastic worker {self.worker}: the launcher planned no generation {wanted} of "
-                                   f"the job with this worker within {timeout:g} s (HOROVOD_ELASTIC_TIMEOUT)") from None
+                raise RuntimeError(
+                    f"elastic worker {self.worker}: the launcher planned no generation {wanted} of "
+                    f"the job with this worker within {timeout:g} s (HOROVOD_ELASTIC_TIMEOUT)"
+                ) from None
             plan = Plan.decode(self._client.get(plan_key(self.latest())))
             rank = plan.rank_of(self.worker)
             if rank is None and self.plan is None:  # not let in yet (the plan was made before this worker was ready)
                 wanted = plan.generation + 1
                 continue
             if rank is None:
-                print(f"hvdplus: elastic worker {self.worker} is not part of generation {plan.generation} of the job "
-                      "(its host was removed): exiting", file=sys.stderr, flush=True)
+                print(
+                    f"hvdplus: elastic worker {self.worker} is not part of generation {plan.generation} of the job "
+                    "(its host was removed): exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 raise SystemExit(0)
             if self._meet(plan, rank, deadline):
                 break
             wanted = plan.generation + 1
         self.plan, self._next = plan, plan.generation + 1
         local_rank = sum(1 for w in plan.workers[:rank] if host_of(w) == host_of(self.worker))
-        return dataclasses.replace(launch, rank=rank, size=plan.size, local_rank=local_rank,
-                                   store_prefix=generation_prefix(plan.generation), elastic_generation=plan.generation)
+        return dataclasses.replace(
+            launch,
+            rank=rank,
+            size=plan.size,
+            local_rank=local_rank,
+            store_prefix=generation_prefix(plan.generation),
+            elastic_generation=plan.generation,
+        )
 
     def _meet(self, plan: Plan, rank: int, deadline: float) -> bool:
         """Announce this worker in `plan` and wait for all of its workers; False if a newer plan replaced it."""
@@ -75,8 +89,10 @@ class ElasticWorker:
                 return False
             if time.monotonic() > deadline:
                 missing = [plan.workers[r] for r in range(plan.size) if not self._client.check([everyone[r]])]
-                raise RuntimeError(f"elastic worker {self.worker}: workers {missing} never joined generation "
-                                   f"{plan.generation} of the job (HOROVOD_ELASTIC_TIMEOUT)")
+                raise RuntimeError(
+                    f"elastic worker {self.worker}: workers {missing} never joined generation "
+                    f"{plan.generation} of the job (HOROVOD_ELASTIC_TIMEOUT)"
+                )
             time.sleep(_POLL_SECONDS)
         return True
 

@@ -18,8 +18,10 @@ class HostsUpdatedInterrupt(RuntimeError):
     `skip_sync`: only hosts were removed, so the survivors' states already agree (Horovod's meaning)."""
 
     def __init__(self, skip_sync: bool = False) -> None:
-        super().__init__("the job's hosts changed: the workers reset to the next generation of the job"
-                         + (" (hosts removed only)" if skip_sync else ""))
+        super().__init__(
+            "the job's hosts changed: the workers reset to the next generation of the job"
+            + (" (hosts removed only)" if skip_sync else "")
+        )
         self.skip_sync = skip_sync
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,8 +42,10 @@ class Work:
 def even_splits(dim0: int, size: int) -> tuple[int, ...]:
     """Alltoall without splits: dim0 must divide evenly among the ranks."""
     if dim0 % size:
-        raise ValueError(f"alltoall without splits needs the first dimension ({dim0}) to be divisible by the "
-                         f"number of ranks ({size}); pass splits=... to send uneven parts")
+        raise ValueError(
+            f"alltoall without splits needs the first dimension ({dim0}) to be divisible by the "
+            f"number of ranks ({size}); pass splits=... to send uneven parts"
+        )
     return (dim0 // size,) * size
 
 
@@ -59,8 +62,13 @@ class Executor:
     `planes` maps a request's device kind to the plane that reduces it (host buffers: the engine itself);
     `tunables` are read at every batch."""
 
-    def __init__(self, engine: Engine, set_of: Callable[[int], Any], tunables: Tunables,
-                 planes: dict[str, DataPlane] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        set_of: Callable[[int], Any],
+        tunables: Tunables,
+        planes: dict[str, DataPlane] | None = None,
+    ) -> None:
         self._engine = engine
         self._set_of = set_of
         self._tunables = tunables
@@ -187,14 +195,23 @@ class Executor:
     def _run_adasum(self, batch: list[tuple[Response, Work]]) -> None:
         """Adasum of the batch's tensors (hvdplus.common.adasum), each with its own dot product and norms."""
         response, works = batch[0][0], [work for _, work in batch]
-        adasum_tensors(self._engine, self._group_of(response.key[0]), response.members.index(self._engine.rank),
-                       len(response.members), [w.input for w in works], [w.output for w in works],
-                       response.first.dtype, response.first.prescale, response.first.postscale)
+        adasum_tensors(
+            self._engine,
+            self._group_of(response.key[0]),
+            response.members.index(self._engine.rank),
+            len(response.members),
+            [w.input for w in works],
+            [w.output for w in works],
+            response.first.dtype,
+            response.first.prescale,
+            response.first.postscale,
+        )
         for work in works:
             work.handle.set_result(work.output)
 
-    def _reduce(self, plane: DataPlane, buffer: Any, request: Request, set_size: int, process_set: Any,
-                source: Any) -> None:
+    def _reduce(
+        self, plane: DataPlane, buffer: Any, request: Request, set_size: int, process_set: Any, source: Any
+    ) -> None:
         """Reduce `source` (or `buffer` itself) into `buffer`; an unscaled flat allreduce skips the copy."""
         ops, group = plane.ops, self._group(plane, process_set)
         hierarchical = plane.host and self._tunables.hierarchical_allreduce and process_set.hierarchy is not None
@@ -203,12 +220,16 @@ class Executor:
             source = None
         ops.scale(buffer, request.dtype, request.prescale)
         op = _engine_op(request)
-        nans = ops.nan_positions(buffer if source is None else source, request.dtype) \
-            if propagates_nan(request.dtype, op) else None
+        nans = (
+            ops.nan_positions(buffer if source is None else source, request.dtype)
+            if propagates_nan(request.dtype, op)
+            else None
+        )
         if hierarchical:
             with self._activity("HIERARCHICAL_ALLREDUCE"), self._substeps() as mark:
-                ran = hierarchical_allreduce(self._engine, process_set.hierarchy, buffer, request.dtype, op,
-                                             self._tunables.cross_algorithm, mark)
+                ran = hierarchical_allreduce(
+                    self._engine, process_set.hierarchy, buffer, request.dtype, op, self._tunables.cross_algorithm, mark
+                )
             self._ran_hierarchical(f"allreduce/{ran}")
         else:
             with self._activity(f"{plane.name.upper()}_ALLREDUCE"):
@@ -266,8 +287,13 @@ class Executor:
         splits = [r.splits or even_splits(r.shape[0], len(requests)) for r in requests]
         recv_rows = [splits[src][set_rank] for src in range(len(requests))]
         out = np.empty((sum(recv_rows),) + work.request.shape[1:], dtype=work.input.dtype)
-        self._engine.alltoall(work.input.reshape(-1), [s * row for s in splits[set_rank]], out.reshape(-1),
-                              [r * row for r in recv_rows], group)
+        self._engine.alltoall(
+            work.input.reshape(-1),
+            [s * row for s in splits[set_rank]],
+            out.reshape(-1),
+            [r * row for r in recv_rows],
+            group,
+        )
         return out, np.asarray(recv_rows, dtype=np.int32)
 
     def run_allgather(self, batch: list[tuple[Response, Work]]) -> None:
@@ -284,7 +310,7 @@ class Executor:
         self._engine_call(plane, works)
         if len(batch) == 1:
             work, out, counts = works[0], ops.flat(outputs[0]), layout.counts[0]
-            inplace = counts[set_rank] > 0 and ops.same_start(work.input, out[sum(counts[:set_rank]):])
+            inplace = counts[set_rank] > 0 and ops.same_start(work.input, out[sum(counts[:set_rank]) :])
             # A rank with nothing to send passes a buffer of its own: an empty view may alias `out` (MPICH refuses).
             send = ops.flat(work.input) if counts[set_rank] else ops.empty((0,), out)
             self._allgather(plane, None if inplace else send, out, counts, process_set)
@@ -331,8 +357,9 @@ class Executor:
             ops.scale(ops.flat(out), request.dtype, postscale)
         self._complete(plane, works, outputs, outputs[-1])
 
-    def _reducescatter_alone(self, plane: DataPlane, work: Work, out: Any, counts: list[int], set_rank: int,
-                             op: ReduceOp, group: Any) -> None:
+    def _reducescatter_alone(
+        self, plane: DataPlane, work: Work, out: Any, counts: list[int], set_rank: int, op: ReduceOp, group: Any
+    ) -> None:
         """One reduce-scatter, with no copy of its input unless it must be prescaled out of place: in place when
         the output is this rank's slice of the input itself."""
         ops, engine = plane.ops, plane.engine
@@ -340,8 +367,10 @@ class Executor:
         start, size = sum(counts[:set_rank]), ops.numel(out)
         inplace = size > 0 and ops.overlaps(send, out)
         if inplace and not ops.same_start(out, send[start:]):
-            raise ValueError(f"reducescatter {request.name!r}: an output inside the input must be this rank's own "
-                             f"slice of it (elements {start}..{start + size})")
+            raise ValueError(
+                f"reducescatter {request.name!r}: an output inside the input must be this rank's own "
+                f"slice of it (elements {start}..{start + size})"
+            )
         if request.prescale != 1.0 and not inplace:
             copy = ops.empty((ops.numel(send),), send)
             ops.copy(copy, send)

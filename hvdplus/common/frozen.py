@@ -58,19 +58,31 @@ class FrozenPeerInspector:
         if shutdown > 0 and waited_s >= shutdown:
             raise HorovodInternalError(
                 f"{_names(silent)} did not answer a control round for {waited_s:.0f} s (frozen or hung; "
-                f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}); the collective cannot complete")
-        if (not self._settings.stall_check_disable and waited_s >= check + _GRACE_S
-                and self._warned_round != round_number and self._engine.rank == self._lowest_live(silent)):
+                f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}); the collective cannot complete"
+            )
+        if (
+            not self._settings.stall_check_disable
+            and waited_s >= check + _GRACE_S
+            and self._warned_round != round_number
+            and self._engine.rank == self._lowest_live(silent)
+        ):
             self._warned_round = round_number
-            log.warning("%s %s not answered a control round for %.0f s: it may be frozen or hung (every "
-                        "collective waits for it)%s", _names(silent), "have" if len(silent) > 1 else "has", waited_s,
-                        f"; the job fails after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}" if shutdown > 0
-                        else "")
+            log.warning(
+                "%s %s not answered a control round for %.0f s: it may be frozen or hung (every "
+                "collective waits for it)%s",
+                _names(silent),
+                "have" if len(silent) > 1 else "has",
+                waited_s,
+                f"; the job fails after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}" if shutdown > 0 else "",
+            )
 
     def _silent(self, round_number: int) -> list[int]:
         heard = self._engine.beacons()
-        return [peer for peer in range(self._engine.size)
-                if peer != self._engine.rank and heard.get(peer, -1) < round_number]
+        return [
+            peer
+            for peer in range(self._engine.size)
+            if peer != self._engine.rank and heard.get(peer, -1) < round_number
+        ]
 
     def _lowest_live(self, silent: list[int]) -> int:
         return min(set(range(self._engine.size)) - set(silent))

@@ -5,7 +5,8 @@ be hashable (TensorFlow and Keras variables are not)."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["split_list", "check_groups", "group_indices", "build_groups", "bucket_indices"]
 
@@ -13,8 +14,9 @@ __all__ = ["split_list", "check_groups", "group_indices", "build_groups", "bucke
 def split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:
     """Split `items` into `parts` contiguous lists whose lengths differ by at most one (Horovod's split)."""
     quotient, remainder = divmod(len(items), parts)
-    return [list(items[i * quotient + min(i, remainder):(i + 1) * quotient + min(i + 1, remainder)])
-            for i in range(parts)]
+    return [
+        list(items[i * quotient + min(i, remainder) : (i + 1) * quotient + min(i + 1, remainder)]) for i in range(parts)
+    ]
 
 
 def check_groups(groups: Any) -> None:
@@ -45,8 +47,9 @@ def build_groups(params: Sequence[Any], groups: Any) -> dict[Any, tuple[Any, ...
     return {p: group for group in plan for p in group}
 
 
-def bucket_indices(nbytes: Sequence[int], kinds: Sequence[Any], bucket_bytes: int,
-                   alone_bytes: int | None) -> list[tuple[int, ...]]:
+def bucket_indices(
+    nbytes: Sequence[int], kinds: Sequence[Any], bucket_bytes: int, alone_bytes: int | None
+) -> list[tuple[int, ...]]:
     """DDP's gradient buckets, as positions: the parameters in reverse order (backward produces the last
     layers' gradients first) cut into contiguous runs of one kind (dtype) and at most `bucket_bytes`. A
     parameter of `alone_bytes` or more (None: no limit) is in no bucket: it is reduced alone and in place, where
@@ -77,8 +80,9 @@ def _listed_groups(params: Sequence[Any], groups: list[Any]) -> list[list[int]]:
     lists = []
     for group in groups:
         if not isinstance(group, (list, tuple)):
-            raise ValueError(f"groups must be a list of lists of parameters; got an element of type "
-                             f"{type(group).__name__}")
+            raise ValueError(
+                f"groups must be a list of lists of parameters; got an element of type {type(group).__name__}"
+            )
         ids = {id(p) for p in group}
         if len(ids) != len(group) or ids & seen:
             raise ValueError("A parameter can only appear once in groups; remove the duplicate")

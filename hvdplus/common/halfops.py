@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["bfloat16_to_float32", "float32_to_bfloat16", "bfloat16_reducer", "half_reducer", "scale_inplace",
-           "register_half_kernels", "has_fast_kernels", "combine_into"]
+__all__ = [
+    "bfloat16_to_float32",
+    "float32_to_bfloat16",
+    "bfloat16_reducer",
+    "half_reducer",
+    "scale_inplace",
+    "register_half_kernels",
+    "has_fast_kernels",
+    "combine_into",
+]
 
 HALF_DTYPES = ("float16", "bfloat16")
 # Fast float16/bfloat16 arithmetic supplied by an adapter (numpy's float16 add is ~70x slower than torch's).
@@ -17,7 +26,10 @@ _fast_combine: dict[tuple[str, ReduceOp], Callable[[np.ndarray, np.ndarray], Non
 _fast_scale: dict[str, Callable[[np.ndarray, float], None]] = {}
 
 _COMBINE: dict[ReduceOp, Callable[..., Any]] = {
-    ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply,
+    ReduceOp.SUM: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
 }
 
 
@@ -37,8 +49,11 @@ def float32_to_bfloat16(values: np.ndarray, out: np.ndarray | None = None) -> np
     return out
 
 
-def register_half_kernels(dtype: str, combine: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], None]],
-                          scale: Callable[[np.ndarray, float], None]) -> None:
+def register_half_kernels(
+    dtype: str,
+    combine: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], None]],
+    scale: Callable[[np.ndarray, float], None],
+) -> None:
     """Let an adapter supply fast in-place kernels on storage arrays: `combine[op](incoming, inout)` and
     `scale(buf, factor)`. Both must round once to `dtype`, as the numpy fallbacks do."""
     if dtype not in HALF_DTYPES:
@@ -70,6 +85,7 @@ def half_reducer(dtype: str, op: ReduceOp) -> Callable[[Any, Any, Any], None]:
 
 def bfloat16_reducer(op: ReduceOp) -> Callable[[Any, Any, Any], None]:
     """An mpi4py user-op body that reduces bfloat16 buffers through float32."""
+
     def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
         _bfloat16_combine(op, np.frombuffer(inbuf, dtype=np.uint16), np.frombuffer(inoutbuf, dtype=np.uint16))
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Handle", "Completion"]
 
@@ -87,7 +88,7 @@ class Completion:
             self._finished = True
         return self._result
 
-    def then(self, step: Callable[[Any], Any]) -> "Completion":
+    def then(self, step: Callable[[Any], Any]) -> Completion:
         """The same collectives, with `step` applied to the finished result."""
         finish = self._finish
         return Completion(self._handles, lambda results: step(finish(results)))

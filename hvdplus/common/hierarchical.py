@@ -13,8 +13,9 @@ between the local rank 0s, broadcast within each host.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +25,16 @@ from hvdplus.common.layout import balanced_counts
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.topology import Topology
 
-__all__ = ["HierarchicalGroups", "hierarchical_groups", "hierarchical_allreduce", "hierarchical_allgather",
-           "cross_allreduce", "p2p_reducescatter", "p2p_allgather", "resolve_algorithm"]
+__all__ = [
+    "HierarchicalGroups",
+    "hierarchical_groups",
+    "hierarchical_allreduce",
+    "hierarchical_allgather",
+    "cross_allreduce",
+    "p2p_reducescatter",
+    "p2p_allgather",
+    "resolve_algorithm",
+]
 
 # Below this many bytes per rank the cross-host step is latency-bound: one library call beats log2(n) or
 # 2(n-1) Python-driven exchanges.
@@ -53,8 +62,9 @@ class HierarchicalGroups:
     contiguous: bool  # every host's ranks are consecutive in set order (hierarchical allgather needs it)
 
 
-def hierarchical_groups(engine: Engine, topology: Topology,
-                        ranks: Sequence[int]) -> tuple[HierarchicalGroups | None, str]:
+def hierarchical_groups(
+    engine: Engine, topology: Topology, ranks: Sequence[int]
+) -> tuple[HierarchicalGroups | None, str]:
     """Collective over all ranks of the job: build the local and cross groups of the process set `ranks` (global
     ranks, ascending), or return None and why the layout cannot use them. Every rank creates every group in the
     same order, as the engines require."""
@@ -67,7 +77,8 @@ def hierarchical_groups(engine: Engine, topology: Topology,
         return None, "all its ranks are on one host"
     if len(sizes) > 1:
         return None, "its hosts run different numbers of ranks (" + ", ".join(
-            f"{host}: {len(members)}" for host, members in hosts.items()) + ")"
+            f"{host}: {len(members)}" for host, members in hosts.items()
+        ) + ")"
     if sizes[0] == 1:
         return None, "each host runs one rank of it, so there is nothing to do within a host"
     local = cross = None
@@ -85,8 +96,9 @@ def hierarchical_groups(engine: Engine, topology: Topology,
         return None, "this rank is not a member"
     host_members = tuple(tuple(ranks.index(r) for r in members) for members in hosts.values())
     contiguous = all(list(m) == list(range(m[0], m[0] + len(m))) for m in host_members)
-    host, local_rank = next((h, members.index(engine.rank)) for h, members in enumerate(hosts.values())
-                            if engine.rank in members)
+    host, local_rank = next(
+        (h, members.index(engine.rank)) for h, members in enumerate(hosts.values()) if engine.rank in members
+    )
     return HierarchicalGroups(local, cross, local_size, local_rank, len(hosts), host, host_members, contiguous), ""
 
 
@@ -103,20 +115,27 @@ def resolve_algorithm(algorithm: str, hosts: int, nbytes: int, engine: str = "mp
     return "halving-doubling" if hosts & (hosts - 1) == 0 else "ring"
 
 
-def hierarchical_allreduce(engine: Engine, groups: HierarchicalGroups, buffer: np.ndarray, dtype: str,
-                           op: ReduceOp, algorithm: str = "auto", mark: Callable[[str], None] = _no_mark) -> str:
+def hierarchical_allreduce(
+    engine: Engine,
+    groups: HierarchicalGroups,
+    buffer: np.ndarray,
+    dtype: str,
+    op: ReduceOp,
+    algorithm: str = "auto",
+    mark: Callable[[str], None] = _no_mark,
+) -> str:
     """Reduce `buffer` in place over the whole set in three steps; the result equals a flat allreduce. Slices
     may differ by one element, so no padding copy is made. Returns the cross-host algorithm that ran; `mark`
     is called as each step starts (the timeline's sub-steps)."""
     counts = balanced_counts(buffer.size, groups.local_size)
-    start = sum(counts[:groups.local_rank])
+    start = sum(counts[: groups.local_rank])
     mark("LOCAL_REDUCESCATTER")
     local = resolve_algorithm("auto", groups.local_size, buffer.nbytes // groups.local_size)
     if local == "engine":
         engine.reducescatter(None, buffer, counts, dtype, op, groups.local)
     else:
         p2p_reducescatter(engine, groups.local, groups.local_rank, groups.local_size, buffer, counts, dtype, op, local)
-    shard = buffer[start:start + counts[groups.local_rank]]
+    shard = buffer[start : start + counts[groups.local_rank]]
     mark("CROSS_ALLREDUCE")
     ran = cross_allreduce(engine, groups.cross, groups.cross_rank, groups.cross_size, shard, dtype, op, algorithm)
     mark("LOCAL_ALLGATHER")
@@ -124,8 +143,9 @@ def hierarchical_allreduce(engine: Engine, groups: HierarchicalGroups, buffer: n
     return ran
 
 
-def cross_allreduce(engine: Engine, group: Any, rank: int, size: int, buffer: np.ndarray, dtype: str,
-                    op: ReduceOp, algorithm: str) -> str:
+def cross_allreduce(
+    engine: Engine, group: Any, rank: int, size: int, buffer: np.ndarray, dtype: str, op: ReduceOp, algorithm: str
+) -> str:
     """Allreduce `buffer` in place across `group` with the named algorithm; returns the one that ran."""
     algorithm = resolve_algorithm(algorithm, size, buffer.nbytes, engine.name)
     if algorithm == "engine" or size == 1 or buffer.size < size:
@@ -140,11 +160,20 @@ def cross_allreduce(engine: Engine, group: Any, rank: int, size: int, buffer: np
 def _pieces(buffer: np.ndarray, counts: Sequence[int]) -> Callable[[int, int], np.ndarray]:
     """piece(lo, hi): the contiguous run of parts lo..hi-1 of `buffer` cut by `counts`."""
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(int).tolist()
-    return lambda lo, hi: buffer[offsets[lo]:offsets[hi]]
+    return lambda lo, hi: buffer[offsets[lo] : offsets[hi]]
 
 
-def p2p_reducescatter(engine: Engine, group: Any, rank: int, size: int, buffer: np.ndarray, counts: Sequence[int],
-                      dtype: str, op: ReduceOp, algorithm: str) -> None:
+def p2p_reducescatter(
+    engine: Engine,
+    group: Any,
+    rank: int,
+    size: int,
+    buffer: np.ndarray,
+    counts: Sequence[int],
+    dtype: str,
+    op: ReduceOp,
+    algorithm: str,
+) -> None:
     """Reduce-scatter in place from `sendrecv`: `buffer` holds this rank's whole input, and afterwards its part
     `rank` (counts[rank] elements at its offset) holds the reduction; the rest is left undefined. Ring: n-1
     steps; halving-doubling (n a power of two): log2(n) steps, halves exchanged with partner rank ^ distance.
@@ -157,17 +186,17 @@ def p2p_reducescatter(engine: Engine, group: Any, rank: int, size: int, buffer: 
         for step in range(size - 1):  # the part received last is this rank's own
             send, into = (rank - step - 1) % size, (rank - step - 2) % size
             target = piece(into, into + 1)
-            incoming = scratch[:target.size]
+            incoming = scratch[: target.size]
             engine.sendrecv(piece(send, send + 1), incoming, right, group, source=left)
             halfops.combine_into(dtype, op, incoming, target)
     elif algorithm == "halving-doubling":
-        scratch = np.empty(max(sum(counts[:size // 2]), sum(counts[size // 2:])), dtype=buffer.dtype)  # largest half
+        scratch = np.empty(max(sum(counts[: size // 2]), sum(counts[size // 2 :])), dtype=buffer.dtype)  # largest half
         lo, hi, distance = 0, size, size // 2
         while distance:
             partner, middle = rank ^ distance, lo + distance
             keep, give = ((lo, middle), (middle, hi)) if rank & distance == 0 else ((middle, hi), (lo, middle))
             target = piece(*keep)
-            incoming = scratch[:target.size]
+            incoming = scratch[: target.size]
             engine.sendrecv(piece(*give), incoming, partner, group)
             halfops.combine_into(dtype, op, incoming, target)
             lo, hi = keep
@@ -176,8 +205,9 @@ def p2p_reducescatter(engine: Engine, group: Any, rank: int, size: int, buffer: 
         raise ValueError(f"unknown point-to-point algorithm {algorithm!r}")
 
 
-def p2p_allgather(engine: Engine, group: Any, rank: int, size: int, buffer: np.ndarray, counts: Sequence[int],
-                  algorithm: str) -> None:
+def p2p_allgather(
+    engine: Engine, group: Any, rank: int, size: int, buffer: np.ndarray, counts: Sequence[int], algorithm: str
+) -> None:
     """Allgather in place from `sendrecv`: part `rank` of `buffer` is this rank's; afterwards every part is."""
     piece = _pieces(buffer, counts)
     if algorithm == "ring":
@@ -196,13 +226,19 @@ def p2p_allgather(engine: Engine, group: Any, rank: int, size: int, buffer: np.n
         raise ValueError(f"unknown point-to-point algorithm {algorithm!r}")
 
 
-def hierarchical_allgather(engine: Engine, groups: HierarchicalGroups, send: np.ndarray | None, recv: np.ndarray,
-                           counts: Sequence[int], mark: Callable[[str], None] = _no_mark) -> None:
+def hierarchical_allgather(
+    engine: Engine,
+    groups: HierarchicalGroups,
+    send: np.ndarray | None,
+    recv: np.ndarray,
+    counts: Sequence[int],
+    mark: Callable[[str], None] = _no_mark,
+) -> None:
     """`Engine.allgather` in three steps (needs `groups.contiguous`): gather within the host into the host's
     block of `recv`, exchange host blocks between the hosts' local rank 0s, broadcast `recv` within the host."""
     host_totals = [sum(counts[i] for i in members) for members in groups.host_members]
-    start = sum(host_totals[:groups.cross_rank])
-    block = recv[start:start + host_totals[groups.cross_rank]]
+    start = sum(host_totals[: groups.cross_rank])
+    block = recv[start : start + host_totals[groups.cross_rank]]
     mine = groups.host_members[groups.cross_rank]
     mark("LOCAL_ALLGATHER")
     engine.allgather(send, block, [counts[i] for i in mine], groups.local)

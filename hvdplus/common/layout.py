@@ -8,7 +8,8 @@ the one-column case: the tensors end to end."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -35,7 +36,7 @@ class Layout:
         self._blocks = np.concatenate([[0], np.cumsum(self.rank_totals)]).astype(int).tolist()
 
     @classmethod
-    def end_to_end(cls, sizes: Sequence[int]) -> "Layout":
+    def end_to_end(cls, sizes: Sequence[int]) -> Layout:
         """The layout of tensors simply laid end to end (allreduce fusion)."""
         return cls([[size] for size in sizes])
 
@@ -45,7 +46,7 @@ class Layout:
 
     def block(self, buffer: Any, rank: int) -> Any:
         """Rank `rank`'s contiguous block of a rank-major buffer."""
-        return buffer[self._blocks[rank]:self._blocks[rank + 1]]
+        return buffer[self._blocks[rank] : self._blocks[rank + 1]]
 
     def pack(self, tensors: Sequence[Any], buffer: Any) -> None:
         """Copy flat `tensors` (each in its own order: rank 0's part first) into `buffer` in rank-major order."""
@@ -56,7 +57,7 @@ class Layout:
         for r in range(self.ranks):
             for tensor, row, starts in zip(tensors, self.counts, self._starts):
                 if row[r]:
-                    buffer[position:position + row[r]] = tensor[starts[r]:starts[r] + row[r]]
+                    buffer[position : position + row[r]] = tensor[starts[r] : starts[r] + row[r]]
                     position += row[r]
 
     def unpack(self, buffer: Any, tensors: Sequence[Any]) -> None:
@@ -65,5 +66,5 @@ class Layout:
         for r in range(self.ranks):
             for tensor, row, starts in zip(tensors, self.counts, self._starts):
                 if row[r]:
-                    tensor[starts[r]:starts[r] + row[r]] = buffer[position:position + row[r]]
+                    tensor[starts[r] : starts[r] + row[r]] = buffer[position : position + row[r]]
                     position += row[r]

@@ -7,8 +7,8 @@ order), so every rank reaches the same decisions, errors included, without a coo
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Sequence
 
 from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.messages import Key, Request, Response, SameRequest
@@ -22,7 +22,7 @@ _SAME_SHAPE = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
 # Horovod's words (controller.cc, ConstructResponse) for the collectives that fail while a member has joined.
 _NOT_WITH_JOIN = {
     OpKind.ALLGATHER: "Allgather is not supported with Join at this time. "
-                      "Specify sparse_to_dense=True if using DistributedOptimizer",
+    "Specify sparse_to_dense=True if using DistributedOptimizer",
     OpKind.ALLTOALL: "Alltoall is not supported with Join at this time.",
     OpKind.REDUCESCATTER: "Reducescatter is not supported with Join at this time.",
     OpKind.BROADCAST: "Broadcast is not supported with Join at this time.",
@@ -70,20 +70,28 @@ def validate(variants: Mapping[Request, int], members: tuple[int, ...]) -> str |
         return None
 
     checks: list[tuple[str, Callable[[Request], object]]] = [
-        ("numbers of tensors in the grouped call", lambda r: r.group), ("subjects", lambda r: r.tag),
-        ("collective operations", lambda r: r.kind.name.lower()), ("data types", lambda r: r.dtype),
-        ("devices (CPU or GPU)", lambda r: device_kind(r.device))]
+        ("numbers of tensors in the grouped call", lambda r: r.group),
+        ("subjects", lambda r: r.tag),
+        ("collective operations", lambda r: r.kind.name.lower()),
+        ("data types", lambda r: r.dtype),
+        ("devices (CPU or GPU)", lambda r: device_kind(r.device)),
+    ]
     kind = first.kind
     if kind in _REDUCING:
-        checks += [("reduction ops", lambda r: r.op.name), ("prescale factors", lambda r: r.prescale),
-                   ("postscale factors", lambda r: r.postscale)]
+        checks += [
+            ("reduction ops", lambda r: r.op.name),
+            ("prescale factors", lambda r: r.prescale),
+            ("postscale factors", lambda r: r.postscale),
+        ]
     if kind == OpKind.BROADCAST:
         checks.append(("root ranks", lambda r: r.root))
     if kind in _SAME_SHAPE:
         checks += [("shapes", lambda r: r.shape), ("shapes of the grouped tensors", lambda r: r.parts)]
     elif kind in (OpKind.ALLGATHER, OpKind.ALLTOALL):
-        checks += [("ranks (number of dimensions)", lambda r: len(r.shape)),
-                   ("trailing dimensions (all but the first)", lambda r: r.shape[1:])]
+        checks += [
+            ("ranks (number of dimensions)", lambda r: len(r.shape)),
+            ("trailing dimensions (all but the first)", lambda r: r.shape[1:]),
+        ]
     if kind in (OpKind.REDUCESCATTER, OpKind.ALLGATHER):
         checks.append(("per-rank counts", lambda r: r.splits))
     if len(variants) > 1:
@@ -95,11 +103,16 @@ def validate(variants: Mapping[Request, int], members: tuple[int, ...]) -> str |
         sent = {rank: request.nelements for request, mask in variants.items() for rank in _ranks_of(mask)}
         wrong = {rank: n for rank, n in sorted(sent.items()) if n != first.splits[members.index(rank)]}
         if wrong:
-            return (f"Mismatched counts for allgather {what}: the counts are {list(first.splits)}, but "
-                    + "; ".join(f"rank {rank} sent {n} elements" for rank, n in wrong.items()) + ".")
+            return (
+                f"Mismatched counts for allgather {what}: the counts are {list(first.splits)}, but "
+                + "; ".join(f"rank {rank} sent {n} elements" for rank, n in wrong.items())
+                + "."
+            )
     if kind == OpKind.BROADCAST and first.root not in members:
-        return (f"Invalid root rank {first.root} for broadcast {what}: it is not a member of the process set, "
-                f"whose global ranks are {list(members)}.")
+        return (
+            f"Invalid root rank {first.root} for broadcast {what}: it is not a member of the process set, "
+            f"whose global ranks are {list(members)}."
+        )
     return None
 
 
@@ -212,9 +225,16 @@ class MessageTable:
             return Response(key, first.kind, requests, members=members, error=_join_error(first, missing))
         strangers = announced & ~member_mask
         if strangers:
-            return Response(key, first.kind, requests, members=members, error=(
-                f"{first.describe()} was submitted by {_ranks_text(_ranks_of(strangers))}, which are not in "
-                f"process set {key[0]} (members {list(members)})."))
+            return Response(
+                key,
+                first.kind,
+                requests,
+                members=members,
+                error=(
+                    f"{first.describe()} was submitted by {_ranks_text(_ranks_of(strangers))}, which are not in "
+                    f"process set {key[0]} (members {list(members)})."
+                ),
+            )
         return Response(key, first.kind, requests, error=validate(variants, members), members=members)
 
     def _deadlocks(self, members: Callable[[int], tuple[int, ...]]) -> list[Response]:
@@ -229,18 +249,26 @@ class MessageTable:
         errors = []
         for name, keys in by_name.items():
             for i, key_a in enumerate(keys):
-                for key_b in keys[i + 1:]:
+                for key_b in keys[i + 1 :]:
                     a, b = self._announced[key_a], self._announced[key_b]
                     set_a, set_b = (self._members_mask(key[0], members(key[0])) for key in (key_a, key_b))
                     if set_a & ~a & b and set_b & ~b & a:
                         used = {r: f"process set {key_a[0]}" for r in _ranks_of(a)}
                         used.update({r: f"process set {key_b[0]}" for r in _ranks_of(b)})
-                        message = (f"Mismatched process sets for collective {name!r}: "
-                                   f"{disagreement(dict(sorted(used.items())))}.")
+                        message = (
+                            f"Mismatched process sets for collective {name!r}: "
+                            f"{disagreement(dict(sorted(used.items())))}."
+                        )
                         for key in (key_a, key_b):
-                            errors.append(Response(key, next(iter(self._pending[key])).kind,
-                                                   self._requests(key, members(key[0])), error=message,
-                                                   members=members(key[0])))
+                            errors.append(
+                                Response(
+                                    key,
+                                    next(iter(self._pending[key])).kind,
+                                    self._requests(key, members(key[0])),
+                                    error=message,
+                                    members=members(key[0]),
+                                )
+                            )
         return errors
 
     def stalls(self, older_than: float, members: Callable[[int], tuple[int, ...]]) -> list[Stall]:
@@ -252,6 +280,5 @@ class MessageTable:
             if waited >= older_than:
                 announced = self._announced[key]
                 missing = tuple(r for r in members(key[0]) if not announced >> r & 1)
-                found.append(Stall(key, next(iter(variants)).describe(), tuple(_ranks_of(announced)), missing,
-                                   waited))
+                found.append(Stall(key, next(iter(variants)).describe(), tuple(_ranks_of(announced)), missing, waited))
         return found

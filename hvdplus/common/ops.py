@@ -6,9 +6,22 @@ import enum
 
 import numpy as np
 
-__all__ = ["ReduceOp", "OpKind", "Average", "Sum", "Adasum", "Min", "Max", "Product",
-           "DTYPES", "REDUCIBLE_DTYPES", "storage_dtype", "check_reducible", "linear_scale",
-           "reducescatter_grad_scale"]
+__all__ = [
+    "ReduceOp",
+    "OpKind",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "DTYPES",
+    "REDUCIBLE_DTYPES",
+    "storage_dtype",
+    "check_reducible",
+    "linear_scale",
+    "reducescatter_grad_scale",
+]
 
 
 class ReduceOp(enum.IntEnum):
@@ -22,8 +35,14 @@ class ReduceOp(enum.IntEnum):
     PRODUCT = 5
 
 
-Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM,
-                                          ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT)
+Average, Sum, Adasum, Min, Max, Product = (
+    ReduceOp.AVERAGE,
+    ReduceOp.SUM,
+    ReduceOp.ADASUM,
+    ReduceOp.MIN,
+    ReduceOp.MAX,
+    ReduceOp.PRODUCT,
+)
 
 
 class OpKind(enum.IntEnum):
@@ -43,11 +62,16 @@ class OpKind(enum.IntEnum):
 
 # Logical dtype name -> numpy dtype used to hold the bytes in host memory.
 DTYPES: dict[str, np.dtype] = {
-    "uint8": np.dtype(np.uint8), "int8": np.dtype(np.int8),
-    "uint16": np.dtype(np.uint16), "int16": np.dtype(np.int16),
-    "int32": np.dtype(np.int32), "int64": np.dtype(np.int64),
-    "float16": np.dtype(np.float16), "bfloat16": np.dtype(np.uint16),
-    "float32": np.dtype(np.float32), "float64": np.dtype(np.float64),
+    "uint8": np.dtype(np.uint8),
+    "int8": np.dtype(np.int8),
+    "uint16": np.dtype(np.uint16),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
     "bool": np.dtype(np.bool_),
 }
 
@@ -59,16 +83,18 @@ def storage_dtype(dtype: str) -> np.dtype:
     try:
         return DTYPES[dtype]
     except KeyError:
-        raise TypeError(f"dtype {dtype!r} is not supported by hvdplus collectives; "
-                        f"supported: {', '.join(DTYPES)}") from None
+        raise TypeError(
+            f"dtype {dtype!r} is not supported by hvdplus collectives; supported: {', '.join(DTYPES)}"
+        ) from None
 
 
 def check_reducible(dtype: str, op: ReduceOp, what: str) -> None:
     """Raise TypeError when `op` cannot reduce values of `dtype`."""
     storage_dtype(dtype)
     if dtype not in REDUCIBLE_DTYPES:
-        raise TypeError(f"{what} cannot reduce dtype {dtype!r}; convert the tensor to a numeric dtype "
-                        f"(e.g. uint8) first")
+        raise TypeError(
+            f"{what} cannot reduce dtype {dtype!r}; convert the tensor to a numeric dtype (e.g. uint8) first"
+        )
     if op == ReduceOp.ADASUM and dtype not in ("float16", "bfloat16", "float32", "float64"):
         raise TypeError(f"{what}: Adasum needs a floating-point tensor, got dtype {dtype!r}")
 

@@ -39,6 +39,9 @@ def merge_num_groups(num_groups: int, groups: Any) -> Any:
     """Horovod's deprecated `num_groups` becomes `groups` (with its deprecation warning)."""
     if num_groups == 0:
         return groups
-    warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
-                  DeprecationWarning, stacklevel=3)
+    warnings.warn(
+        "Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
     return num_groups if groups is None else groups

@@ -7,7 +7,8 @@ error header instead (its text follows), so a receiver raises `PeerError` rather
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,15 +35,18 @@ def _header(arrays: Sequence[tuple[np.ndarray, str]]) -> np.ndarray:
     if len(words) > _HEADER_WORDS:
         raise ValueError(f"the shapes of {len(arrays)} tensors do not fit a {_HEADER_WORDS}-word message header")
     header = np.zeros(_HEADER_WORDS, dtype=np.int64)
-    header[:len(words)] = words
+    header[: len(words)] = words
     return header
 
 
 def send_arrays(channel: Any, peer: int, tag: int, arrays: Sequence[tuple[np.ndarray, str]]) -> list[Any]:
     """Start sending (array, dtype name) pairs to `peer`; returns the transfers (with their buffers) to test."""
     transfers = [channel.isend(_header(arrays), peer, tag)]
-    transfers += [channel.isend(np.ascontiguousarray(array), peer, tag + 1 + j)
-                  for j, (array, _) in enumerate(arrays) if array.size]
+    transfers += [
+        channel.isend(np.ascontiguousarray(array), peer, tag + 1 + j)
+        for j, (array, _) in enumerate(arrays)
+        if array.size
+    ]
     return transfers
 
 
@@ -66,7 +70,7 @@ def recv_arrays(channel: Any, peer: int, tag: int, alive: Callable[[], None]) ->
     arrays, position, pending = [], 2, []
     for j in range(int(header[1])):
         dtype, ndim = _DTYPE_NAMES[int(header[position])], int(header[position + 1])
-        shape = tuple(int(d) for d in header[position + 2:position + 2 + ndim])
+        shape = tuple(int(d) for d in header[position + 2 : position + 2 + ndim])
         position += 2 + ndim
         array = np.empty(shape, dtype=storage_dtype(dtype))
         if array.size:

@@ -33,8 +33,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = [
-    "SCHEDULES", "Op", "Action", "DeadlockError", "SimulationResult", "chunk_stages", "build_schedule",
-    "simulate", "theoretical_bubble", "balanced_split", "check_sizes",
+    "SCHEDULES",
+    "Op",
+    "Action",
+    "DeadlockError",
+    "SimulationResult",
+    "chunk_stages",
+    "build_schedule",
+    "simulate",
+    "theoretical_bubble",
+    "balanced_split",
+    "check_sizes",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
@@ -100,17 +109,22 @@ def _check(name: str, stages: int, virtual_stages: int, micro_batches: int | Non
         if value < 1:
             raise ValueError(f"{arg} must be at least 1, got {value}")
     if name in ("gpipe", "1f1b") and virtual_stages != 1:
-        raise ValueError(f"{name!r} runs one chunk per stage, got virtual_stages={virtual_stages}; "
-                         "use 'interleaved' or 'zero-bubble' for more")
+        raise ValueError(
+            f"{name!r} runs one chunk per stage, got virtual_stages={virtual_stages}; "
+            "use 'interleaved' or 'zero-bubble' for more"
+        )
     if name == "interleaved" and virtual_stages < 2:
         raise ValueError(f"'interleaved' needs virtual_stages >= 2, got {virtual_stages}; use '1f1b' for one chunk")
     if name == "interleaved" and micro_batches is not None and micro_batches % stages:
-        raise ValueError(f"'interleaved' needs micro_batches to be a multiple of stages (Megatron-LM's rule), "
-                         f"got {micro_batches} micro-batches for {stages} stages; "
-                         f"use {micro_batches + stages - micro_batches % stages}")
+        raise ValueError(
+            f"'interleaved' needs micro_batches to be a multiple of stages (Megatron-LM's rule), "
+            f"got {micro_batches} micro-batches for {stages} stages; "
+            f"use {micro_batches + stages - micro_batches % stages}"
+        )
     if name == "zero-bubble" and virtual_stages not in (1, 2):
-        raise ValueError(f"'zero-bubble' supports virtual_stages=1 (ZB-H1) and virtual_stages=2 (ZB-V), "
-                         f"got {virtual_stages}")
+        raise ValueError(
+            f"'zero-bubble' supports virtual_stages=1 (ZB-H1) and virtual_stages=2 (ZB-V), got {virtual_stages}"
+        )
 
 
 def chunk_stages(name: str, stages: int, virtual_stages: int = 1) -> list[int]:
@@ -187,6 +201,7 @@ def _zb_v(stage: int, stages: int, micro_batches: int) -> list:
 
 def _with_messages(orders: list[list], owner: list[int]) -> list[list[Action]]:
     """Wrap each stage's compute order with the sends and receives between chunks on different stages."""
+
     def message(op: Op, m: int, c: int, other: int, stage: int) -> list[Action]:
         return [Action(op, m, c, owner[other])] if 0 <= other < len(owner) and owner[other] != stage else []
 
@@ -197,8 +212,9 @@ def _with_messages(orders: list[list], owner: list[int]) -> list[list[Action]]:
             if op is Op.BACKWARD_WEIGHT:
                 actions.append(Action(op, m, c))
                 continue
-            recv, send, step = ((Op.RECV_ACTIVATION, Op.SEND_ACTIVATION, -1) if op is Op.FORWARD
-                                else (Op.RECV_GRAD, Op.SEND_GRAD, 1))
+            recv, send, step = (
+                (Op.RECV_ACTIVATION, Op.SEND_ACTIVATION, -1) if op is Op.FORWARD else (Op.RECV_GRAD, Op.SEND_GRAD, 1)
+            )
             actions += [*message(recv, m, c, c + step, stage), Action(op, m, c), *message(send, m, c, c - step, stage)]
         schedule.append(actions)
     return schedule
@@ -228,16 +244,30 @@ def _awaited_send(action: Action, stage: int) -> tuple[Op, int, int, int | None,
     return Op.SEND_GRAD, action.micro_batch, action.chunk + 1, action.peer, stage
 
 
-def simulate(schedule: Sequence[Sequence[Action]], stage_of_chunk: Sequence[int], forward: float = 1.0,
-             backward_input: float = 1.0, backward_weight: float = 1.0, transfer: float = 0.0) -> SimulationResult:
+def simulate(
+    schedule: Sequence[Sequence[Action]],
+    stage_of_chunk: Sequence[int],
+    forward: float = 1.0,
+    backward_input: float = 1.0,
+    backward_weight: float = 1.0,
+    transfer: float = 0.0,
+) -> SimulationResult:
     """Run each stage's actions in order: compute takes its time, a receive waits for its send (+ transfer)."""
-    times = {"forward": forward, "backward_input": backward_input, "backward_weight": backward_weight,
-             "transfer": transfer}
+    times = {
+        "forward": forward,
+        "backward_input": backward_input,
+        "backward_weight": backward_weight,
+        "transfer": transfer,
+    }
     for arg, value in times.items():
         if value < 0:
             raise ValueError(f"{arg} must be >= 0, got {value}")
-    duration = {Op.FORWARD: forward, Op.BACKWARD_INPUT: backward_input, Op.BACKWARD_WEIGHT: backward_weight,
-                Op.BACKWARD: backward_input + backward_weight}
+    duration = {
+        Op.FORWARD: forward,
+        Op.BACKWARD_INPUT: backward_input,
+        Op.BACKWARD_WEIGHT: backward_weight,
+        Op.BACKWARD: backward_input + backward_weight,
+    }
     for stage, actions in enumerate(schedule):
         for a in actions:
             if a.op in _HELD and stage_of_chunk[a.chunk] != stage:
@@ -272,12 +302,26 @@ def simulate(schedule: Sequence[Sequence[Action]], stage_of_chunk: Sequence[int]
         raise DeadlockError("the schedule deadlocks: " + "; ".join(stuck))
     makespan = max(clock, default=0.0)
     idle = tuple(makespan - b for b in busy)
-    return SimulationResult(makespan, tuple(busy), idle, tuple(i / makespan if makespan else 0.0 for i in idle),
-                            tuple(peak), tuple(clock), spans)
+    return SimulationResult(
+        makespan,
+        tuple(busy),
+        idle,
+        tuple(i / makespan if makespan else 0.0 for i in idle),
+        tuple(peak),
+        tuple(clock),
+        spans,
+    )
 
 
-def theoretical_bubble(name: str, stages: int, micro_batches: int, virtual_stages: int = 1, forward: float = 1.0,
-                       backward_input: float = 1.0, backward_weight: float = 1.0) -> float:
+def theoretical_bubble(
+    name: str,
+    stages: int,
+    micro_batches: int,
+    virtual_stages: int = 1,
+    forward: float = 1.0,
+    backward_input: float = 1.0,
+    backward_weight: float = 1.0,
+) -> float:
     """The bubble fraction of a schedule by the formulas in the module docstring (ZB-V: simulated)."""
     _check(name, stages, virtual_stages, micro_batches)
     if name in ("gpipe", "1f1b"):
@@ -288,8 +332,13 @@ def theoretical_bubble(name: str, stages: int, micro_batches: int, virtual_stage
         idle = max(0.0, (stages - 1) * (forward + backward_input - backward_weight))
         total = micro_batches * (forward + backward_input + backward_weight) + idle
         return idle / total if total else 0.0
-    result = simulate(build_schedule(name, stages, micro_batches, virtual_stages),
-                      chunk_stages(name, stages, virtual_stages), forward, backward_input, backward_weight)
+    result = simulate(
+        build_schedule(name, stages, micro_batches, virtual_stages),
+        chunk_stages(name, stages, virtual_stages),
+        forward,
+        backward_input,
+        backward_weight,
+    )
     return max(result.bubble)
 
 

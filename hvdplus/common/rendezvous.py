@@ -25,10 +25,9 @@ import socketserver
 import struct
 import threading
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
-__all__ = ["RendezvousServer", "RendezvousClient", "RendezvousTimeout", "new_secret", "publish_secret",
-           "await_secret"]
+__all__ = ["RendezvousServer", "RendezvousClient", "RendezvousTimeout", "new_secret", "publish_secret", "await_secret"]
 
 log = logging.getLogger("hvdplus.runner")
 
@@ -76,7 +75,8 @@ def await_secret(path: str, timeout: float) -> str:
                     f"rank 0's rendezvous secret {path} did not appear within {timeout:g} s. Under plain srun "
                     f"hvdplus shares the job's secret through a file: set HVDPLUS_SECRET_DIR to a directory "
                     f"that every node of the job sees (default ~/.hvdplus), or launch with hvdplusrun, or "
-                    f"with srun --mpi=pmix for the MPI engine") from None
+                    f"with srun --mpi=pmix for the MPI engine"
+                ) from None
             time.sleep(0.05)
 
 
@@ -92,7 +92,7 @@ def _unpack(data: bytes) -> list[bytes]:
     (count,), offset, fields = struct.unpack_from("!I", data), 4, []
     for _ in range(count):
         (size,) = struct.unpack_from("!I", data, offset)
-        fields.append(data[offset + 4:offset + 4 + size])
+        fields.append(data[offset + 4 : offset + 4 + size])
         offset += 4 + size
     if offset != len(data):
         raise ConnectionError("malformed rendezvous frame")
@@ -150,13 +150,15 @@ def _client_handshake(sock: socket.socket, secret: bytes) -> _Channel:
     greeting = _recv_exact(sock, len(MAGIC) + NONCE)
     if not greeting.startswith(MAGIC):
         raise ConnectionError("the rendezvous address does not answer as an hvdplus rendezvous server")
-    nonce_s, nonce_c = greeting[len(MAGIC):], secrets.token_bytes(NONCE)
+    nonce_s, nonce_c = greeting[len(MAGIC) :], secrets.token_bytes(NONCE)
     sock.sendall(nonce_c + _mac(secret, b"client", nonce_s, nonce_c))
     try:
         proof = _recv_exact(sock, MAC)
     except ConnectionError:
-        raise PermissionError("the rendezvous server rejected this worker's secret (HVDPLUS_SECRET_KEY): "
-                              "start workers with hvdplusrun, which passes the job's secret") from None
+        raise PermissionError(
+            "the rendezvous server rejected this worker's secret (HVDPLUS_SECRET_KEY): "
+            "start workers with hvdplusrun, which passes the job's secret"
+        ) from None
     if not hmac.compare_digest(proof, _mac(secret, b"server", nonce_s, nonce_c)):
         raise PermissionError("the rendezvous server failed to prove the job secret")
     return _Channel(sock, _mac(secret, b"session", nonce_s, nonce_c), is_server=False)
@@ -213,7 +215,7 @@ class _Store:
 
 
 class _Handler(socketserver.BaseRequestHandler):
-    server: "_Listener"
+    server: _Listener
 
     def handle(self) -> None:
         sock: socket.socket = self.request
@@ -252,11 +254,18 @@ class RendezvousServer:
         """Listen on each address, at `port` (0: an ephemeral port each)."""
         self.store = _Store()
         self._secret = secret.encode()
-        self._listeners = {addr: _Listener(addr, secret.encode(), self.store, port)
-                           for addr in dict.fromkeys(addresses)}
-        self._threads = [threading.Thread(target=listener.serve_forever, kwargs={"poll_interval": 0.1},
-                                          name=f"hvdplus-rendezvous-{addr}", daemon=True)
-                         for addr, listener in self._listeners.items()]
+        self._listeners = {
+            addr: _Listener(addr, secret.encode(), self.store, port) for addr in dict.fromkeys(addresses)
+        }
+        self._threads = [
+            threading.Thread(
+                target=listener.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                name=f"hvdplus-rendezvous-{addr}",
+                daemon=True,
+            )
+            for addr, listener in self._listeners.items()
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -264,8 +273,12 @@ class RendezvousServer:
         """Also serve the store on `address` (an elastic job's new host may reach the launcher there); its port."""
         if address not in self._listeners:
             listener = self._listeners[address] = _Listener(address, self._secret, self.store)
-            thread = threading.Thread(target=listener.serve_forever, kwargs={"poll_interval": 0.1},
-                                      name=f"hvdplus-rendezvous-{address}", daemon=True)
+            thread = threading.Thread(
+                target=listener.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                name=f"hvdplus-rendezvous-{address}",
+                daemon=True,
+            )
             thread.start()
             self._threads.append(thread)
         return self.port(address)
@@ -302,15 +315,16 @@ class RendezvousClient:
                 break
             except OSError as exc:
                 if time.monotonic() > deadline:
-                    raise ConnectionError(f"cannot reach the rendezvous server at {address}:{port} "
-                                          f"within {timeout:g} s: {exc}") from None
+                    raise ConnectionError(
+                        f"cannot reach the rendezvous server at {address}:{port} within {timeout:g} s: {exc}"
+                    ) from None
                 time.sleep(0.2)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._channel = _client_handshake(sock, secret.encode())
         sock.settimeout(None)
         self._lock = threading.Lock()
 
-    def clone(self) -> "RendezvousClient":
+    def clone(self) -> RendezvousClient:
         """A second, independent connection to the same server."""
         return RendezvousClient(self.address, self.port, self._secret, self.timeout)
 
@@ -320,8 +334,10 @@ class RendezvousClient:
             status, *fields = _unpack(self._channel.recv())
         if status[0] == TIMEOUT:
             keys = ", ".join(f.decode(errors="replace") for f in fields)
-            raise RendezvousTimeout(f"rendezvous: waited {self.timeout:g} s for key(s) {keys} that no worker set; "
-                                    "are all workers running? (raise HVDPLUS_TIMEOUT / --start-timeout if slow)")
+            raise RendezvousTimeout(
+                f"rendezvous: waited {self.timeout:g} s for key(s) {keys} that no worker set; "
+                "are all workers running? (raise HVDPLUS_TIMEOUT / --start-timeout if slow)"
+            )
         return fields
 
     def _seconds(self) -> bytes:

@@ -14,14 +14,15 @@ from hvdplus.common.ops import OpKind
 
 __all__ = ["ResponseCache", "Lookup", "CACHEABLE"]
 
-CACHEABLE = frozenset({OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL,
-                       OpKind.REDUCESCATTER, OpKind.BARRIER})
+CACHEABLE = frozenset(
+    {OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.REDUCESCATTER, OpKind.BARRIER}
+)
 
 
 class Lookup(enum.Enum):
-    HIT = "hit"          # same collective as cached: announce it by its bit
+    HIT = "hit"  # same collective as cached: announce it by its bit
     INVALID = "invalid"  # same name, different parameters: every rank must drop the entry
-    MISS = "miss"        # not cached: announce it in full
+    MISS = "miss"  # not cached: announce it in full
 
 
 class ResponseCache:
@@ -63,8 +64,13 @@ class ResponseCache:
 
     def put(self, response: Response) -> int | None:
         """Remember a successful response; return the bit evicted to make room, if any."""
-        if (self.capacity <= 0 or response.error is not None or response.kind not in CACHEABLE
-                or response.key in self._bit_of or None in response.requests):
+        if (
+            self.capacity <= 0
+            or response.error is not None
+            or response.kind not in CACHEABLE
+            or response.key in self._bit_of
+            or None in response.requests
+        ):
             return None
         evicted = None
         if len(self._by_bit) >= self.capacity:

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
-__all__ = ["CROSS_ALGORITHMS", "Setting", "SETTINGS", "Settings", "LaunchEnv", "describe_settings", "expand_nodelist",
-           "slurm_port"]
+__all__ = [
+    "CROSS_ALGORITHMS",
+    "Setting",
+    "SETTINGS",
+    "Settings",
+    "LaunchEnv",
+    "describe_settings",
+    "expand_nodelist",
+    "slurm_port",
+]
 
 
 CROSS_ALGORITHMS = ("auto", "ring", "halving-doubling", "engine")
@@ -60,92 +69,213 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("fusion_threshold", int, 128 * 1024 * 1024,
-            "Bytes packed into one fused allreduce buffer; 0 disables fusion.",
-            "HVDPLUS_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD"),
-    Setting("bucket_bytes", int, None,
-            "Bytes of gradients a DistributedOptimizer allreduces as one packed bucket when groups= is not given "
-            "(also ZeroOptimizer's reduce-scatter buckets); unset, the engine's: 1 MiB of gradients under 1 MiB "
-            "over MPI (larger ones go alone, in place), 25 MiB of any gradients over Gloo (DDP's bucket); 0 "
-            "allreduces each gradient on its own, as Horovod does.",
-            "HVDPLUS_BUCKET_BYTES"),
-    Setting("cycle_time_ms", float, 1.0,
-            "Milliseconds the background thread waits between negotiation cycles.",
-            "HVDPLUS_CYCLE_TIME", "HOROVOD_CYCLE_TIME"),
-    Setting("cache_capacity", int, 1024,
-            "Responses remembered so that repeated collectives skip full negotiation; 0 disables.",
-            "HVDPLUS_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY"),
-    Setting("negotiation_doubling_ranks", int, 16,
-            "From this many ranks on, new (uncached) announcements are exchanged by recursive doubling of merged "
-            "tables (log2 N rounds, O(names) bytes a rank) instead of one allgather (1 round, O(ranks x names)).",
-            "HVDPLUS_NEGOTIATION_DOUBLING_RANKS"),
-    Setting("hierarchical_allreduce", _parse_bool, False,
-            "Allreduce as local reduce-scatter, cross-host allreduce, local allgather (where the hosts run equal "
-            "numbers of ranks). Off by default: measured slower than flat on these machines (README); "
-            "HOROVOD_AUTOTUNE tries it.",
-            "HVDPLUS_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
-    Setting("hierarchical_allgather", _parse_bool, False,
-            "Allgather within each host, across hosts between local rank 0s, then broadcast within each host.",
-            "HVDPLUS_HIERARCHICAL_ALLGATHER", "HOROVOD_HIERARCHICAL_ALLGATHER"),
-    Setting("cross_algorithm", str, "auto",
-            "Algorithm of the cross-host step of a hierarchical allreduce: 'ring', 'halving-doubling' (power-of-two "
-            "host counts), 'engine' (the library's own allreduce), or 'auto' (halving-doubling, else ring).",
-            "HVDPLUS_CROSS_ALGORITHM"),
-    Setting("autotune", _parse_bool, False,
-            "Pick the fusion threshold, cycle time and hierarchical options from measured throughput during the "
-            "first steps (settings given explicitly stay fixed).",
-            "HVDPLUS_AUTOTUNE", "HOROVOD_AUTOTUNE"),
-    Setting("autotune_log", str, "",
-            "CSV file where rank 0 writes every autotune sample and the chosen configuration; empty: none.",
-            "HVDPLUS_AUTOTUNE_LOG", "HOROVOD_AUTOTUNE_LOG"),
-    Setting("autotune_warmup_samples", int, 3,
-            "Autotune samples discarded at the start (the first steps run slower for other reasons).",
-            "HVDPLUS_AUTOTUNE_WARMUP_SAMPLES", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES"),
-    Setting("autotune_steps_per_sample", int, 10,
-            "Cycles that carried collectives in one autotune sample.",
-            "HVDPLUS_AUTOTUNE_STEPS_PER_SAMPLE", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE"),
-    Setting("autotune_bayes_opt_max_samples", int, 20,
-            "Most configurations autotune measures (after warmup) before it keeps the best.",
-            "HVDPLUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES"),
-    Setting("timeline", str, "",
-            "Path of a Chrome-trace timeline written by rank 0; empty disables it.",
-            "HVDPLUS_TIMELINE", "HOROVOD_TIMELINE"),
-    Setting("timeline_mark_cycles", _parse_bool, False,
-            "Mark every negotiation cycle in the timeline.",
-            "HVDPLUS_TIMELINE_MARK_CYCLES", "HOROVOD_TIMELINE_MARK_CYCLES"),
-    Setting("stall_check_disable", _parse_bool, False,
-            "Turn off the warning about collectives that only some ranks submitted.",
-            "HVDPLUS_STALL_CHECK_DISABLE", "HOROVOD_STALL_CHECK_DISABLE"),
-    Setting("stall_check_time_seconds", float, 60.0,
-            "Seconds a collective may wait for missing ranks before a warning names them.",
-            "HVDPLUS_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS"),
-    Setting("stall_shutdown_time_seconds", float, 0.0,
-            "Seconds after which a stalled collective fails on every rank; 0 waits forever.",
-            "HVDPLUS_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"),
-    Setting("log_level", str, "warning",
-            "Logging level of the 'hvdplus' logger: trace, debug, info, warning, error, fatal.",
-            "HVDPLUS_LOG_LEVEL", "HOROVOD_LOG_LEVEL"),
-    Setting("cpu_operations", _parse_library, "",
-            "Engine for CPU tensors: 'mpi' or 'gloo'; empty chooses MPI when launched by mpirun.",
-            "HVDPLUS_CPU_OPERATIONS", "HOROVOD_CPU_OPERATIONS"),
-    Setting("gpu_operations", _parse_library, "nccl",
-            "Engine for CUDA tensors: 'nccl' (torch.distributed's NCCL, on the GPU) or 'mpi' (staged through host "
-            "memory to the CPU engine).",
-            "HVDPLUS_GPU_OPERATIONS", "HOROVOD_GPU_OPERATIONS"),
-    Setting("device_path_on_cpu", _parse_bool, False,
-            "Send CPU torch tensors through the GPU code path (torch buffer operations, a Gloo device engine): "
-            "how the NCCL path is tested on machines without a GPU.",
-            "HVDPLUS_DEVICE_PATH_ON_CPU"),
-    Setting("dynamic_process_sets", _parse_bool, False,
-            "Allow add_process_set/remove_process_set after init.",
-            "HVDPLUS_DYNAMIC_PROCESS_SETS", "HOROVOD_DYNAMIC_PROCESS_SETS"),
-    Setting("timeout_seconds", float, 60.0,
-            "Seconds to wait for peers at rendezvous and inside one engine call before failing.",
-            "HVDPLUS_TIMEOUT", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
-    Setting("elastic_timeout", float, 600.0,
-            "Elastic jobs: seconds a worker waits for the next generation of the job at a reset (and the launcher "
-            "for --min-np slots) before failing.",
-            "HVDPLUS_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT"),
+    Setting(
+        "fusion_threshold",
+        int,
+        128 * 1024 * 1024,
+        "Bytes packed into one fused allreduce buffer; 0 disables fusion.",
+        "HVDPLUS_FUSION_THRESHOLD",
+        "HOROVOD_FUSION_THRESHOLD",
+    ),
+    Setting(
+        "bucket_bytes",
+        int,
+        None,
+        "Bytes of gradients a DistributedOptimizer allreduces as one packed bucket when groups= is not given "
+        "(also ZeroOptimizer's reduce-scatter buckets); unset, the engine's: 1 MiB of gradients under 1 MiB "
+        "over MPI (larger ones go alone, in place), 25 MiB of any gradients over Gloo (DDP's bucket); 0 "
+        "allreduces each gradient on its own, as Horovod does.",
+        "HVDPLUS_BUCKET_BYTES",
+    ),
+    Setting(
+        "cycle_time_ms",
+        float,
+        1.0,
+        "Milliseconds the background thread waits between negotiation cycles.",
+        "HVDPLUS_CYCLE_TIME",
+        "HOROVOD_CYCLE_TIME",
+    ),
+    Setting(
+        "cache_capacity",
+        int,
+        1024,
+        "Responses remembered so that repeated collectives skip full negotiation; 0 disables.",
+        "HVDPLUS_CACHE_CAPACITY",
+        "HOROVOD_CACHE_CAPACITY",
+    ),
+    Setting(
+        "negotiation_doubling_ranks",
+        int,
+        16,
+        "From this many ranks on, new (uncached) announcements are exchanged by recursive doubling of merged "
+        "tables (log2 N rounds, O(names) bytes a rank) instead of one allgather (1 round, O(ranks x names)).",
+        "HVDPLUS_NEGOTIATION_DOUBLING_RANKS",
+    ),
+    Setting(
+        "hierarchical_allreduce",
+        _parse_bool,
+        False,
+        "Allreduce as local reduce-scatter, cross-host allreduce, local allgather (where the hosts run equal "
+        "numbers of ranks). Off by default: measured slower than flat on these machines (README); "
+        "HOROVOD_AUTOTUNE tries it.",
+        "HVDPLUS_HIERARCHICAL_ALLREDUCE",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE",
+    ),
+    Setting(
+        "hierarchical_allgather",
+        _parse_bool,
+        False,
+        "Allgather within each host, across hosts between local rank 0s, then broadcast within each host.",
+        "HVDPLUS_HIERARCHICAL_ALLGATHER",
+        "HOROVOD_HIERARCHICAL_ALLGATHER",
+    ),
+    Setting(
+        "cross_algorithm",
+        str,
+        "auto",
+        "Algorithm of the cross-host step of a hierarchical allreduce: 'ring', 'halving-doubling' (power-of-two "
+        "host counts), 'engine' (the library's own allreduce), or 'auto' (halving-doubling, else ring).",
+        "HVDPLUS_CROSS_ALGORITHM",
+    ),
+    Setting(
+        "autotune",
+        _parse_bool,
+        False,
+        "Pick the fusion threshold, cycle time and hierarchical options from measured throughput during the "
+        "first steps (settings given explicitly stay fixed).",
+        "HVDPLUS_AUTOTUNE",
+        "HOROVOD_AUTOTUNE",
+    ),
+    Setting(
+        "autotune_log",
+        str,
+        "",
+        "CSV file where rank 0 writes every autotune sample and the chosen configuration; empty: none.",
+        "HVDPLUS_AUTOTUNE_LOG",
+        "HOROVOD_AUTOTUNE_LOG",
+    ),
+    Setting(
+        "autotune_warmup_samples",
+        int,
+        3,
+        "Autotune samples discarded at the start (the first steps run slower for other reasons).",
+        "HVDPLUS_AUTOTUNE_WARMUP_SAMPLES",
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+    ),
+    Setting(
+        "autotune_steps_per_sample",
+        int,
+        10,
+        "Cycles that carried collectives in one autotune sample.",
+        "HVDPLUS_AUTOTUNE_STEPS_PER_SAMPLE",
+        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
+    ),
+    Setting(
+        "autotune_bayes_opt_max_samples",
+        int,
+        20,
+        "Most configurations autotune measures (after warmup) before it keeps the best.",
+        "HVDPLUS_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+    ),
+    Setting(
+        "timeline",
+        str,
+        "",
+        "Path of a Chrome-trace timeline written by rank 0; empty disables it.",
+        "HVDPLUS_TIMELINE",
+        "HOROVOD_TIMELINE",
+    ),
+    Setting(
+        "timeline_mark_cycles",
+        _parse_bool,
+        False,
+        "Mark every negotiation cycle in the timeline.",
+        "HVDPLUS_TIMELINE_MARK_CYCLES",
+        "HOROVOD_TIMELINE_MARK_CYCLES",
+    ),
+    Setting(
+        "stall_check_disable",
+        _parse_bool,
+        False,
+        "Turn off the warning about collectives that only some ranks submitted.",
+        "HVDPLUS_STALL_CHECK_DISABLE",
+        "HOROVOD_STALL_CHECK_DISABLE",
+    ),
+    Setting(
+        "stall_check_time_seconds",
+        float,
+        60.0,
+        "Seconds a collective may wait for missing ranks before a warning names them.",
+        "HVDPLUS_STALL_CHECK_TIME_SECONDS",
+        "HOROVOD_STALL_CHECK_TIME_SECONDS",
+    ),
+    Setting(
+        "stall_shutdown_time_seconds",
+        float,
+        0.0,
+        "Seconds after which a stalled collective fails on every rank; 0 waits forever.",
+        "HVDPLUS_STALL_SHUTDOWN_TIME_SECONDS",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+    ),
+    Setting(
+        "log_level",
+        str,
+        "warning",
+        "Logging level of the 'hvdplus' logger: trace, debug, info, warning, error, fatal.",
+        "HVDPLUS_LOG_LEVEL",
+        "HOROVOD_LOG_LEVEL",
+    ),
+    Setting(
+        "cpu_operations",
+        _parse_library,
+        "",
+        "Engine for CPU tensors: 'mpi' or 'gloo'; empty chooses MPI when launched by mpirun.",
+        "HVDPLUS_CPU_OPERATIONS",
+        "HOROVOD_CPU_OPERATIONS",
+    ),
+    Setting(
+        "gpu_operations",
+        _parse_library,
+        "nccl",
+        "Engine for CUDA tensors: 'nccl' (torch.distributed's NCCL, on the GPU) or 'mpi' (staged through host "
+        "memory to the CPU engine).",
+        "HVDPLUS_GPU_OPERATIONS",
+        "HOROVOD_GPU_OPERATIONS",
+    ),
+    Setting(
+        "device_path_on_cpu",
+        _parse_bool,
+        False,
+        "Send CPU torch tensors through the GPU code path (torch buffer operations, a Gloo device engine): "
+        "how the NCCL path is tested on machines without a GPU.",
+        "HVDPLUS_DEVICE_PATH_ON_CPU",
+    ),
+    Setting(
+        "dynamic_process_sets",
+        _parse_bool,
+        False,
+        "Allow add_process_set/remove_process_set after init.",
+        "HVDPLUS_DYNAMIC_PROCESS_SETS",
+        "HOROVOD_DYNAMIC_PROCESS_SETS",
+    ),
+    Setting(
+        "timeout_seconds",
+        float,
+        60.0,
+        "Seconds to wait for peers at rendezvous and inside one engine call before failing.",
+        "HVDPLUS_TIMEOUT",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS",
+    ),
+    Setting(
+        "elastic_timeout",
+        float,
+        600.0,
+        "Elastic jobs: seconds a worker waits for the next generation of the job at a reset (and the launcher "
+        "for --min-np slots) before failing.",
+        "HVDPLUS_ELASTIC_TIMEOUT",
+        "HOROVOD_ELASTIC_TIMEOUT",
+    ),
 )
 
 
@@ -162,7 +292,9 @@ def _launch_int(environ: Mapping[str, str], *keys: str) -> int | None:
             try:
                 return int(environ[key])
             except ValueError:
-                raise ValueError(f"environment variable {key}={environ[key]!r} is invalid: expected an integer") from None
+                raise ValueError(
+                    f"environment variable {key}={environ[key]!r} is invalid: expected an integer"
+                ) from None
     return None
 
 
@@ -235,29 +367,51 @@ class LaunchEnv:
     store_prefix: str = ""  # elastic mode: the generation's namespace in the rendezvous store
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> "LaunchEnv":
+    def from_env(cls, environ: Mapping[str, str]) -> LaunchEnv:
         """Read the launcher's variables (HVDPLUS_*, HOROVOD_*, then torchrun's, SLURM_*, then mpirun's). torchrun's
         RANK, WORLD_SIZE and LOCAL_RANK count only where torchrun set them (TORCHELASTIC_RUN_ID): under
         `srun torchrun`, SLURM_PROCID numbers the agents, not the ranks."""
         torchrun = "TORCHELASTIC_RUN_ID" in environ
         env = cls(
-            rank=_launch_int(environ, "HVDPLUS_RANK", "HOROVOD_RANK", *(["RANK"] if torchrun else []),
-                             "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"),
-            size=_launch_int(environ, "HVDPLUS_SIZE", "HOROVOD_SIZE", *(["WORLD_SIZE"] if torchrun else []),
-                             "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
-            local_rank=_launch_int(environ, "HVDPLUS_LOCAL_RANK", "HOROVOD_LOCAL_RANK",
-                                   *(["LOCAL_RANK"] if torchrun else []), "SLURM_LOCALID",
-                                   "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"),
+            rank=_launch_int(
+                environ,
+                "HVDPLUS_RANK",
+                "HOROVOD_RANK",
+                *(["RANK"] if torchrun else []),
+                "SLURM_PROCID",
+                "OMPI_COMM_WORLD_RANK",
+                "PMI_RANK",
+            ),
+            size=_launch_int(
+                environ,
+                "HVDPLUS_SIZE",
+                "HOROVOD_SIZE",
+                *(["WORLD_SIZE"] if torchrun else []),
+                "SLURM_NTASKS",
+                "OMPI_COMM_WORLD_SIZE",
+                "PMI_SIZE",
+            ),
+            local_rank=_launch_int(
+                environ,
+                "HVDPLUS_LOCAL_RANK",
+                "HOROVOD_LOCAL_RANK",
+                *(["LOCAL_RANK"] if torchrun else []),
+                "SLURM_LOCALID",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "MPI_LOCALRANKID",
+            ),
             agent_store=torchrun and environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
             hostname=_launch_value(environ, "HVDPLUS_HOSTNAME", "HOROVOD_HOSTNAME"),
-            rendezvous_addr=_launch_value(environ, "HVDPLUS_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
-                                          "MASTER_ADDR"),
-            rendezvous_port=_launch_int(environ, "HVDPLUS_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT",
-                                        "MASTER_PORT"),
+            rendezvous_addr=_launch_value(
+                environ, "HVDPLUS_RENDEZVOUS_ADDR", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "MASTER_ADDR"
+            ),
+            rendezvous_port=_launch_int(
+                environ, "HVDPLUS_RENDEZVOUS_PORT", "HOROVOD_GLOO_RENDEZVOUS_PORT", "MASTER_PORT"
+            ),
             rendezvous_file=_launch_value(environ, "HVDPLUS_RENDEZVOUS_FILE"),
             secret_key=_launch_value(environ, "HVDPLUS_SECRET_KEY"),
-            under_mpi=_launch_value(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK",
-                                    "MPI_LOCALNRANKS") is not None,
+            under_mpi=_launch_value(environ, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")
+            is not None,
             slurm_nodelist=_launch_value(environ, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"),
             slurm_tasks_per_node=_launch_value(environ, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"),
             elastic_worker=_launch_value(environ, "HVDPLUS_ELASTIC_WORKER"),
@@ -265,7 +419,7 @@ class LaunchEnv:
         )
         return env._with_srun_rendezvous(environ)
 
-    def _with_srun_rendezvous(self, environ: Mapping[str, str]) -> "LaunchEnv":
+    def _with_srun_rendezvous(self, environ: Mapping[str, str]) -> LaunchEnv:
         """Under plain srun (a job step, no launcher): rank 0's authenticated store on the step's first node, its
         secret published in a 0600 file under HVDPLUS_SECRET_DIR (default ~/.hvdplus), which the nodes share."""
         job, step = _launch_int(environ, "SLURM_JOB_ID"), _launch_int(environ, "SLURM_STEP_ID")
@@ -273,9 +427,12 @@ class LaunchEnv:
             return self
         home = environ.get("HOME") or os.path.expanduser("~")
         secret_dir = environ.get("HVDPLUS_SECRET_DIR") or os.path.join(home, ".hvdplus")
-        return dataclasses.replace(self, rendezvous_addr=expand_nodelist(self.slurm_nodelist)[0],
-                                   rendezvous_port=self.rendezvous_port or slurm_port(job, step),
-                                   srun_secret_file=os.path.join(secret_dir, f"srun-{job}.{step}.secret"))
+        return dataclasses.replace(
+            self,
+            rendezvous_addr=expand_nodelist(self.slurm_nodelist)[0],
+            rendezvous_port=self.rendezvous_port or slurm_port(job, step),
+            srun_secret_file=os.path.join(secret_dir, f"srun-{job}.{step}.secret"),
+        )
 
 
 @dataclass(frozen=True)
@@ -331,7 +488,7 @@ class Settings:
             raise ValueError(f"gpu_operations must be 'nccl' or 'mpi', got {self.gpu_operations!r}")
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Settings":
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Build settings from `environ` (default: os.environ); keyword overrides win. `explicit` names the
         settings given by either environment name or by an override."""
         environ = os.environ if environ is None else environ

@@ -7,13 +7,20 @@ parameter list, so no plan is ever exchanged."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 from hvdplus.common.negotiation import disagreement
 
-__all__ = ["Piece", "DtypePartition", "partition", "balanced_bounds", "counts_within", "bucket_ranges",
-           "parameter_mismatch"]
+__all__ = [
+    "Piece",
+    "DtypePartition",
+    "partition",
+    "balanced_bounds",
+    "counts_within",
+    "bucket_ranges",
+    "parameter_mismatch",
+]
 
 
 def balanced_bounds(total: int, size: int) -> tuple[int, ...]:
@@ -88,12 +95,17 @@ def partition(numels: Sequence[int], kinds: Sequence[Hashable], size: int) -> li
         for index in params:
             offsets.append(total)
             total += int(numels[index])
-        plans.append(DtypePartition(kind, tuple(params), tuple(offsets), tuple(int(numels[i]) for i in params),
-                                    balanced_bounds(total, size)))
+        plans.append(
+            DtypePartition(
+                kind, tuple(params), tuple(offsets), tuple(int(numels[i]) for i in params), balanced_bounds(total, size)
+            )
+        )
     return plans
 
 
-def bucket_ranges(plan: DtypePartition, element_bytes: int, bucket_bytes: int) -> list[tuple[int, int, tuple[int, ...]]]:
+def bucket_ranges(
+    plan: DtypePartition, element_bytes: int, bucket_bytes: int
+) -> list[tuple[int, int, tuple[int, ...]]]:
     """The reduce-scatter buckets of one partition as (flat start, flat end, parameter indices): whole parameters,
     in reverse order (backward produces the last layers' gradients first), at most `bucket_bytes` each (a larger
     parameter is a bucket of its own; 0 makes every parameter its own bucket)."""
@@ -113,7 +125,6 @@ def bucket_ranges(plan: DtypePartition, element_bytes: int, bucket_bytes: int) -
     return buckets
 
 
-
 def parameter_mismatch(described: Sequence[Sequence[tuple]], ranks: Sequence[int]) -> str | None:
     """Why the ranks' parameter lists cannot be sharded together, or None. `described[i]` is rank `ranks[i]`'s
     list of (name, shape, dtype); every rank must list the same parameters in the same order."""
@@ -123,7 +134,9 @@ def parameter_mismatch(described: Sequence[Sequence[tuple]], ranks: Sequence[int
     for position in range(len(described[0]) if described else 0):
         entries = {rank: listed[position] for rank, listed in zip(ranks, described)}
         if len(set(entries.values())) > 1:
-            shown = {rank: f"{name!r} of shape {tuple(shape)} and dtype {dtype}"
-                     for rank, (name, shape, dtype) in entries.items()}
+            shown = {
+                rank: f"{name!r} of shape {tuple(shape)} and dtype {dtype}"
+                for rank, (name, shape, dtype) in entries.items()
+            }
             return f"Mismatched parameter {position} to shard: {disagreement(shown)}."
     return None

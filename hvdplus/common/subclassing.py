@@ -7,7 +7,7 @@ import functools
 __all__ = ["disguised_subclass"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def disguised_subclass(mixin: type, base: type) -> type:
     """`mixin` placed before `base`, under base's name, module and qualified name, so that isinstance checks,
     reprs and serialization by class name (a saved Keras model) all see the user's class."""

@@ -19,7 +19,7 @@ import json
 import os
 import threading
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 __all__ = ["Timeline", "TimelineSlot"]
 
@@ -116,7 +116,7 @@ class TimelineSlot:
         self._queued: list[tuple[Timeline | None, _Swap]] = []
         self._retired = False
 
-    def replace(self, timeline: Timeline | None) -> "_Swap | None":
+    def replace(self, timeline: Timeline | None) -> _Swap | None:
         """Any thread but the owner: make `timeline` the one written from the owner's next cycle on. Returns the
         swap to wait for (its `wait()` returns once the replaced timeline is closed), or None if there is nothing
         to wait for: the owner has retired (the swap happened here), or there is no timeline to stop."""

@@ -15,7 +15,7 @@ class Topology:
     hostnames: tuple[str, ...]
 
     @classmethod
-    def single_host(cls, rank: int, size: int) -> "Topology":
+    def single_host(cls, rank: int, size: int) -> Topology:
         """Every rank on one host (simulated ranks, tests)."""
         return cls(rank, ("localhost",) * size)
 

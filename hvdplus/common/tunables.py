@@ -23,6 +23,6 @@ class Tunables:
     cross_algorithm: str
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> "Tunables":
+    def from_settings(cls, settings: Settings) -> Tunables:
         """The starting values: the user's settings."""
         return cls(**{f.name: getattr(settings, f.name) for f in fields(cls)})

@@ -7,7 +7,8 @@ raises when the optimizer was built with a LearningRateSchedule, whose rate cann
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import keras
 import numpy as np
@@ -17,8 +18,13 @@ from hvdplus.common.collectives import allgather_object
 from hvdplus.common.schedules import fractional_epoch, in_epoch_range, warmup_multiplier
 from hvdplus.keras.functions import broadcast_model
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "BestModelCheckpoint"]
+__all__ = [
+    "BroadcastGlobalVariablesCallback",
+    "MetricAverageCallback",
+    "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
+    "BestModelCheckpoint",
+]
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -62,8 +68,10 @@ class MetricAverageCallback(keras.callbacks.Callback):
         names = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.issubdtype(np.asarray(v).dtype, np.number))
         gathered = allgather_object((names, [float(logs[k]) for k in names]), name=f"MetricAverageCallback.{epoch}")
         if any(other != names for other, _ in gathered):
-            raise ValueError(f"MetricAverageCallback: ranks report different metrics: "
-                             f"{[other for other, _ in gathered]}; compile every rank's model with the same metrics")
+            raise ValueError(
+                f"MetricAverageCallback: ranks report different metrics: "
+                f"{[other for other, _ in gathered]}; compile every rank's model with the same metrics"
+            )
         for i, key in enumerate(names):
             logs[key] = float(np.mean([values[i] for _, values in gathered]))
 
@@ -75,9 +83,16 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     fractional and the rate changes every batch. `momentum_correction` is not applied: Keras 3 compiles the
     momentum into the train step as a constant (a warning says so when the optimizer has momentum)."""
 
-    def __init__(self, initial_lr: float, multiplier: float | Callable[[float], float], start_epoch: int = 0,
-                 end_epoch: int | None = None, staircase: bool = True, momentum_correction: bool = True,
-                 steps_per_epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        initial_lr: float,
+        multiplier: float | Callable[[float], float],
+        start_epoch: int = 0,
+        end_epoch: int | None = None,
+        staircase: bool = True,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+    ) -> None:
         super().__init__()
         self.initial_lr = float(initial_lr)
         self.multiplier = multiplier if callable(multiplier) else (lambda epoch: multiplier)
@@ -89,16 +104,19 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         if self.momentum_correction and getattr(self.model.optimizer, "momentum", 0):
-            warnings.warn(f"{type(self).__name__}: momentum correction is not applied with Keras 3 (momentum is a "
-                          f"constant of the compiled train step); pass momentum_correction=False to silence this",
-                          stacklevel=2)
+            warnings.warn(
+                f"{type(self).__name__}: momentum correction is not applied with Keras 3 (momentum is a "
+                f"constant of the compiled train step); pass momentum_correction=False to silence this",
+                stacklevel=2,
+            )
 
     def _steps(self) -> int:
         if self.steps_per_epoch is None:
             self.steps_per_epoch = self.params.get("steps")
             if not self.steps_per_epoch:
-                raise ValueError(f"could not find the number of steps per epoch; pass steps_per_epoch= to "
-                                 f"{type(self).__name__}()")
+                raise ValueError(
+                    f"could not find the number of steps per epoch; pass steps_per_epoch= to {type(self).__name__}()"
+                )
         return self.steps_per_epoch
 
     def _adjust(self, epoch: float) -> None:
@@ -124,10 +142,23 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
     `initial_lr` is the rate after warmup (usually the single-process rate times `hvd.size()`); it changes every
     batch. Pass `steps_per_epoch` when Keras cannot tell (e.g. an infinite dataset)."""
 
-    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
-                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
-        super().__init__(initial_lr, self._warmup, start_epoch=0, end_epoch=warmup_epochs, staircase=False,
-                         momentum_correction=momentum_correction, steps_per_epoch=steps_per_epoch)
+    def __init__(
+        self,
+        initial_lr: float,
+        warmup_epochs: int = 5,
+        momentum_correction: bool = True,
+        steps_per_epoch: int | None = None,
+        verbose: int = 0,
+    ) -> None:
+        super().__init__(
+            initial_lr,
+            self._warmup,
+            start_epoch=0,
+            end_epoch=warmup_epochs,
+            staircase=False,
+            momentum_correction=momentum_correction,
+            steps_per_epoch=steps_per_epoch,
+        )
         self.warmup_epochs, self.verbose = warmup_epochs, verbose
 
     def _warmup(self, epoch: float) -> float:
@@ -146,12 +177,25 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     Keras 3 needs the path when the callback is made (Horovod's set it later); pass it as `filepath=`.
     Use MetricAverageCallback before it so that `monitor` is the average over the ranks."""
 
-    def __init__(self, monitor: str = "val_loss", verbose: int = 0, mode: str = "auto", save_freq: Any = "epoch",
-                 filepath: str | None = None) -> None:
+    def __init__(
+        self,
+        monitor: str = "val_loss",
+        verbose: int = 0,
+        mode: str = "auto",
+        save_freq: Any = "epoch",
+        filepath: str | None = None,
+    ) -> None:
         if filepath is None:
             raise ValueError("BestModelCheckpoint needs filepath= (a path ending in .keras) with Keras 3")
-        super().__init__(filepath, monitor=monitor, verbose=verbose, save_best_only=True, save_weights_only=False,
-                         mode=mode, save_freq=save_freq)
+        super().__init__(
+            filepath,
+            monitor=monitor,
+            verbose=verbose,
+            save_best_only=True,
+            save_weights_only=False,
+            mode=mode,
+            save_freq=save_freq,
+        )
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         if rank() == 0:

@@ -16,15 +16,22 @@ import keras
 from hvdplus.common.elastic import ObjectState, State
 from hvdplus.tensorflow.elastic import TensorFlowKerasState, run
 
-__all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run",
-           "State", "ObjectState", "TensorFlowKerasState"]
+__all__ = [
+    "KerasState",
+    "CommitStateCallback",
+    "UpdateBatchStateCallback",
+    "UpdateEpochStateCallback",
+    "run",
+    "State",
+    "ObjectState",
+    "TensorFlowKerasState",
+]
 
 
 class KerasState(TensorFlowKerasState):
     """State of a built Keras model, its optimizer (or `optimizer`) and keyword attributes (e.g. epoch=0, batch=0)."""
 
-    def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None, **kwargs: Any) -> None:
         super().__init__(model, optimizer=optimizer, backend=keras.backend, **kwargs)
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
@@ -37,15 +38,20 @@ def broadcast_global_variables(root_rank: int, model: keras.Model | None = None)
 
     Collective: every rank must call this, in the same order."""
     if model is None:
-        raise RuntimeError("Keras 3 keeps no global variable collection: call "
-                           "hvd.broadcast_global_variables(root_rank, model) or use "
-                           "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in model.fit")
+        raise RuntimeError(
+            "Keras 3 keeps no global variable collection: call "
+            "hvd.broadcast_global_variables(root_rank, model) or use "
+            "hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank) in model.fit"
+        )
     broadcast_model(model, root_rank)
 
 
-def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
-               custom_objects: dict[str, Any] | None = None,
-               compression: Compressor = Compression.none) -> keras.Model:
+def load_model(
+    filepath: str,
+    custom_optimizers: Sequence[type] | None = None,
+    custom_objects: dict[str, Any] | None = None,
+    compression: Compressor = Compression.none,
+) -> keras.Model:
     """`keras.models.load_model`, then the model's optimizer (with its loaded state) wrapped in DistributedOptimizer.
 
     `custom_optimizers` are optimizer classes the file needs (added to `custom_objects` by class name)."""
@@ -57,14 +63,29 @@ def load_model(filepath: str, custom_optimizers: Sequence[type] | None = None,
     return model
 
 
-def allreduce(value: Any, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
-              postscale_factor: float = 1.0, op: ReduceOp | None = None,
-              compression: Compressor = Compression.none) -> np.ndarray:
+def allreduce(
+    value: Any,
+    name: str | None = None,
+    average: bool | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    op: ReduceOp | None = None,
+    compression: Compressor = Compression.none,
+) -> np.ndarray:
     """Reduce a value (array, tensor or number) over the ranks and return it as a numpy array.
 
     Collective: every rank must call this, in the same order."""
-    return np.asarray(mpi_ops.allreduce(tf.constant(value), average, compression=compression, op=op, name=name,
-                                        prescale_factor=prescale_factor, postscale_factor=postscale_factor))
+    return np.asarray(
+        mpi_ops.allreduce(
+            tf.constant(value),
+            average,
+            compression=compression,
+            op=op,
+            name=name,
+            prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor,
+        )
+    )
 
 
 def allgather(value: Any, name: str | None = None) -> np.ndarray:

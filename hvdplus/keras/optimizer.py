@@ -11,14 +11,16 @@ Gradient accumulation (`backward_passes_per_step=k`): each `apply` adds the loca
 The k calls are counted by a counter of the wrapper's own (an optimizer wrapped after some training keeps
 its `iterations`); `optimizer.iterations` counts every call, as Keras' own gradient_accumulation_steps does.
 The collective names are taken in the step's graph before the update's tf.cond (whose branch graph would
-number them afresh), so two accumulating optimizers in one step keep theirs apart. With a mean loss and equal batches, `average_aggregated_gradients=True`
-makes k steps of b samples on n ranks equal one step on the combined k * n * b samples.
+number them afresh), so two accumulating optimizers in one step keep theirs apart. With a mean loss and equal
+batches, `average_aggregated_gradients=True` makes k steps of b samples on n ranks equal one step on the combined
+k * n * b samples.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -51,8 +53,10 @@ class _DistributedOptimizer:
         if trainable_variables is None and getattr(self, "built", False):
             trainable_variables = self._trainable_variables  # type: ignore[attr-defined]  # what Keras would use
         if trainable_variables is None:
-            raise ValueError("the optimizer is not built yet: pass trainable_variables to apply(), or call "
-                             "optimizer.build(model.trainable_variables) first")
+            raise ValueError(
+                "the optimizer is not built yet: pass trainable_variables to apply(), or call "
+                "optimizer.build(model.trainable_variables) first"
+            )
         variables = list(trainable_variables)
         if self._hvd_passes == 1:
             return super().apply(self._hvd_reducer.reduce(grads, variables), trainable_variables)  # type: ignore[misc]
@@ -71,8 +75,9 @@ class _DistributedOptimizer:
 
         def update() -> None:
             scale = 1.0 / self._hvd_passes if self._hvd_average_aggregated else 1.0
-            summed = [None if g is None else a.read_value() * tf.cast(scale, a.dtype)
-                      for g, a in zip(grads, accumulators)]
+            summed = [
+                None if g is None else a.read_value() * tf.cast(scale, a.dtype) for g, a in zip(grads, accumulators)
+            ]
             reduced = self._hvd_reducer.reduce(summed, variables, names)
             super(_DistributedOptimizer, self).apply(reduced, trainable_variables)  # type: ignore[misc]
             for accumulator in accumulators:
@@ -96,67 +101,134 @@ class _DistributedOptimizer:
         any tf.function."""
         if self._hvd_accumulators is None:
             with tf.init_scope():
-                self._hvd_accumulators = [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False,
-                                                      name="hvd_accumulator") for v in variables]
+                self._hvd_accumulators = [
+                    tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, name="hvd_accumulator") for v in variables
+                ]
                 self._hvd_calls = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvd_accumulated_calls")
         if len(self._hvd_accumulators) != len(variables):
-            raise ValueError(f"backward_passes_per_step: this optimizer accumulates {len(self._hvd_accumulators)} "
-                             f"gradients but got {len(variables)}; pass the same variables on every step")
+            raise ValueError(
+                f"backward_passes_per_step: this optimizer accumulates {len(self._hvd_accumulators)} "
+                f"gradients but got {len(variables)}; pass the same variables on every step"
+            )
         return self._hvd_accumulators
 
 
-def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None, device_dense: str = "",
-                         device_sparse: str = "", compression: Compressor = Compression.none,
-                         sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
-                         op: ReduceOp = Average, backward_passes_per_step: int = 1,
-                         average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
-                         process_set: ProcessSet = global_process_set,
-                         scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+def DistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Compressor = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: ReduceOp = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so that it applies gradients averaged (`op`) over the ranks of `process_set`.
 
-    `name` renames the optimizer and prefixes its collectives' names; `compression` is the wire codec (e.g. `Compression.fp16`); tf.IndexedSlices
-    gradients are allgathered unless `sparse_as_dense`; `gradient_predivide_factor` f divides by f before the
-    sum and by size/f after; `groups` (an int, or lists of variables) sets how many allreduce ops carry the
-    gradients (one by default); see the module docstring for `backward_passes_per_step`.
-    Collective: every rank in the process set must wrap its optimizer and apply it the same number of times."""
-    return _wrap(optimizer, name, compression, sparse_as_dense, gradient_predivide_factor, op,
-                 backward_passes_per_step, average_aggregated_gradients, merge_num_groups(num_groups, groups),
-                 process_set, scale_local_gradients, [])
+    `name` renames the optimizer and prefixes its collectives' names; `compression` is the wire codec (e.g.
+    `Compression.fp16`); tf.IndexedSlices gradients are allgathered unless `sparse_as_dense`;
+    `gradient_predivide_factor` f divides by f before the sum and by size/f after; `groups` (an int, or lists of
+    variables) sets how many allreduce ops carry the gradients (one by default); see the module docstring for
+    `backward_passes_per_step`. Collective: every rank in the process set must wrap its optimizer and apply it the
+    same number of times."""
+    return _wrap(
+        optimizer,
+        name,
+        compression,
+        sparse_as_dense,
+        gradient_predivide_factor,
+        op,
+        backward_passes_per_step,
+        average_aggregated_gradients,
+        merge_num_groups(num_groups, groups),
+        process_set,
+        scale_local_gradients,
+        [],
+    )
 
 
-def PartialDistributedOptimizer(optimizer: keras.optimizers.Optimizer, name: str | None = None,
-                                device_dense: str = "", device_sparse: str = "",
-                                compression: Compressor = Compression.none, sparse_as_dense: bool = False,
-                                gradient_predivide_factor: float = 1.0, op: ReduceOp = Average,
-                                backward_passes_per_step: int = 1, average_aggregated_gradients: bool = False,
-                                groups: Any = None, process_set: ProcessSet = global_process_set,
-                                local_layers: Any = None,
-                                scale_local_gradients: bool = True) -> keras.optimizers.Optimizer:
+def PartialDistributedOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    name: str | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Compressor = Compression.none,
+    sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0,
+    op: ReduceOp = Average,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> keras.optimizers.Optimizer:
     """A DistributedOptimizer whose `local_layers` (a Keras layer or a list of them) keep local gradients.
 
     Collective: as DistributedOptimizer."""
-    return _wrap(optimizer, name, compression, sparse_as_dense, gradient_predivide_factor, op,
-                 backward_passes_per_step, average_aggregated_gradients, groups, process_set,
-                 scale_local_gradients, _layer_variables(local_layers))
+    return _wrap(
+        optimizer,
+        name,
+        compression,
+        sparse_as_dense,
+        gradient_predivide_factor,
+        op,
+        backward_passes_per_step,
+        average_aggregated_gradients,
+        groups,
+        process_set,
+        scale_local_gradients,
+        _layer_variables(local_layers),
+    )
 
 
-def _wrap(optimizer: Any, name: str | None, compression: Compressor, sparse_as_dense: bool, predivide: float,
-          op: ReduceOp, passes: int, average_aggregated: bool, groups: Any, process_set: ProcessSet,
-          scale_local_gradients: bool, local_variables: Any) -> Any:
+def _wrap(
+    optimizer: Any,
+    name: str | None,
+    compression: Compressor,
+    sparse_as_dense: bool,
+    predivide: float,
+    op: ReduceOp,
+    passes: int,
+    average_aggregated: bool,
+    groups: Any,
+    process_set: ProcessSet,
+    scale_local_gradients: bool,
+    local_variables: Any,
+) -> Any:
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"optimizer must be a Keras 3 optimizer (keras.optimizers.Optimizer), "
-                        f"got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a Keras 3 optimizer (keras.optimizers.Optimizer), got {type(optimizer).__name__}"
+        )
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the original optimizer only once")
     check_passes(passes)
-    if (keras.config.dtype_policy().name == "mixed_float16"
-            and not isinstance(optimizer, keras.optimizers.LossScaleOptimizer)):
-        warnings.warn("with the mixed_float16 policy, wrap the loss-scale optimizer: hvd.DistributedOptimizer("
-                      "keras.optimizers.LossScaleOptimizer(opt)). Otherwise model.compile() puts a LossScaleOptimizer "
-                      "around this one, which skips the allreduce on a rank whose own gradients overflow while the "
-                      "other ranks wait for it.", stacklevel=3)
-    reducer = GradientReducer(compression, sparse_as_dense, op, predivide, groups, process_set,
-                              scale_local_gradients, name or "DistributedOptimizer")
+    if keras.config.dtype_policy().name == "mixed_float16" and not isinstance(
+        optimizer, keras.optimizers.LossScaleOptimizer
+    ):
+        warnings.warn(
+            "with the mixed_float16 policy, wrap the loss-scale optimizer: hvd.DistributedOptimizer("
+            "keras.optimizers.LossScaleOptimizer(opt)). Otherwise model.compile() puts a LossScaleOptimizer "
+            "around this one, which skips the allreduce on a rank whose own gradients overflow while the "
+            "other ranks wait for it.",
+            stacklevel=3,
+        )
+    reducer = GradientReducer(
+        compression,
+        sparse_as_dense,
+        op,
+        predivide,
+        groups,
+        process_set,
+        scale_local_gradients,
+        name or "DistributedOptimizer",
+    )
     reducer.register_local(local_variables)
     config = optimizer.get_config()
     if name is not None:
@@ -173,7 +245,9 @@ def _copy_state(source: Any, target: Any) -> None:
     """Build `target` on `source`'s variables and copy its slots and iteration count."""
     target.build(source._trainable_variables)  # the list a built Keras optimizer was built with
     if len(target.variables) != len(source.variables):
-        raise ValueError(f"cannot carry the optimizer's state over: it has {len(source.variables)} variables, "
-                         f"the wrapped copy {len(target.variables)}")
+        raise ValueError(
+            f"cannot carry the optimizer's state over: it has {len(source.variables)} variables, "
+            f"the wrapped copy {len(target.variables)}"
+        )
     for mine, theirs in zip(target.variables, source.variables):
         mine.assign(theirs)

@@ -48,14 +48,15 @@ between ranks): broadcast the model's variables and `optimizer.replicated_variab
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
-from hvdplus.common import collectives as core
 from hvdplus.common import basics
+from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.ops import ReduceOp
@@ -129,18 +130,20 @@ class _ZeroStep:
         if not process_set.included():
             raise ValueError("ZeroOptimizer: this rank is not a member of the optimizer's process set")
         _check_same_variables(variables, process_set, self._hvd_reducer.prefix)
-        plans = partition([_numel(v) for v in variables], [dtype_name(v.dtype) for v in variables],
-                          process_set.size())
+        plans = partition([_numel(v) for v in variables], [dtype_name(v.dtype) for v in variables], process_set.size())
         me = process_set.rank()
         with tf.init_scope():
             shards = []
             for index, plan in enumerate(plans):
                 start, end = plan.shard(me)
-                flat = [np.asarray(variables[p.param].numpy()).reshape(-1)[p.start:p.start + p.length]
-                        for p in plan.pieces(start, end)]
+                flat = [
+                    np.asarray(variables[p.param].numpy()).reshape(-1)[p.start : p.start + p.length]
+                    for p in plan.pieces(start, end)
+                ]
                 initial = np.concatenate(flat) if flat else np.zeros([0], plan.kind)
-                shards.append(keras.Variable(initial, dtype=plan.kind, trainable=True,
-                                             name=f"zero_shard_{index}_{plan.kind}"))
+                shards.append(
+                    keras.Variable(initial, dtype=plan.kind, trainable=True, name=f"zero_shard_{index}_{plan.kind}")
+                )
         _set(self, "_hvd_model_variables", variables)
         _set(self, "_hvd_plans", plans)
         _set(self, "_hvd_shards", shards)
@@ -161,8 +164,9 @@ class _ZeroStep:
         _set(self, "_hvd_slots", slots)
 
     @_not_converted
-    def add_variable_from_reference(self, reference_variable: Any, name: str | None = None,
-                                    initializer: Any = "zeros") -> Any:
+    def add_variable_from_reference(
+        self, reference_variable: Any, name: str | None = None, initializer: Any = "zeros"
+    ) -> Any:
         variable = super().add_variable_from_reference(reference_variable, name, initializer)  # type: ignore[misc]
         if self._hvd_recording is not None:
             self._hvd_recording.append((id(variable), reference_variable, name or "var"))
@@ -180,9 +184,11 @@ class _ZeroStep:
                 optimizer.build(variables)
         model_variables = self._hvd_model_variables or []
         if len(variables) != len(model_variables) or any(a is not b for a, b in zip(variables, model_variables)):
-            raise ValueError(f"ZeroOptimizer was built on {len(model_variables)} variables and shards their state; "
-                             f"apply() must get gradients of those same variables, in the same order "
-                             f"(got {len(variables)} variables)")
+            raise ValueError(
+                f"ZeroOptimizer was built on {len(model_variables)} variables and shards their state; "
+                f"apply() must get gradients of those same variables, in the same order "
+                f"(got {len(variables)} variables)"
+            )
         if len(grads) != len(variables):
             raise ValueError(f"ZeroOptimizer.apply: {len(grads)} gradients for {len(variables)} variables")
         prefix = self._hvd_reducer.pending
@@ -193,18 +199,20 @@ class _ZeroStep:
         me = process_set.rank()
         shard_grads = []
         for index, (plan, shard) in enumerate(zip(self._hvd_plans, self._hvd_shards)):
-            flat = tf.concat([tf.reshape(tf.cast(_dense(grads[i], variables[i]), shard.dtype), [-1])
-                              for i in plan.params], 0)
+            flat = tf.concat(
+                [tf.reshape(tf.cast(_dense(grads[i], variables[i]), shard.dtype), [-1]) for i in plan.params], 0
+            )
             wire, ctx = compression.compress(flat)
-            reduced = reducescatter_flat(wire, plan.counts, f"{prefix}.reducescatter{index}", ReduceOp.AVERAGE,
-                                         process_set)
+            reduced = reducescatter_flat(
+                wire, plan.counts, f"{prefix}.reducescatter{index}", ReduceOp.AVERAGE, process_set
+            )
             shard_grads.append(tf.cast(compression.decompress(reduced, ctx), shard.dtype))
             shard.assign(_own_slice(plan, variables, me, shard.dtype))
         super().apply(shard_grads, self._hvd_shards)  # type: ignore[misc]
         for index, (plan, shard) in enumerate(zip(self._hvd_plans, self._hvd_shards)):
             full = allgather_flat(shard.value, plan.counts, f"{prefix}.allgather{index}", process_set)
             for i, offset, numel in zip(plan.params, plan.offsets, plan.numels):
-                variables[i].assign(tf.reshape(full[offset:offset + numel], variables[i].shape))
+                variables[i].assign(tf.reshape(full[offset : offset + numel], variables[i].shape))
 
     # ------------------------------------------------------------------ state
     @property
@@ -240,8 +248,10 @@ class _ZeroStep:
             if call is None:
                 mine = next(replicated, None)
                 if mine is None or tuple(mine.shape) != tuple(variable.shape):
-                    raise NotImplementedError(f"ZeroOptimizer cannot map the state of {type(self).__name__} to its "
-                                              f"plain layout (variable {variable.path})")
+                    raise NotImplementedError(
+                        f"ZeroOptimizer cannot map the state of {type(self).__name__} to its "
+                        f"plain layout (variable {variable.path})"
+                    )
                 layout.append(("replicated", mine))
             else:
                 reference, name = call
@@ -267,9 +277,14 @@ class _ZeroStep:
         gathered: dict[tuple[int, str], np.ndarray] = {}
         for number, ((plan_index, name), slot) in enumerate(sorted(self._hvd_slots.items(), key=lambda kv: kv[0])):
             plan = self._hvd_plans[plan_index]
-            gathered[(plan_index, name)] = np.asarray(allgather_flat(
-                tf.reshape(tf.convert_to_tensor(slot.value), [-1]), plan.counts,
-                f"{self._hvd_reducer.prefix}.consolidate{number}", process_set))
+            gathered[(plan_index, name)] = np.asarray(
+                allgather_flat(
+                    tf.reshape(tf.convert_to_tensor(slot.value), [-1]),
+                    plan.counts,
+                    f"{self._hvd_reducer.prefix}.consolidate{number}",
+                    process_set,
+                )
+            )
         if root is not None and basics.rank() != root:
             return None
         result = []
@@ -282,7 +297,7 @@ class _ZeroStep:
             plan = self._hvd_plans[plan_index]
             offset = plan.offsets[plan.params.index(param)]
             variable = self._hvd_model_variables[param]
-            result.append(gathered[(plan_index, name)][offset:offset + _numel(variable)].reshape(variable.shape))
+            result.append(gathered[(plan_index, name)][offset : offset + _numel(variable)].reshape(variable.shape))
         _set(self, "_hvd_consolidated", (int(optimizer.iterations.numpy()), len(layout), result))
         return result
 
@@ -312,9 +327,12 @@ class _ZeroStep:
             return
         layout = self._plain_layout()
         if count != len(layout):
-            warnings.warn(f"Skipping variable loading for ZeroOptimizer '{optimizer.name}': the saved optimizer has "
-                          f"{count} variables, neither the plain layout ({len(layout)}) nor the replicated state "
-                          f"({len(replicated)})", stacklevel=2)
+            warnings.warn(
+                f"Skipping variable loading for ZeroOptimizer '{optimizer.name}': the saved optimizer has "
+                f"{count} variables, neither the plain layout ({len(layout)}) nor the replicated state "
+                f"({len(replicated)})",
+                stacklevel=2,
+            )
             return
         me = self._hvd_process_set.rank()
         pending: dict[tuple[int, str], np.ndarray] = {}
@@ -331,8 +349,9 @@ class _ZeroStep:
             value = np.asarray(store[str(i)]).reshape(-1)
             for piece in plan.pieces(start, end):
                 if piece.param == param:
-                    buffer[piece.offset - start:piece.offset - start + piece.length] = \
-                        value[piece.start:piece.start + piece.length]
+                    buffer[piece.offset - start : piece.offset - start + piece.length] = value[
+                        piece.start : piece.start + piece.length
+                    ]
         for key, buffer in pending.items():
             self._hvd_slots[key].assign(buffer)
 
@@ -343,11 +362,13 @@ class _SlotProbe:
     _hvd_probe_calls: dict[int, tuple[Any, str]]
 
     @_not_converted
-    def add_variable_from_reference(self, reference_variable: Any, name: str | None = None,
-                                    initializer: Any = "zeros") -> Any:
+    def add_variable_from_reference(
+        self, reference_variable: Any, name: str | None = None, initializer: Any = "zeros"
+    ) -> Any:
         optimizer: Any = self
-        variable = optimizer.add_variable(shape=(0,), initializer="zeros", dtype=reference_variable.dtype,
-                                          name=f"probe_{name or 'var'}")
+        variable = optimizer.add_variable(
+            shape=(0,), initializer="zeros", dtype=reference_variable.dtype, name=f"probe_{name or 'var'}"
+        )
         self._hvd_probe_calls[id(variable)] = (reference_variable, name or "var")
         return variable
 
@@ -366,8 +387,10 @@ class _ZeroOptimizer(_DistributedOptimizer, _ZeroStep):
         if trainable_variables is None:
             trainable_variables = self._hvd_model_variables
         if trainable_variables is None:
-            raise ValueError("the optimizer is not built yet: pass trainable_variables to apply(), or call "
-                             "optimizer.build(model.trainable_variables) first")
+            raise ValueError(
+                "the optimizer is not built yet: pass trainable_variables to apply(), or call "
+                "optimizer.build(model.trainable_variables) first"
+            )
         variables = list(trainable_variables)
         if self._hvd_passes == 1:
             return _ZeroStep.apply(self, grads, variables)
@@ -382,15 +405,18 @@ def _dense(grad: Any, variable: Any) -> tf.Tensor:
 
 def _own_slice(plan: DtypePartition, variables: Sequence[Any], rank: int, dtype: Any) -> tf.Tensor:
     start, end = plan.shard(rank)
-    parts = [tf.reshape(tf.convert_to_tensor(variables[p.param]), [-1])[p.start:p.start + p.length]
-             for p in plan.pieces(start, end)]
+    parts = [
+        tf.reshape(tf.convert_to_tensor(variables[p.param]), [-1])[p.start : p.start + p.length]
+        for p in plan.pieces(start, end)
+    ]
     return tf.concat(parts, 0) if parts else tf.zeros([0], dtype)
 
 
 def _check_same_variables(variables: Sequence[Any], process_set: ProcessSet, prefix: str) -> None:
     """CollectiveMismatchError on every rank unless all ranks have the same number, shapes and dtypes."""
-    mine = [(getattr(v, "path", None) or v.name, tuple(int(d) for d in v.shape), dtype_name(v.dtype))
-            for v in variables]
+    mine = [
+        (getattr(v, "path", None) or v.name, tuple(int(d) for d in v.shape), dtype_name(v.dtype)) for v in variables
+    ]
     everyone = core.allgather_object(mine, f"{prefix}.check_variables", process_set)
     ranks = process_set._runtime_ranks()  # global ranks, in set order
     reference = everyone[0]
@@ -401,17 +427,25 @@ def _check_same_variables(variables: Sequence[Any], process_set: ProcessSet, pre
             if a is not None and b is not None and a[1:] == b[1:]:
                 continue
             name = (a or b)[0]
-            described = [f"rank {r}: " + ("no such variable" if x is None else f"shape {x[1]} {x[2]} ({x[0]!r})")
-                         for r, x in ((ranks[0], a), (member, b))]
+            described = [
+                f"rank {r}: " + ("no such variable" if x is None else f"shape {x[1]} {x[2]} ({x[0]!r})")
+                for r, x in ((ranks[0], a), (member, b))
+            ]
             raise CollectiveMismatchError(
                 f"ZeroOptimizer: trainable variable {i} ({name!r}) differs between ranks ({'; '.join(described)}); "
                 f"rank {ranks[0]} has {len(reference)} trainable variables, rank {member} {len(theirs)}. Every rank "
-                f"must build the same model.")
+                f"must build the same model."
+            )
 
 
-def ZeroOptimizer(optimizer: keras.optimizers.Optimizer, compression: Compressor = Compression.none,
-                  backward_passes_per_step: int = 1, average_aggregated_gradients: bool = True,
-                  process_set: ProcessSet = global_process_set, name: str | None = None) -> keras.optimizers.Optimizer:
+def ZeroOptimizer(
+    optimizer: keras.optimizers.Optimizer,
+    compression: Compressor = Compression.none,
+    backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = True,
+    process_set: ProcessSet = global_process_set,
+    name: str | None = None,
+) -> keras.optimizers.Optimizer:
     """Wrap a Keras 3 optimizer so that its state is sharded over the ranks of `process_set` (ZeRO stage 1 with
     reduce-scattered gradients); the model's parameters stay whole and equal on every rank.
 
@@ -424,16 +458,19 @@ def ZeroOptimizer(optimizer: keras.optimizers.Optimizer, compression: Compressor
     collectives. See the module docstring for the step and for what `model.save()` keeps.
     Collective: every rank in the process set must wrap its optimizer and apply it the same number of times."""
     if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"optimizer must be a Keras 3 optimizer (keras.optimizers.Optimizer), "
-                        f"got {type(optimizer).__name__}")
+        raise TypeError(
+            f"optimizer must be a Keras 3 optimizer (keras.optimizers.Optimizer), got {type(optimizer).__name__}"
+        )
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already wrapped by hvdplus; wrap the original optimizer")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise TypeError("ZeroOptimizer cannot wrap a LossScaleOptimizer")
     for option in ("clipnorm", "global_clipnorm"):
         if getattr(optimizer, option, None):
-            raise ValueError(f"ZeroOptimizer: {option} needs whole-variable gradient norms, which no rank has; "
-                             f"use clipvalue, or clip before apply()")
+            raise ValueError(
+                f"ZeroOptimizer: {option} needs whole-variable gradient norms, which no rank has; "
+                f"use clipvalue, or clip before apply()"
+            )
     if getattr(optimizer, "use_ema", False):
         raise ValueError("ZeroOptimizer does not support use_ema (the moving averages would be of shards)")
     check_passes(backward_passes_per_step)

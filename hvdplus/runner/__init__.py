@@ -14,5 +14,6 @@ def __getattr__(name: str) -> Any:
     # Lazy, so that workers importing the rendezvous client do not load the whole launcher.
     if name == "run":
         from hvdplus.runner.api import run
+
         return run
     raise AttributeError(f"module 'hvdplus.runner' has no attribute {name!r}")

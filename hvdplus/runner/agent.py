@@ -62,11 +62,13 @@ class Worker:
                 env["GLOO_SOCKET_IFNAME"] = interface
         cwd = spec.get("cwd")
         if cwd and not os.path.isdir(cwd):
-            print(f"hvdplusrun: {socket.gethostname()} has no directory {cwd}; running in {os.getcwd()}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"hvdplusrun: {socket.gethostname()} has no directory {cwd}; running in {os.getcwd()}",
+                file=sys.stderr,
+                flush=True,
+            )
             cwd = None
-        self.proc = subprocess.Popen(spec["argv"], env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(spec["argv"], env=env, cwd=cwd, stdin=subprocess.DEVNULL, start_new_session=True)
         self._stopping = threading.Lock()
 
     def _signal_group(self, signum: int) -> None:
@@ -115,8 +117,11 @@ def main() -> int:
     try:
         worker = Worker(spec)
     except OSError as exc:
-        print(f"hvdplusrun: cannot start {spec['argv'][0]!r} on {socket.gethostname()}: {exc}",
-              file=sys.stderr, flush=True)
+        print(
+            f"hvdplusrun: cannot start {spec['argv'][0]!r} on {socket.gethostname()}: {exc}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 127
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda *_: worker.stop())

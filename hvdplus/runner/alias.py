@@ -17,8 +17,8 @@ import importlib.machinery
 import importlib.metadata
 import sys
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 __all__ = ["ALIAS_PATH", "PTH_NAME", "install_fallback", "real_horovod", "main"]
 
@@ -58,8 +58,7 @@ def _record() -> Path | None:
         dist = importlib.metadata.distribution("hvdplus")
     except importlib.metadata.PackageNotFoundError:
         return None
-    record = next((f for f in dist.files or () if f.name == "RECORD" and f.parent.name.endswith(".dist-info")),
-                  None)
+    record = next((f for f in dist.files or () if f.name == "RECORD" and f.parent.name.endswith(".dist-info")), None)
     if record is None:
         return None
     path = Path(dist.locate_file(record)).resolve()
@@ -78,11 +77,18 @@ def _on() -> str:
     pth = _site_packages() / PTH_NAME
     pth.write_text(_PTH_LINE)
     _set_record_line(True)
-    owner = ("`pip uninstall hvdplus` removes it too" if _record() is not None
-             else "hvdplus was not installed here by pip, so only `hvdplus-horovod-alias off` removes it")
+    owner = (
+        "`pip uninstall hvdplus` removes it too"
+        if _record() is not None
+        else "hvdplus was not installed here by pip, so only `hvdplus-horovod-alias off` removes it"
+    )
     shadow = real_horovod()
-    note = (f"\nA real Horovod is installed ({shadow}): `import horovod` keeps loading it; the alias serves only "
-            f"environments without one." if shadow else "")
+    note = (
+        f"\nA real Horovod is installed ({shadow}): `import horovod` keeps loading it; the alias serves only "
+        f"environments without one."
+        if shadow
+        else ""
+    )
     return f"on: {pth} makes `import horovod...` load hvdplus in this environment; {owner}.{note}"
 
 
@@ -110,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="hvdplus-horovod-alias",
         description="Let unmodified Horovod scripts (import horovod.torch as hvd) run on hvdplus under any launcher "
-                    "(srun, mpirun, torchrun) in this Python environment. Never shadows a real Horovod.")
+        "(srun, mpirun, torchrun) in this Python environment. Never shadows a real Horovod.",
+    )
     parser.add_argument("action", choices=["on", "off", "status"])
     args = parser.parse_args(argv)
     print({"on": _on, "off": _off, "status": _status}[args.action]())

@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
+from hvdplus.common.rendezvous import RendezvousServer, new_secret
 from hvdplus.runner.args import parse_args
 from hvdplus.runner.gloo_run import rendezvous_addresses
 from hvdplus.runner.job import job_from_args
 from hvdplus.runner.launch import run_job
-from hvdplus.common.rendezvous import RendezvousServer, new_secret
 
 __all__ = ["run", "FUNCTION_KEY", "result_key"]
 
@@ -35,8 +36,15 @@ def _dumps(value: Any) -> bytes:
     return cloudpickle.dumps(value)
 
 
-def _argv(np: int, hosts: str | None, hostfile: str | None, use_gloo: bool, use_mpi: bool,
-          env: Mapping[str, str], options: dict[str, Any]) -> list[str]:
+def _argv(
+    np: int,
+    hosts: str | None,
+    hostfile: str | None,
+    use_gloo: bool,
+    use_mpi: bool,
+    env: Mapping[str, str],
+    options: dict[str, Any],
+) -> list[str]:
     argv = ["-np", str(np)]
     for flag, value in (("-H", hosts), ("--hostfile", hostfile), *options.items()):
         if value is not None and value is not False:
@@ -47,27 +55,49 @@ def _argv(np: int, hosts: str | None, hostfile: str | None, use_gloo: bool, use_
     return argv + ["--", sys.executable, "-m", "hvdplus.runner.task"]
 
 
-def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None, np: int = 1,
-        hosts: str | None = None, hostfile: str | None = None, use_gloo: bool = False, use_mpi: bool = False,
-        env: Mapping[str, str] | None = None, start_timeout: int | None = None, ssh_port: int | None = None,
-        ssh_identity_file: str | None = None, network_interfaces: str | None = None,
-        output_filename: str | None = None, verbose: bool = False) -> list[Any]:
+def run(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    np: int = 1,
+    hosts: str | None = None,
+    hostfile: str | None = None,
+    use_gloo: bool = False,
+    use_mpi: bool = False,
+    env: Mapping[str, str] | None = None,
+    start_timeout: int | None = None,
+    ssh_port: int | None = None,
+    ssh_identity_file: str | None = None,
+    network_interfaces: str | None = None,
+    output_filename: str | None = None,
+    verbose: bool = False,
+) -> list[Any]:
     """Run `fn(*args, **kwargs)` on `np` ranks (hvd.init() inside it as usual); return the results by rank.
 
     Raises RuntimeError naming the failed rank (with its traceback) if any rank fails."""
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}; pass the function itself")
-    options = {"--start-timeout": start_timeout, "--ssh-port": ssh_port, "--ssh-identity-file": ssh_identity_file,
-               "--network-interfaces": network_interfaces, "--output-filename": output_filename,
-               "--verbose": verbose}
+    options = {
+        "--start-timeout": start_timeout,
+        "--ssh-port": ssh_port,
+        "--ssh-identity-file": ssh_identity_file,
+        "--network-interfaces": network_interfaces,
+        "--output-filename": output_filename,
+        "--verbose": verbose,
+    }
     spec = job_from_args(parse_args(_argv(np, hosts, hostfile, use_gloo, use_mpi, env or {}, options)), os.environ)
     payload = _dumps((fn, tuple(args), dict(kwargs or {})))
     if spec.mode == "mpi":  # mpirun has no store of its own: serve one for the function and results
         addresses = rendezvous_addresses([h.name for h in spec.hosts], spec.nics)
         address, secret = next(iter(addresses.values())), new_secret()
         server = RendezvousServer([address], secret)
-        spec.env.update({"HVDPLUS_RENDEZVOUS_ADDR": address, "HVDPLUS_RENDEZVOUS_PORT": str(server.port(address)),
-                         "HVDPLUS_SECRET_KEY": secret})
+        spec.env.update(
+            {
+                "HVDPLUS_RENDEZVOUS_ADDR": address,
+                "HVDPLUS_RENDEZVOUS_PORT": str(server.port(address)),
+                "HVDPLUS_SECRET_KEY": secret,
+            }
+        )
         server.put(FUNCTION_KEY, payload)
         try:
             code, _ = run_job(spec)

@@ -18,8 +18,10 @@ __all__ = ["Blame", "Failure"]
 # The last line of a Python traceback: "RuntimeError: ...", "hvdplus.common.exceptions.HorovodInternalError: ..."
 _EXCEPTION = re.compile(r"^(?:\[rank\d+\]: )?((?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt)\b.*)$")
 # Errors a rank raises because a peer failed: the peer shut down, or the transport to it broke.
-_CONSEQUENCE = re.compile(r"HorovodInternalError: .*(was shut down on rank|collective failed on rank|"
-                          r"did not answer a control round)")
+_CONSEQUENCE = re.compile(
+    r"HorovodInternalError: .*(was shut down on rank|collective failed on rank|"
+    r"did not answer a control round)"
+)
 # A peer's error that names a frozen or hung rank, which prints nothing itself.
 _SILENT = re.compile(r"(?:rank (\d+)|ranks \[(\d+)[^\]]*\]) did not answer a control round")
 

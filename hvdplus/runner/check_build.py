@@ -33,13 +33,26 @@ def check_build() -> str:
     except ValueError:
         flavor = "unknown"
     torch, tf, mpi4py = _found("torch"), _found("tensorflow"), _found("mpi4py")
-    rows = [f"hvdplus v{version}:", "", "Available Frameworks:",
-            f"    {_mark(tf and _found('hvdplus.tensorflow'))} TensorFlow",
-            f"    {_mark(torch and _found('hvdplus.torch'))} PyTorch",
-            f"    {_mark(_found('keras') and _found('hvdplus.keras'))} Keras",
-            "", "Available Controllers:", f"    {_mark(mpi4py and mpirun is not None)} MPI", f"    {_mark(torch)} Gloo",
-            "", "Available Tensor Operations:", f"    {_mark(False)} NCCL", f"    {_mark(False)} DDL",
-            f"    {_mark(False)} CCL", f"    {_mark(mpi4py)} MPI", f"    {_mark(torch)} Gloo",
-            "", f"mpirun: {mpirun or 'not found'}{f' ({flavor})' if flavor else ''}",
-            f"mpi4py: {'found' if mpi4py else 'not found (pip install hvdplus[mpi])'}"]
+    rows = [
+        f"hvdplus v{version}:",
+        "",
+        "Available Frameworks:",
+        f"    {_mark(tf and _found('hvdplus.tensorflow'))} TensorFlow",
+        f"    {_mark(torch and _found('hvdplus.torch'))} PyTorch",
+        f"    {_mark(_found('keras') and _found('hvdplus.keras'))} Keras",
+        "",
+        "Available Controllers:",
+        f"    {_mark(mpi4py and mpirun is not None)} MPI",
+        f"    {_mark(torch)} Gloo",
+        "",
+        "Available Tensor Operations:",
+        f"    {_mark(False)} NCCL",
+        f"    {_mark(False)} DDL",
+        f"    {_mark(False)} CCL",
+        f"    {_mark(mpi4py)} MPI",
+        f"    {_mark(torch)} Gloo",
+        "",
+        f"mpirun: {mpirun or 'not found'}{f' ({flavor})' if flavor else ''}",
+        f"mpi4py: {'found' if mpi4py else 'not found (pip install hvdplus[mpi])'}",
+    ]
     return "\n".join(rows)

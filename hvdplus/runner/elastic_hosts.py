@@ -41,8 +41,9 @@ def discover_with_script(script: str, slots_per_host: int) -> dict[str, int]:
     """Run the discovery script once; its hosts, or RuntimeError with its exit status and error output."""
     done = subprocess.run([script], capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT_SECONDS)
     if done.returncode != 0:
-        raise RuntimeError(f"host discovery script {script} failed with exit code {done.returncode}: "
-                           f"{done.stderr.strip()[-500:]}")
+        raise RuntimeError(
+            f"host discovery script {script} failed with exit code {done.returncode}: {done.stderr.strip()[-500:]}"
+        )
     return parse_discovery_output(done.stdout, slots_per_host)
 
 
@@ -71,7 +72,7 @@ class HostManager:
         with self._lock:
             before = self._usable()
             now = time.monotonic()
-            for host, state in self._states.items():
+            for state in self._states.values():
                 if state.blacklisted_until is not None and state.blacklisted_until <= now:
                     state.blacklisted_until = None  # back from its cooldown: a new host from now on
             self._discovered = dict(discovered)

@@ -22,10 +22,18 @@ import sys
 import threading
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
-from hvdplus.common.elastic_plan import (LATEST_KEY, Plan, arrived_key, failure_notice_key, host_of, plan_key,
-                                         waiting_key, worker_id)
+from hvdplus.common.elastic_plan import (
+    LATEST_KEY,
+    Plan,
+    arrived_key,
+    failure_notice_key,
+    host_of,
+    plan_key,
+    waiting_key,
+    worker_id,
+)
 from hvdplus.common.rendezvous import RendezvousServer, new_secret
 from hvdplus.runner.agent import source_address
 from hvdplus.runner.elastic_hosts import HostManager
@@ -127,14 +135,17 @@ class ElasticDriver:
             if self.discovery.error is not None and self.discovery.rounds <= 1:
                 raise ElasticJobError(f"host discovery failed: {self.discovery.error}")
             slots = sum(n for _, n in self.hosts.usable())
-            if self.discovery.rounds and (slots >= self.options.np or
-                                          (time.monotonic() > deadline and slots >= self.options.min_np)):
+            if self.discovery.rounds and (
+                slots >= self.options.np or (time.monotonic() > deadline and slots >= self.options.min_np)
+            ):
                 self._replan("start")
                 self._holders = set(self.plan.workers)  # the first generation's state is every worker's own
                 return
             if time.monotonic() > deadline:
-                raise ElasticJobError(f"only {slots} slot(s) became available within --elastic-timeout "
-                                      f"{self.options.timeout:g} s; the job needs at least {self.options.min_np}")
+                raise ElasticJobError(
+                    f"only {slots} slot(s) became available within --elastic-timeout "
+                    f"{self.options.timeout:g} s; the job needs at least {self.options.min_np}"
+                )
             time.sleep(POLL_SECONDS)
 
     def _watch(self) -> int:
@@ -182,8 +193,10 @@ class ElasticDriver:
         where = f"rank {rank} of generation {self.plan.generation}" if rank is not None else "starting"
         self._say(f"hvdplusrun: worker {wid} ({where}) failed with {describe_exit(code)}; blacklisting host {host}")
         if rank is not None:
-            self.server.put(failure_notice_key(self.plan.generation, rank),
-                            f"rank {rank} (worker {wid}) exited with {describe_exit(code)}".encode())
+            self.server.put(
+                failure_notice_key(self.plan.generation, rank),
+                f"rank {rank} (worker {wid}) exited with {describe_exit(code)}".encode(),
+            )
             self._member_failed = True
         self._joining.discard(wid)
         self.hosts.blacklist(host)
@@ -194,8 +207,11 @@ class ElasticDriver:
 
     def _holding(self) -> set[str]:
         """The workers that hold the training state and still run on usable hosts."""
-        return {w for w in self._holders if not self.workers[w].exited.is_set()
-                and not self.hosts.is_blacklisted(host_of(w))}
+        return {
+            w
+            for w in self._holders
+            if not self.workers[w].exited.is_set() and not self.hosts.is_blacklisted(host_of(w))
+        }
 
     def _candidates(self, holding: set[str]) -> list[str]:
         """The next plan's workers: every usable slot, hosts whose workers hold the state first (rank 0 is the
@@ -203,7 +219,7 @@ class ElasticDriver:
         usable = self.hosts.usable()
         usable.sort(key=lambda hs: not any(host_of(w) == hs[0] for w in holding))  # stable
         workers = [worker_id(host, slot) for host, slots in usable for slot in range(slots)]
-        return workers[:self.options.max_np] if self.options.max_np else workers
+        return workers[: self.options.max_np] if self.options.max_np else workers
 
     def _ready(self, wid: str) -> bool:
         """Whether a started worker has reached hvd.init (started, imported) and waits to join a generation."""
@@ -235,8 +251,10 @@ class ElasticDriver:
         self._short_since = None
         if self.plan is not None:
             if self.options.reset_limit is not None and self.resets >= self.options.reset_limit:
-                raise ElasticJobError(f"the job was reset {self.resets} time(s), the --reset-limit; the last "
-                                      f"reset was asked for because {reason}")
+                raise ElasticJobError(
+                    f"the job was reset {self.resets} time(s), the --reset-limit; the last "
+                    f"reset was asked for because {reason}"
+                )
             self.resets += 1
         self.plan = Plan(generation, tuple(workers))
         self._joining -= set(workers)
@@ -244,8 +262,9 @@ class ElasticDriver:
         self.server.put(plan_key(generation), self.plan.encode())
         self.server.put(LATEST_KEY, str(generation).encode())
         if self.spec.verbose or generation:
-            self._say(f"hvdplusrun: generation {generation} ({reason}): {self.plan.size} worker(s): "
-                      f"{', '.join(workers)}")
+            self._say(
+                f"hvdplusrun: generation {generation} ({reason}): {self.plan.size} worker(s): {', '.join(workers)}"
+            )
         self._member_failed = False
 
     def _nobody_left(self) -> str:
@@ -256,18 +275,24 @@ class ElasticDriver:
         discovered = self.hosts.discovered()
         if discovered and all(self.hosts.is_blacklisted(h) for h in discovered):
             return f"every host is blacklisted ({', '.join(discovered)}): workers failed on each of them"
-        return (f"every worker that held the training state has failed or left ({', '.join(sorted(self._holders))}): "
-                "there is no state to carry on from")
+        return (
+            f"every worker that held the training state has failed or left ({', '.join(sorted(self._holders))}): "
+            "there is no state to carry on from"
+        )
 
     def _short_of_slots(self, slots: int) -> None:
         now = time.monotonic()
         if self._short_since is None:
             self._short_since = now
-            self._say(f"hvdplusrun: {slots} slot(s) usable, fewer than --min-np {self.options.min_np}: waiting up "
-                      f"to {self.options.timeout:g} s (--elastic-timeout) for more hosts")
+            self._say(
+                f"hvdplusrun: {slots} slot(s) usable, fewer than --min-np {self.options.min_np}: waiting up "
+                f"to {self.options.timeout:g} s (--elastic-timeout) for more hosts"
+            )
         elif now - self._short_since > self.options.timeout:
-            raise ElasticJobError(f"fewer than --min-np {self.options.min_np} slots ({slots}) stayed available for "
-                                  f"--elastic-timeout {self.options.timeout:g} s")
+            raise ElasticJobError(
+                f"fewer than --min-np {self.options.min_np} slots ({slots}) stayed available for "
+                f"--elastic-timeout {self.options.timeout:g} s"
+            )
         self._plan_version = -1  # look again at the next round
 
     def _after_meeting(self) -> None:
@@ -285,12 +310,19 @@ class ElasticDriver:
         """Start worker `wid` to join generation `generation` or a later one; `workers`: the planned ranks."""
         host = host_of(wid)
         address = "127.0.0.1" if is_local(host) else source_address(host)
-        slot = assign_slots([Host(h, n) for h, n in Counter(map(host_of, workers)).items()],
-                            len(workers))[workers.index(wid)]
+        slot = assign_slots([Host(h, n) for h, n in Counter(map(host_of, workers)).items()], len(workers))[
+            workers.index(wid)
+        ]
         env = slot_env(self.spec, slot, address, self.server.listen(address), self.secret)
-        env.update({"HOROVOD_ELASTIC": "1", "HVDPLUS_ELASTIC_WORKER": wid,
-                    "HVDPLUS_ELASTIC_GENERATION": str(generation), "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout),
-                    "HVDPLUS_CPU_OPERATIONS": "gloo"})
+        env.update(
+            {
+                "HOROVOD_ELASTIC": "1",
+                "HVDPLUS_ELASTIC_WORKER": wid,
+                "HVDPLUS_ELASTIC_GENERATION": str(generation),
+                "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout),
+                "HVDPLUS_CPU_OPERATIONS": "gloo",
+            }
+        )
         self.workers[wid] = start_agent(self.spec, self.supervisor, host, env, address, f"worker {wid}", tag=wid)
         self._started_for[wid] = generation
         self._joining.add(wid)

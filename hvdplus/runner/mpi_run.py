@@ -68,20 +68,36 @@ def abort_on_exception(command: list[str], runner: str = "mpi4py") -> list[str]:
     """Run Python programs through mpi4py's runner (`python -m mpi4py script.py`): an unhandled exception
     then aborts the whole job instead of leaving the rank stuck in MPI_Finalize while the others wait.
     `runner` is the module that does it (hvdplus.runner.rank_main also line-buffers the output)."""
-    if (len(command) > 1 and re.fullmatch(r"python[\d.]*", os.path.basename(command[0]))
-            and (not command[1].startswith("-") or command[1] in ("-m", "-c"))):
+    if (
+        len(command) > 1
+        and re.fullmatch(r"python[\d.]*", os.path.basename(command[0]))
+        and (not command[1].startswith("-") or command[1] in ("-m", "-c"))
+    ):
         return [command[0], "-m", runner, *command[1:]]
     return list(command)
 
 
-def _ssh_args(spec: "JobSpec") -> str:
+def _ssh_args(spec: JobSpec) -> str:
     return " ".join(shlex.quote(o) for o in spec.ssh.options())
 
 
-def _openmpi(mpirun: str, spec: "JobSpec", exported: list[str], as_root: bool) -> list[str]:
+def _openmpi(mpirun: str, spec: JobSpec, exported: list[str], as_root: bool) -> list[str]:
     hosts = ",".join(f"{h.name}:{h.slots}" for h in spec.hosts)
-    command = [mpirun, "-np", str(len(spec.slots)), "-H", hosts, "--bind-to", "none", "--map-by", "slot",
-               "--tag-output", "--mca", "plm_rsh_args", _ssh_args(spec)]
+    command = [
+        mpirun,
+        "-np",
+        str(len(spec.slots)),
+        "-H",
+        hosts,
+        "--bind-to",
+        "none",
+        "--map-by",
+        "slot",
+        "--tag-output",
+        "--mca",
+        "plm_rsh_args",
+        _ssh_args(spec),
+    ]
     if as_root:
         command.append("--allow-run-as-root")
     if Path(mpirun).parent == Path(sys.executable).parent:  # the venv's MPI: same prefix on every host
@@ -94,10 +110,20 @@ def _openmpi(mpirun: str, spec: "JobSpec", exported: list[str], as_root: bool) -
     return command + spec.mpi_args + abort_on_exception(spec.command)
 
 
-def _mpich(mpirun: str, spec: "JobSpec", exported: list[str]) -> list[str]:
+def _mpich(mpirun: str, spec: JobSpec, exported: list[str]) -> list[str]:
     hosts = ",".join(f"{h.name}:{h.slots}" for h in spec.hosts)
-    command = [mpirun, "-np", str(len(spec.slots)), "-hosts", hosts, "-prepend-rank",
-               "-launcher", "ssh", "-launcher-exec", f"ssh {_ssh_args(spec)}"]
+    command = [
+        mpirun,
+        "-np",
+        str(len(spec.slots)),
+        "-hosts",
+        hosts,
+        "-prepend-rank",
+        "-launcher",
+        "ssh",
+        "-launcher-exec",
+        f"ssh {_ssh_args(spec)}",
+    ]
     if spec.nics:
         command += ["-iface", spec.nics[0]]
     if exported:
@@ -105,14 +131,14 @@ def _mpich(mpirun: str, spec: "JobSpec", exported: list[str]) -> list[str]:
     return command + spec.mpi_args + abort_on_exception(spec.command, "hvdplus.runner.rank_main")
 
 
-def mpirun_command(mpirun: str, flavor: str, spec: "JobSpec", exported: list[str], as_root: bool) -> list[str]:
+def mpirun_command(mpirun: str, flavor: str, spec: JobSpec, exported: list[str], as_root: bool) -> list[str]:
     """The full mpirun command line; `exported` names the variables every rank gets (values stay in env)."""
     if flavor not in FLAVORS:
         raise ValueError(f"MPI flavor must be one of {FLAVORS}, got {flavor!r}")
     return _openmpi(mpirun, spec, exported, as_root) if flavor == "openmpi" else _mpich(mpirun, spec, exported)
 
 
-def run_mpi(spec: "JobSpec") -> int:
+def run_mpi(spec: JobSpec) -> int:
     """Run the job under mpirun (after the checks both modes make); mpirun itself ends the job when a rank
     fails."""
     preflight(spec)

@@ -24,31 +24,41 @@ class LaunchError(RuntimeError):
     running."""
 
 
-def preflight(spec: "JobSpec") -> None:
+def preflight(spec: JobSpec) -> None:
     """Raise LaunchError naming the first problem: a remote host ssh cannot reach (tried with the ssh connect
     timeout), or, on this machine when it runs ranks, a --network-interfaces name without an IPv4 address, a
     program not on the job's PATH, or a Python script that does not exist."""
     hostnames = [h.name for h in spec.hosts]
     problems = check_reachable([h for h in hostnames if not is_local(h)], spec.ssh)
     if problems:
-        raise LaunchError("; ".join(problems) + ". Check the host names, --ssh-port and --ssh-identity-file "
-                          "(hvdplusrun needs password-less ssh to every remote host)")
+        raise LaunchError(
+            "; ".join(problems) + ". Check the host names, --ssh-port and --ssh-identity-file "
+            "(hvdplusrun needs password-less ssh to every remote host)"
+        )
     if not any(is_local(h) for h in hostnames):
         return
     for nic in spec.nics:
         if agent.interface_address(nic) is None:
-            raise LaunchError(f"--network-interfaces: this machine has no interface {nic!r} with an IPv4 "
-                              f"address (it has: {', '.join(sorted(_interfaces()))})")
+            raise LaunchError(
+                f"--network-interfaces: this machine has no interface {nic!r} with an IPv4 "
+                f"address (it has: {', '.join(sorted(_interfaces()))})"
+            )
     _check_program(spec.command, spec.env.get("PATH", os.environ.get("PATH", "")))
 
 
 def _check_program(command: list[str], path: str) -> None:
     program = command[0]
     if shutil.which(program, path=path) is None:
-        raise LaunchError(f"cannot run {program!r}: no such executable file"
-                          f"{'' if os.sep in program else ' on the PATH'} of this machine")
-    if re.fullmatch(r"python[\d.]*", os.path.basename(program)) and len(command) > 1 \
-            and not command[1].startswith("-") and not os.path.exists(command[1]):
+        raise LaunchError(
+            f"cannot run {program!r}: no such executable file"
+            f"{'' if os.sep in program else ' on the PATH'} of this machine"
+        )
+    if (
+        re.fullmatch(r"python[\d.]*", os.path.basename(program))
+        and len(command) > 1
+        and not command[1].startswith("-")
+        and not os.path.exists(command[1])
+    ):
         raise LaunchError(f"cannot run {command[1]!r}: no such Python script ({os.path.abspath(command[1])})")
 
 

@@ -20,9 +20,20 @@ class SshOptions:
 
     def options(self) -> list[str]:
         """ssh options shared by every remote call: never prompt, never hang on a dead host."""
-        opts = ["-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=accept-new", "-o", "LogLevel=ERROR",
-                "-o", f"ConnectTimeout={self.connect_timeout}", "-o", "ServerAliveInterval=5",
-                "-o", "ServerAliveCountMax=3"]
+        opts = [
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=accept-new",
+            "-o",
+            "LogLevel=ERROR",
+            "-o",
+            f"ConnectTimeout={self.connect_timeout}",
+            "-o",
+            "ServerAliveInterval=5",
+            "-o",
+            "ServerAliveCountMax=3",
+        ]
         if self.port:
             opts += ["-p", str(self.port)]
         if self.identity_file:
@@ -36,8 +47,13 @@ class SshOptions:
 
 def _probe(host: str, ssh: SshOptions) -> str | None:
     try:
-        done = subprocess.run(ssh.command(host, ["true"]), stdin=subprocess.DEVNULL, capture_output=True,
-                              text=True, timeout=ssh.connect_timeout + 5)
+        done = subprocess.run(
+            ssh.command(host, ["true"]),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=ssh.connect_timeout + 5,
+        )
     except subprocess.TimeoutExpired:
         return f"ssh to {host} did not finish within {ssh.connect_timeout + 5} s"
     except FileNotFoundError:

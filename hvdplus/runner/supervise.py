@@ -11,9 +11,10 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Mapping, Sequence
+from typing import IO
 
 from hvdplus.runner.blame import Blame, Failure
 
@@ -53,6 +54,7 @@ class Process:
     def watch_exit(self) -> None:
         """Record when the process ends (a thread blocks in its wait, so exits are ordered by time, not by
         the supervisor's polling order)."""
+
         def wait() -> None:
             self.proc.wait()
             self.exited_at = time.monotonic()
@@ -85,7 +87,7 @@ def split_tag(stream: str, line: bytes) -> tuple[int, str, bytes] | None:
     match = _MPI_TAG.match(line)
     if not match:
         return None
-    return int(match.group(1)), (match.group(2) or stream.encode()).decode(), line[match.end():]
+    return int(match.group(1)), (match.group(2) or stream.encode()).decode(), line[match.end() :]
 
 
 class RankFiles:
@@ -111,8 +113,9 @@ class RankFiles:
                 file.close()
 
 
-def _pump(stream: IO[bytes], console: IO[bytes], prefix: bytes, sink: Callable[[bytes], None],
-          tail: collections.deque) -> None:
+def _pump(
+    stream: IO[bytes], console: IO[bytes], prefix: bytes, sink: Callable[[bytes], None], tail: collections.deque
+) -> None:
     """Relay a child's lines to the console (and its file) until it closes the stream. If the console's reader
     goes away (`| head`, a full disk under `| tee`), the lines still go to the files and the tail, and the pump
     keeps draining: a rank blocked on a full pipe would stall the job in its next collective."""
@@ -180,26 +183,45 @@ class Supervisor:
         self.processes: list[Process] = []
         self._signal: int | None = None
 
-    def start(self, label: str, argv: Sequence[str], rank: int | None = None, payload: bytes | None = None,
-              env: dict[str, str] | None = None, tag: str | None = None) -> Process:
+    def start(
+        self,
+        label: str,
+        argv: Sequence[str],
+        rank: int | None = None,
+        payload: bytes | None = None,
+        env: dict[str, str] | None = None,
+        tag: str | None = None,
+    ) -> Process:
         """Start `argv` in its own session; with `payload`, its stdin gets it and stays open as a lifeline (the
         agent ends its rank when it closes). Without one (mpirun), the kernel sends the child SIGTERM if this
         process dies, even by SIGKILL, and mpirun then ends its ranks. `tag` prefixes its output lines instead of
         the rank (an elastic worker's host/slot)."""
-        proc = subprocess.Popen(list(argv), stdin=subprocess.PIPE if payload else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True,
-                                preexec_fn=None if payload else _end_with_parent())
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.PIPE if payload else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            start_new_session=True,
+            preexec_fn=None if payload else _end_with_parent(),
+        )
         process = Process(label, proc, lifeline=payload is not None, rank=rank)
         process.watch_exit()
         if payload:
             proc.stdin.write(payload)
             proc.stdin.flush()
-        for name, stream, console in (("stdout", proc.stdout, sys.stdout.buffer),
-                                      ("stderr", proc.stderr, sys.stderr.buffer)):
+        for name, stream, console in (
+            ("stdout", proc.stdout, sys.stdout.buffer),
+            ("stderr", proc.stderr, sys.stderr.buffer),
+        ):
             tagged = tag if tag is not None else rank  # an elastic worker is tagged by its id: ranks change
             prefix = f"[{tagged}]<{name}>:".encode() if tagged is not None else b""
-            pump = threading.Thread(target=_pump, args=(stream, console, prefix, self._sink(rank, name), process.tail),
-                                    name=f"hvdplusrun-{label}-{name}", daemon=True)
+            pump = threading.Thread(
+                target=_pump,
+                args=(stream, console, prefix, self._sink(rank, name), process.tail),
+                name=f"hvdplusrun-{label}-{name}",
+                daemon=True,
+            )
             pump.start()
             process.pumps.append(pump)
         self.processes.append(process)

@@ -7,17 +7,18 @@ import pickle
 import sys
 import traceback
 
+from hvdplus.common.rendezvous import RendezvousClient
 from hvdplus.common.settings import Settings
 from hvdplus.runner.api import FUNCTION_KEY, result_key
-from hvdplus.common.rendezvous import RendezvousClient
 
 
 def main() -> int:
     """Run this rank's call; exit 1 after storing the traceback if it raised."""
     settings = Settings.from_env(os.environ)
     launch = settings.launch
-    client = RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port, launch.secret_key,
-                              settings.timeout_seconds)
+    client = RendezvousClient(
+        launch.rendezvous_addr, launch.rendezvous_port, launch.secret_key, settings.timeout_seconds
+    )
     fn, args, kwargs = pickle.loads(client.get(FUNCTION_KEY))
     try:
         outcome = (True, fn(*args, **kwargs))

@@ -1,20 +1,61 @@
 """hvdplus.tensorflow: horovod.tensorflow's API on TensorFlow 2 (`import hvdplus.tensorflow as hvd`)."""
 
-from hvdplus.common.basics import (ProcessSet, add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
-                                   ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_homogeneous,
-                                   is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                                   mpi_threads_supported, nccl_built, rank, remove_process_set, rocm_built,
-                                   shutdown, size, start_timeline, stop_timeline)
+from hvdplus.common.basics import (
+    ProcessSet,
+    add_process_set,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from hvdplus.tensorflow.compression import Compression, Compressor
-from hvdplus.tensorflow.functions import (allgather_object, broadcast_, broadcast_global_variables,
-                                          broadcast_object, broadcast_variables, local_rank_op, local_size_op,
-                                          rank_op, size_op)
-from hvdplus.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
-from hvdplus.tensorflow.mpi_ops import (allgather, allreduce, alltoall, barrier, broadcast, grouped_allgather,
-                                        grouped_allreduce, grouped_reducescatter, join, reducescatter)
-from hvdplus.tensorflow.optimizer import DistributedOptimizer
 from hvdplus.tensorflow import _half_kernels, elastic
+from hvdplus.tensorflow.compression import Compression, Compressor
+from hvdplus.tensorflow.functions import (
+    allgather_object,
+    broadcast_,
+    broadcast_global_variables,
+    broadcast_object,
+    broadcast_variables,
+    local_rank_op,
+    local_size_op,
+    rank_op,
+    size_op,
+)
+from hvdplus.tensorflow.gradient_tape import DistributedGradientTape, PartialDistributedGradientTape
+from hvdplus.tensorflow.mpi_ops import (
+    allgather,
+    allreduce,
+    alltoall,
+    barrier,
+    broadcast,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_reducescatter,
+    join,
+    reducescatter,
+)
+from hvdplus.tensorflow.optimizer import DistributedOptimizer
 
 _half_kernels.register()

@@ -43,7 +43,8 @@ from __future__ import annotations
 import functools
 import itertools
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -52,12 +53,32 @@ from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.handles import Handle
 from hvdplus.common.naming import member_names
 
-__all__ = ["dtype_name", "storage", "values", "Finish", "finishing", "execute", "graph_name", "collective_names",
-           "VARIABLES_CHAIN", "as_tf_error"]
+__all__ = [
+    "dtype_name",
+    "storage",
+    "values",
+    "Finish",
+    "finishing",
+    "execute",
+    "graph_name",
+    "collective_names",
+    "VARIABLES_CHAIN",
+    "as_tf_error",
+]
 
-_DTYPE_NAMES = {tf.uint8: "uint8", tf.int8: "int8", tf.uint16: "uint16", tf.int16: "int16", tf.int32: "int32",
-                tf.int64: "int64", tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
-                tf.float64: "float64", tf.bool: "bool"}
+_DTYPE_NAMES = {
+    tf.uint8: "uint8",
+    tf.int8: "int8",
+    tf.uint16: "uint16",
+    tf.int16: "int16",
+    tf.int32: "int32",
+    tf.int64: "int64",
+    tf.float16: "float16",
+    tf.bfloat16: "bfloat16",
+    tf.float32: "float32",
+    tf.float64: "float64",
+    tf.bool: "bool",
+}
 _BFLOAT16 = tf.bfloat16.as_numpy_dtype
 
 Finish = Callable[[], Sequence[np.ndarray]]
@@ -75,8 +96,9 @@ def dtype_name(dtype: tf.DType) -> str:
     try:
         return _DTYPE_NAMES[tf.as_dtype(dtype)]
     except (KeyError, TypeError):
-        raise TypeError(f"hvdplus collectives do not support dtype {dtype}; supported: "
-                        f"{', '.join(d.name for d in _DTYPE_NAMES)}") from None
+        raise TypeError(
+            f"hvdplus collectives do not support dtype {dtype}; supported: {', '.join(d.name for d in _DTYPE_NAMES)}"
+        ) from None
 
 
 def storage(array: np.ndarray) -> np.ndarray:
@@ -95,8 +117,13 @@ def finishing(handles: Sequence[Handle], convert: Callable[[list[Any]], Sequence
     return lambda: convert([h.wait() for h in handles])
 
 
-def execute(start: Start, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType],
-            shapes: Sequence[tf.TensorShape], chain: str = "") -> list[tf.Tensor]:
+def execute(
+    start: Start,
+    inputs: Sequence[tf.Tensor],
+    dtypes: Sequence[tf.DType],
+    shapes: Sequence[tf.TensorShape],
+    chain: str = "",
+) -> list[tf.Tensor]:
     """Run a collective now (eager), or add its submit and wait ops to the graph (outputs get static `shapes`);
     `chain` names the chain its wait joins (the default one, or VARIABLES_CHAIN)."""
     if tf.executing_eagerly():
@@ -105,8 +132,9 @@ def execute(start: Start, inputs: Sequence[tf.Tensor], dtypes: Sequence[tf.DType
         except HorovodInternalError as exc:
             raise as_tf_error(exc) from exc
         return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, dtypes)]
-    token = tf.numpy_function(functools.partial(_submit, start), list(inputs), tf.int64, stateful=True,
-                              name="HorovodSubmit")
+    token = tf.numpy_function(
+        functools.partial(_submit, start), list(inputs), tf.int64, stateful=True, name="HorovodSubmit"
+    )
     token.set_shape([])
     graph = tf.compat.v1.get_default_graph()
     links = _last_wait.setdefault(graph, {})
@@ -140,8 +168,9 @@ def as_tf_error(error: HorovodInternalError) -> HorovodInternalError:
     (its error responses), so `except tf.errors.OpError` works, and `except` of hvdplus's own class still does."""
     kind = _TF_ERRORS.get(type(error))
     if kind is None:
-        kind = _TF_ERRORS[type(error)] = type(type(error).__name__, (tf.errors.FailedPreconditionError, type(error)),
-                                              {"__module__": __name__})
+        kind = _TF_ERRORS[type(error)] = type(
+            type(error).__name__, (tf.errors.FailedPreconditionError, type(error)), {"__module__": __name__}
+        )
     converted = kind(None, None, str(error))
     converted.__traceback__ = error.__traceback__
     return converted
@@ -159,8 +188,9 @@ def graph_name(base: str, ignore_name_scope: bool = True) -> str:
         return graph.unique_name(base)
 
 
-def collective_names(kind: str, tensors: Sequence[tf.Tensor], name: str | None,
-                     ignore_name_scope: bool = False) -> list[str | None]:
+def collective_names(
+    kind: str, tensors: Sequence[tf.Tensor], name: str | None, ignore_name_scope: bool = False
+) -> list[str | None]:
     """One name per tensor: in eager mode `name` (members numbered) or None for the core to number; in graphs
     `name` in the current name scope, or `Horovod<kind>` in the root scope, made unique in the graph.
 

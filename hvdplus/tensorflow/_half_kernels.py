@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -12,7 +12,10 @@ from hvdplus.common.ops import ReduceOp
 from hvdplus.tensorflow._graph import values
 
 _COMBINE: dict[ReduceOp, Callable[..., tf.Tensor]] = {
-    ReduceOp.SUM: tf.add, ReduceOp.MIN: tf.minimum, ReduceOp.MAX: tf.maximum, ReduceOp.PRODUCT: tf.multiply,
+    ReduceOp.SUM: tf.add,
+    ReduceOp.MIN: tf.minimum,
+    ReduceOp.MAX: tf.maximum,
+    ReduceOp.PRODUCT: tf.multiply,
 }
 
 
@@ -24,6 +27,7 @@ def _write(result: tf.Tensor, storage: np.ndarray) -> None:
 def _combiner(function: Callable[..., tf.Tensor], dtype: str) -> Callable[[np.ndarray, np.ndarray], None]:
     def combine(incoming: np.ndarray, inout: np.ndarray) -> None:
         _write(function(values(inout, dtype), values(incoming, dtype)), inout)
+
     return combine
 
 
@@ -32,6 +36,7 @@ def _scaler(dtype: str) -> Callable[[np.ndarray, float], None]:
         flat = buf.reshape(-1)
         half = tf.constant(values(flat, dtype))
         _write(tf.cast(tf.cast(half, tf.float32) * np.float32(factor), half.dtype), flat)  # one rounding
+
     return scale
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 import re
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import tensorflow as tf
@@ -37,6 +38,7 @@ _COLLECTIVE_NODE = re.compile(r"\{\{node (?:[^{}]*/)?Horovod(?:Submit|Wait)(?:_\
 def _collective_errors_as_internal(func: Callable[..., Any]) -> Callable[..., Any]:
     """`func`, raising HorovodInternalError for a collective that failed inside a graph (a tf.function, Keras'
     train step): TensorFlow reports it as the OpError of the collective's op, as Horovod's ops' UnknownError."""
+
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -45,6 +47,7 @@ def _collective_errors_as_internal(func: Callable[..., Any]) -> Callable[..., An
             if isinstance(exc, HorovodInternalError) or not _COLLECTIVE_NODE.search(exc.message or ""):
                 raise
             raise HorovodInternalError(exc.message) from exc
+
     return wrapper
 
 
@@ -153,6 +156,7 @@ def _is_variable(value: Any) -> bool:
 def _handler_for(session: Session | None) -> Callable[[Any], StateHandler | None]:
     """The handler of a state attribute: lists of variables (read and written by `session` in a graph), Keras
     models and Keras optimizers; None for the plain Python objects."""
+
     def handler(value: Any) -> StateHandler | None:
         if isinstance(value, (list, tuple)) and value and all(_is_variable(v) for v in value):
             return _VariablesHandler(value, _Eager() if session is None else _InSession(session, list(value)))
@@ -163,11 +167,14 @@ def _handler_for(session: Session | None) -> Callable[[Any], StateHandler | None
             return _ModelHandler(value, _Eager())
         if keras is not None and isinstance(value, keras.optimizers.Optimizer):
             if hasattr(value, "replicated_variables"):
-                raise TypeError("an elastic state cannot keep a ZeroOptimizer yet: its state is sharded over the "
-                                "ranks of one generation of the job and is not resharded at an elastic reset. Use "
-                                "hvd.DistributedOptimizer in elastic jobs.")
+                raise TypeError(
+                    "an elastic state cannot keep a ZeroOptimizer yet: its state is sharded over the "
+                    "ranks of one generation of the job and is not resharded at an elastic reset. Use "
+                    "hvd.DistributedOptimizer in elastic jobs."
+                )
             return _OptimizerHandler(value, _Eager())
         return None
+
     return handler
 
 
@@ -177,16 +184,22 @@ class TensorFlowState(HandledState):
 
     In a tf.compat.v1 graph, `session` (default: the default session) reads, loads and broadcasts the variables."""
 
-    def __init__(self, variables: Sequence[Any] | None = None, session: Session | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, variables: Sequence[Any] | None = None, session: Session | None = None, **kwargs: Any) -> None:
         if not tf.executing_eagerly():
             session = session or tf.compat.v1.get_default_session()
             if session is None:
-                raise ValueError("TensorFlowState in graph mode needs a session: pass session=, or create the state "
-                                 "inside `with session.as_default():`")
+                raise ValueError(
+                    "TensorFlowState in graph mode needs a session: pass session=, or create the state "
+                    "inside `with session.as_default():`"
+                )
         self.session = session
-        super().__init__(_handler_for(session), bcast_object=broadcast_object, get_rank=rank,
-                         variables=list(variables) if variables else tf.compat.v1.global_variables(), **kwargs)
+        super().__init__(
+            _handler_for(session),
+            bcast_object=broadcast_object,
+            get_rank=rank,
+            variables=list(variables) if variables else tf.compat.v1.global_variables(),
+            **kwargs,
+        )
 
 
 class TensorFlowKerasState(HandledState):
@@ -195,13 +208,19 @@ class TensorFlowKerasState(HandledState):
     An optimizer that has not been applied yet is built on the model's trainable variables, so that its slots
     are committed and synced from the start. `backend` is accepted for Horovod (Keras 3 runs eagerly)."""
 
-    def __init__(self, model: keras.Model, optimizer: keras.optimizers.Optimizer | None = None, backend: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        model: keras.Model,
+        optimizer: keras.optimizers.Optimizer | None = None,
+        backend: Any = None,
+        **kwargs: Any,
+    ) -> None:
         optimizer = optimizer or getattr(model, "optimizer", None)
         if optimizer is None:
             raise ValueError("TensorFlowKerasState needs an optimizer: compile the model with one, or pass optimizer=")
         if model.built and not optimizer.built:
             optimizer.build(model.trainable_variables)
         self.backend = backend
-        super().__init__(_handler_for(None), bcast_object=broadcast_object, get_rank=rank, model=model,
-                         optimizer=optimizer, **kwargs)
+        super().__init__(
+            _handler_for(None), bcast_object=broadcast_object, get_rank=rank, model=model, optimizer=optimizer, **kwargs
+        )

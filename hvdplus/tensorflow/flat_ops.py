@@ -11,7 +11,8 @@ The counts are checked across ranks by the core: ranks that disagree get Collect
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -32,9 +33,15 @@ def _flat(tensor: Any, counts: Sequence[int], process_set: ProcessSet, what: str
     return tensor, list(core.check_counts(counts, shape, process_set, what))
 
 
-def reducescatter_flat(tensor: Any, counts: Sequence[int], name: str | None, op: ReduceOp = ReduceOp.AVERAGE,
-                       process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                       postscale_factor: float = 1.0) -> tf.Tensor:
+def reducescatter_flat(
+    tensor: Any,
+    counts: Sequence[int],
+    name: str | None,
+    op: ReduceOp = ReduceOp.AVERAGE,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
     """Reduce the flat `tensor` (of `sum(counts)` elements) over the set and return this rank's `counts[r]`
     elements of the result (r: this rank's index in the set).
 
@@ -47,15 +54,17 @@ def reducescatter_flat(tensor: Any, counts: Sequence[int], name: str | None, op:
     mine = counts[process_set.rank()]
 
     def start(array: np.ndarray) -> Finish:
-        handle = core.submit_reducescatter(storage(array), dtype, name, op, prescale_factor, postscale_factor,
-                                           process_set, counts=counts)
+        handle = core.submit_reducescatter(
+            storage(array), dtype, name, op, prescale_factor, postscale_factor, process_set, counts=counts
+        )
         return finishing([handle], lambda results: [values(np.asarray(results[0]).reshape(-1), dtype)])
 
     return execute(start, [tensor], [tensor.dtype], [tf.TensorShape([mine])])[0]
 
 
-def allgather_flat(tensor: Any, counts: Sequence[int], name: str | None,
-                   process_set: ProcessSet = global_process_set) -> tf.Tensor:
+def allgather_flat(
+    tensor: Any, counts: Sequence[int], name: str | None, process_set: ProcessSet = global_process_set
+) -> tf.Tensor:
     """Concatenate every member's flat `tensor` (`counts[r]` elements on member r) into one flat tensor of
     `sum(counts)` elements, on every member.
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
 
@@ -14,8 +15,17 @@ from hvdplus.tensorflow.mpi_ops import broadcast_op
 if TYPE_CHECKING:
     from tensorflow.compat.v1 import Session
 
-__all__ = ["broadcast_variables", "broadcast_", "broadcast_global_variables", "broadcast_object",
-           "allgather_object", "size_op", "local_size_op", "rank_op", "local_rank_op"]
+__all__ = [
+    "broadcast_variables",
+    "broadcast_",
+    "broadcast_global_variables",
+    "broadcast_object",
+    "allgather_object",
+    "size_op",
+    "local_size_op",
+    "rank_op",
+    "local_rank_op",
+]
 
 
 def _broadcast_assign(variables: Sequence[Any], root_rank: int, process_set: ProcessSet, prefix: str | None) -> Any:
@@ -25,13 +35,15 @@ def _broadcast_assign(variables: Sequence[Any], root_rank: int, process_set: Pro
     if not variables:
         return None if tf.executing_eagerly() else tf.no_op()
     tensors = [tf.convert_to_tensor(v) for v in variables]
-    received = broadcast_op(tensors, collective_names("Broadcast", tensors, prefix), root_rank, process_set,
-                            VARIABLES_CHAIN)
+    received = broadcast_op(
+        tensors, collective_names("Broadcast", tensors, prefix), root_rank, process_set, VARIABLES_CHAIN
+    )
     return tf.group(*[v.assign(value) for v, value in zip(variables, received)])
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set,
-                        inplace: bool = False) -> Any:
+def broadcast_variables(
+    variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set, inplace: bool = False
+) -> Any:
     """Overwrite each variable with the root's value (tf.Variable or Keras variable); returns the op in graphs.
 
     `root_rank` is a global rank (`hvd.rank()`), also with `process_set`.
@@ -39,8 +51,9 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: P
     return _broadcast_assign(variables, root_rank, process_set, None)
 
 
-def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> list[Any]:
+def broadcast_(
+    variables: Sequence[Any], root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[Any]:
     """In-place broadcast of variables: each receives the root's value (a global rank); returns the variables.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -54,13 +67,20 @@ def broadcast_global_variables(root_rank: int) -> Any:
     Like Horovod, this needs graph mode: in eager mode (TF2's default) there is no global variable
     collection, so it raises with the replacement to use."""
     if tf.executing_eagerly():
-        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution. Please use "
-                           "`hvd.broadcast_variables(<model/optimizer variables>)` instead.")
+        raise RuntimeError(
+            "hvd.broadcast_global_variables() does not support eager execution. Please use "
+            "`hvd.broadcast_variables(<model/optimizer variables>)` instead."
+        )
     return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, session: Session | None = None, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Any:
+def broadcast_object(
+    obj: Any,
+    root_rank: int = 0,
+    session: Session | None = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Return a copy of the root's picklable `obj` on every member (the root is a global rank; `session` is
     accepted for Horovod and unused).
 
@@ -68,8 +88,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, session: Session | None = Non
     return core.broadcast_object(obj, root_rank, name, process_set)
 
 
-def allgather_object(obj: Any, session: Session | None = None, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> list[Any]:
+def allgather_object(
+    obj: Any, session: Session | None = None, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[Any]:
     """Return the list of every rank's picklable `obj`, in rank order (`session` is unused).
 
     Collective: every rank in the process set must call this, in the same order."""

@@ -8,7 +8,8 @@ a tape before or after the `with` block, eagerly or inside tf.function.
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import tensorflow as tf
 
@@ -27,8 +28,13 @@ class _DistributedGradientTape:
 
     _hvd_reducer: GradientReducer
 
-    def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
-                 unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE) -> Any:
+    def gradient(
+        self,
+        target: Any,
+        sources: Any,
+        output_gradients: Any = None,
+        unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
+    ) -> Any:
         """The wrapped tape's gradients, allreduced. Collective: every rank must call this, in the same order."""
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)  # type: ignore[misc]
         flat_sources = tf.nest.flatten(sources)
@@ -40,11 +46,19 @@ class _DistributedGradientTape:
         self._hvd_reducer.register_local([source])
 
 
-def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
-                            compression: Compressor = Compression.none, sparse_as_dense: bool = False,
-                            op: ReduceOp = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                            groups: Any = None, process_set: ProcessSet = global_process_set,
-                            scale_local_gradients: bool = True) -> tf.GradientTape:
+def DistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Compressor = Compression.none,
+    sparse_as_dense: bool = False,
+    op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
     """Wrap `gradtape` so that `gradient()` returns gradients averaged (`op`) over the ranks of `process_set`.
 
     `compression` is the wire codec (e.g. `Compression.fp16`); tf.IndexedSlices gradients are allgathered unless
@@ -56,25 +70,52 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", d
     if isinstance(gradtape, _DistributedGradientTape):
         raise ValueError("gradtape is already a DistributedGradientTape; wrap the original tape only once")
     groups = merge_num_groups(num_groups, groups)
-    reducer = GradientReducer(compression, sparse_as_dense, op, gradient_predivide_factor, groups, process_set,
-                              scale_local_gradients, "DistributedGradientTape")
+    reducer = GradientReducer(
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        groups,
+        process_set,
+        scale_local_gradients,
+        "DistributedGradientTape",
+    )
     wrapped = copy.copy(gradtape)
     wrapped.__class__ = disguised_subclass(_DistributedGradientTape, type(gradtape))
     wrapped._hvd_reducer = reducer
     return wrapped
 
 
-def PartialDistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "", device_sparse: str = "",
-                                   compression: Compressor = Compression.none, sparse_as_dense: bool = False,
-                                   op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
-                                   num_groups: int = 0, groups: Any = None,
-                                   process_set: ProcessSet = global_process_set, local_layers: Any = None,
-                                   scale_local_gradients: bool = True) -> tf.GradientTape:
+def PartialDistributedGradientTape(
+    gradtape: tf.GradientTape,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Compressor = Compression.none,
+    sparse_as_dense: bool = False,
+    op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    local_layers: Any = None,
+    scale_local_gradients: bool = True,
+) -> tf.GradientTape:
     """A DistributedGradientTape whose `local_layers` (a Keras layer or a list of them) keep local gradients.
 
     Collective: as DistributedGradientTape."""
-    tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
-                                   gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    tape = DistributedGradientTape(
+        gradtape,
+        device_dense,
+        device_sparse,
+        compression,
+        sparse_as_dense,
+        op,
+        gradient_predivide_factor,
+        num_groups,
+        groups,
+        process_set,
+        scale_local_gradients,
+    )
     tape._hvd_reducer.register_local(_layer_variables(local_layers))
     return tape
 

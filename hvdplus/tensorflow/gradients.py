@@ -8,7 +8,8 @@ fuses them into as few reductions as the fusion threshold allows). tf.IndexedSli
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import tensorflow as tf
 
@@ -26,8 +27,17 @@ __all__ = ["GradientReducer"]
 class GradientReducer:
     """Horovod's gradient allreduce for a tape or an optimizer; `reduce` is called once per step on every rank."""
 
-    def __init__(self, compression: Compressor, sparse_as_dense: bool, op: ReduceOp, gradient_predivide_factor: float,
-                 groups: Any, process_set: ProcessSet, scale_local_gradients: bool, prefix: str) -> None:
+    def __init__(
+        self,
+        compression: Compressor,
+        sparse_as_dense: bool,
+        op: ReduceOp,
+        gradient_predivide_factor: float,
+        groups: Any,
+        process_set: ProcessSet,
+        scale_local_gradients: bool,
+        prefix: str,
+    ) -> None:
         check_compression(compression)
         check_predivide(gradient_predivide_factor, op)
         check_groups(groups)
@@ -58,8 +68,9 @@ class GradientReducer:
         dense = []
         for i in shared:
             if isinstance(grads[i], tf.IndexedSlices) and not self.sparse_as_dense:
-                grads[i] = _sparse_allreduce(grads[i], names[i], self.op, self.prescale, self.postscale,
-                                             self.process_set, True)
+                grads[i] = _sparse_allreduce(
+                    grads[i], names[i], self.op, self.prescale, self.postscale, self.process_set, True
+                )
             else:
                 dense.append(i)
         for members in self._plan(variables, dense):
@@ -84,7 +95,8 @@ class GradientReducer:
     def _allreduce(self, grads: list[Any], members: list[int], names: list[str]) -> None:
         pairs = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in members]
         inputs = _tensors([p[0] for p in pairs])
-        reduced = _allreduce_op(inputs, [names[i] for i in members], self.op, self.prescale, self.postscale,
-                                self.process_set)
+        reduced = _allreduce_op(
+            inputs, [names[i] for i in members], self.op, self.prescale, self.postscale, self.process_set
+        )
         for i, output, (_, ctx) in zip(members, reduced, pairs):
             grads[i] = self.compression.decompress(output, ctx)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import tensorflow as tf
 
@@ -36,8 +37,11 @@ def _warn_once(idiom: str, keras3: str) -> None:
     """Warn about `idiom` the first time it is used, pointing at the script's line."""
     if idiom not in _warned:
         _warned.add(idiom)
-        warnings.warn(f"{idiom} is Keras 2; hvdplus accepts it for Horovod scripts. Keras 3: {keras3}",
-                      Keras2IdiomWarning, stacklevel=_script_level())
+        warnings.warn(
+            f"{idiom} is Keras 2; hvdplus accepts it for Horovod scripts. Keras 3: {keras3}",
+            Keras2IdiomWarning,
+            stacklevel=_script_level(),
+        )
 
 
 def _script_level() -> int:
@@ -74,6 +78,7 @@ def _accept_lr(init: Callable[..., None]) -> Callable[..., None]:
             _warn_once("the optimizer argument lr=", "learning_rate=")
             kwargs["learning_rate"] = kwargs.pop("lr")
         init(self, *args, **kwargs)
+
     return __init__
 
 
@@ -93,10 +98,13 @@ def _drop_run_tf_function(compile_: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(compile_)
     def compile(self: Any, *args: Any, **kwargs: Any) -> None:
         if "experimental_run_tf_function" in kwargs:
-            _warn_once("model.compile(experimental_run_tf_function=...)",
-                       "leave it out (Keras 3 runs the train step as a tf.function; run_eagerly=True to debug)")
+            _warn_once(
+                "model.compile(experimental_run_tf_function=...)",
+                "leave it out (Keras 3 runs the train step as a tf.function; run_eagerly=True to debug)",
+            )
             kwargs.pop("experimental_run_tf_function")
         compile_(self, *args, **kwargs)
+
     return compile
 
 

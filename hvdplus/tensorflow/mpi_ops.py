@@ -7,7 +7,8 @@ a call becomes a graph op and how names are chosen).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
@@ -19,8 +20,18 @@ from hvdplus.common.ops import ReduceOp, linear_scale, reducescatter_grad_scale
 from hvdplus.tensorflow._graph import Finish, collective_names, dtype_name, execute, finishing, storage, values
 from hvdplus.tensorflow.compression import Compression, Compressor
 
-__all__ = ["allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
-           "reducescatter", "grouped_reducescatter", "join", "barrier"]
+__all__ = [
+    "allreduce",
+    "grouped_allreduce",
+    "allgather",
+    "grouped_allgather",
+    "broadcast",
+    "alltoall",
+    "reducescatter",
+    "grouped_reducescatter",
+    "join",
+    "barrier",
+]
 
 Names = Sequence["str | None"]
 
@@ -33,8 +44,13 @@ def _tensors(tensors: Sequence[Any]) -> list[tf.Tensor]:
 
 
 # ----------------------------------------------------------------------------- allreduce
-def _same_shape_op(tensors: list[tf.Tensor], names: Names, submit: Callable[..., Any],
-                   gradient: Callable[[list[tf.Tensor]], list[tf.Tensor]], chain: str = "") -> list[tf.Tensor]:
+def _same_shape_op(
+    tensors: list[tf.Tensor],
+    names: Names,
+    submit: Callable[..., Any],
+    gradient: Callable[[list[tf.Tensor]], list[tf.Tensor]],
+    chain: str = "",
+) -> list[tf.Tensor]:
     """One collective whose outputs have the inputs' shapes (allreduce, broadcast); `submit(source, output, dtype,
     name, group)` starts one member, `gradient(output_grads)` differentiates it; `chain` as in `execute`."""
     dtypes = [dtype_name(t.dtype) for t in tensors]
@@ -54,8 +70,9 @@ def _same_shape_op(tensors: list[tf.Tensor], names: Names, submit: Callable[...,
     return list(forward(*tensors)) if tensors else []
 
 
-def _allreduce_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float,
-                  process_set: ProcessSet) -> list[tf.Tensor]:
+def _allreduce_op(
+    tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet
+) -> list[tf.Tensor]:
     """One op reducing every tensor (fused by the core); its gradient allreduces the gradients (Sum/Average)."""
 
     def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -63,12 +80,23 @@ def _allreduce_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale
             raise NotImplementedError(f"the gradient of allreduce is defined for Average and Sum, not {op!r}")
         return _allreduce_op(dys, collective_names("Allreduce", dys, None), op, prescale, postscale, process_set)
 
-    return _same_shape_op(tensors, names, lambda s, o, d, n, g: core.submit_allreduce(
-        s, o, d, n, op, prescale, postscale, process_set, group=g), gradient)
+    return _same_shape_op(
+        tensors,
+        names,
+        lambda s, o, d, n, g: core.submit_allreduce(s, o, d, n, op, prescale, postscale, process_set, group=g),
+        gradient,
+    )
 
 
-def _sparse_allreduce(tensor: tf.IndexedSlices, name: str | None, op: ReduceOp, prescale: float,
-                      postscale: float, process_set: ProcessSet, ignore_name_scope: bool) -> tf.IndexedSlices:
+def _sparse_allreduce(
+    tensor: tf.IndexedSlices,
+    name: str | None,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+    ignore_name_scope: bool,
+) -> tf.IndexedSlices:
     """Horovod's IndexedSlices allreduce: allgather values and indices (Average divides the values by size)."""
     scale = linear_scale(op, prescale, postscale, process_set.size(), "allreduce of tf.IndexedSlices")
     parts = _tensors([tensor.values, tensor.indices])
@@ -79,17 +107,25 @@ def _sparse_allreduce(tensor: tf.IndexedSlices, name: str | None, op: ReduceOp, 
     return tf.IndexedSlices(gathered_values, indices, dense_shape=tensor.dense_shape)
 
 
-def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
-              compression: Compressor = Compression.none, op: ReduceOp | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
-              process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False) -> Any:
+def allreduce(
+    tensor: Any,
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Compressor = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+) -> Any:
     """Reduce `tensor` over the ranks (Average by default); tf.IndexedSlices are allgathered. Differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
     op = core.resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set,
-                                 ignore_name_scope)
+        return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set, ignore_name_scope)
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
     [tensor] = _tensors([compressed])
     names = collective_names("Allreduce", [tensor], name, ignore_name_scope)
@@ -97,10 +133,17 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "", 
     return compression.decompress(reduced, ctx)
 
 
-def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "",
-                      device_sparse: str = "", compression: Compressor = Compression.none,
-                      op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[Any]:
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    average: bool | None = None,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Compressor = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[Any]:
     """Allreduce a list of tensors in one op (fused by the core); tf.IndexedSlices are allgathered.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -110,19 +153,26 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
             results[i] = _sparse_allreduce(t, None, op, prescale_factor, postscale_factor, process_set, False)
-    compressed, contexts = zip(*(compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense)) \
-        if dense else ((), ())
+    compressed, contexts = (
+        zip(*(compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense)) if dense else ((), ())
+    )
     inputs = _tensors(compressed)
-    reduced = _allreduce_op(inputs, collective_names("Allreduce", inputs, None), op, prescale_factor,
-                            postscale_factor, process_set)
+    reduced = _allreduce_op(
+        inputs, collective_names("Allreduce", inputs, None), op, prescale_factor, postscale_factor, process_set
+    )
     for i, output, ctx in zip(dense, reduced, contexts):
         results[i] = compression.decompress(output, ctx)
     return results
 
 
 # ----------------------------------------------------------------------------- allgather
-def _resizing_op(kind: str, tensors: list[tf.Tensor], names: Names, submit: Callable[..., Any],
-                 gradient: Callable[[Sequence[tf.Tensor], list[tf.Tensor]], list[tf.Tensor]]) -> list[tf.Tensor]:
+def _resizing_op(
+    kind: str,
+    tensors: list[tf.Tensor],
+    names: Names,
+    submit: Callable[..., Any],
+    gradient: Callable[[Sequence[tf.Tensor], list[tf.Tensor]], list[tf.Tensor]],
+) -> list[tf.Tensor]:
     """One op whose outputs keep each input's trailing dimensions but not its row count (allgather,
     reducescatter); `submit(array, dtype, name, group)` starts one member, `gradient(inputs, output_grads)`."""
     dtypes = [dtype_name(t.dtype) for t in tensors]
@@ -148,19 +198,20 @@ def _allgather_op(tensors: list[tf.Tensor], names: Names, process_set: ProcessSe
     over the set (Horovod's `_allgather_grad`)."""
 
     def gradient(xs: Sequence[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        averaged = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0,
-                                 process_set)
+        averaged = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0, process_set)
         rows = [tf.shape(x, out_type=tf.int64)[:1] for x in xs]
         all_rows = _allgather_op(rows, collective_names("Allgather", rows, None), process_set)
         me = process_set.rank()
-        return [g[tf.reduce_sum(r[:me]):tf.reduce_sum(r[:me + 1])] for g, r in zip(averaged, all_rows)]
+        return [g[tf.reduce_sum(r[:me]) : tf.reduce_sum(r[: me + 1])] for g, r in zip(averaged, all_rows)]
 
-    return _resizing_op("allgather", tensors, names,
-                        lambda a, d, n, g: core.submit_allgather(a, d, n, process_set, group=g), gradient)
+    return _resizing_op(
+        "allgather", tensors, names, lambda a, d, n, g: core.submit_allgather(a, d, n, process_set, group=g), gradient
+    )
 
 
-def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
-              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+def allgather(
+    tensor: Any, name: str | None = None, ignore_name_scope: bool = False, process_set: ProcessSet = global_process_set
+) -> tf.Tensor:
     """Concatenate every rank's `tensor` along dimension 0 (first dimensions may differ). Differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -168,8 +219,12 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     return _allgather_op(tensors, collective_names("Allgather", tensors, name, ignore_name_scope), process_set)[0]
 
 
-def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_name_scope: bool = False,
-                      process_set: ProcessSet = global_process_set) -> list[tf.Tensor]:
+def grouped_allgather(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> list[tf.Tensor]:
     """Allgather a list of tensors in one op. Differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -178,8 +233,9 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None, ignore_na
 
 
 # ----------------------------------------------------------------------------- broadcast
-def broadcast_op(tensors: list[tf.Tensor], names: Names, root_rank: int, process_set: ProcessSet,
-                 chain: str = "") -> list[tf.Tensor]:
+def broadcast_op(
+    tensors: list[tf.Tensor], names: Names, root_rank: int, process_set: ProcessSet, chain: str = ""
+) -> list[tf.Tensor]:
     """One op copying the root's tensors to every member; `root_rank` is a global rank (Horovod's rule, checked
     here on every member). The gradient is the gradient averaged over the set on the root, times 0 elsewhere
     (Horovod's `_broadcast_grad`): a product, so that a graph fetching it runs the average on every rank (tf.zeros_like
@@ -187,16 +243,25 @@ def broadcast_op(tensors: list[tf.Tensor], names: Names, root_rank: int, process
     root_rank = core.check_root(root_rank, process_set)
 
     def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        averaged = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0,
-                                 process_set)
+        averaged = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0, process_set)
         return averaged if rank() == root_rank else [g * tf.constant(0, g.dtype) for g in averaged]
 
-    return _same_shape_op(tensors, names, lambda s, o, d, n, g: core.submit_broadcast(
-        s, o, d, root_rank, n, process_set, group=g), gradient, chain)
+    return _same_shape_op(
+        tensors,
+        names,
+        lambda s, o, d, n, g: core.submit_broadcast(s, o, d, root_rank, n, process_set, group=g),
+        gradient,
+        chain,
+    )
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
-              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor:
     """Return the root's `tensor` on every member; `root_rank` is a global rank (`hvd.rank()`), also with
     `process_set`. Differentiable. Collective: every rank in the process set must call this, in the same order."""
     tensors = _tensors([tensor])
@@ -205,8 +270,13 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
 
 
 # ----------------------------------------------------------------------------- alltoall
-def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_name_scope: bool = False,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(
+    tensor: Any,
+    splits: Any = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Scatter slices of `tensor` to every rank and gather theirs (rows splits[r] go to rank r). Differentiable.
 
     Returns the output, or (output, received_splits) when `splits` is given (as hvdplus.torch).
@@ -221,20 +291,23 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None, ignore_na
     return output if splits is None else (output, received)
 
 
-def _alltoall_op(x: tf.Tensor, splits: tf.Tensor, even: bool, name: str | None,
-                 process_set: ProcessSet) -> tuple[tf.Tensor, tf.Tensor]:
+def _alltoall_op(
+    x: tf.Tensor, splits: tf.Tensor, even: bool, name: str | None, process_set: ProcessSet
+) -> tuple[tf.Tensor, tf.Tensor]:
     dtype = dtype_name(x.dtype)
 
     def start(array: np.ndarray, split_array: np.ndarray) -> Finish:
-        handle = core.submit_alltoall(storage(array), dtype, None if even else split_array.tolist(), name,
-                                      process_set)
+        handle = core.submit_alltoall(storage(array), dtype, None if even else split_array.tolist(), name, process_set)
         return finishing([handle], lambda results: [values(results[0][0], dtype), results[0][1].astype(np.int32)])
 
     @tf.custom_gradient
     def forward(value: tf.Tensor) -> Any:
-        output, received = execute(start, [value, splits], [value.dtype, tf.int32],
-                                   [tf.TensorShape([None]).concatenate(value.shape[1:]),
-                                    tf.TensorShape([process_set.size()])])
+        output, received = execute(
+            start,
+            [value, splits],
+            [value.dtype, tf.int32],
+            [tf.TensorShape([None]).concatenate(value.shape[1:]), tf.TensorShape([process_set.size()])],
+        )
 
         def grad(dy: tf.Tensor, *_: Any) -> tf.Tensor:
             [dy] = _tensors([dy])
@@ -247,8 +320,9 @@ def _alltoall_op(x: tf.Tensor, splits: tf.Tensor, even: bool, name: str | None,
 
 
 # ----------------------------------------------------------------------------- reducescatter
-def _reducescatter_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float,
-                      process_set: ProcessSet) -> list[tf.Tensor]:
+def _reducescatter_op(
+    tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet
+) -> list[tf.Tensor]:
     """One op reduce-scattering every tensor; the gradient is the allgather of the shard gradients, scaled as
     Horovod's `_reducescatter_grad` does (by the set's size for Sum, and by both scale factors)."""
 
@@ -257,10 +331,13 @@ def _reducescatter_op(tensors: list[tf.Tensor], names: Names, op: ReduceOp, pres
         gathered = _allgather_op(dys, collective_names("Allgather", dys, None), process_set)
         return [g * tf.cast(scale, g.dtype) for g in gathered]
 
-    return _resizing_op("reducescatter", tensors, names,
-                        lambda a, d, n, g: core.submit_reducescatter(a, d, n, op, prescale, postscale, process_set,
-                                                                     group=g),
-                        gradient)
+    return _resizing_op(
+        "reducescatter",
+        tensors,
+        names,
+        lambda a, d, n, g: core.submit_reducescatter(a, d, n, op, prescale, postscale, process_set, group=g),
+        gradient,
+    )
 
 
 def _reducescatter_op_of(op: ReduceOp | None) -> ReduceOp:
@@ -268,15 +345,25 @@ def _reducescatter_op_of(op: ReduceOp | None) -> ReduceOp:
     every rank before anything is submitted. Min, Max and Product are hvdplus's additions."""
     op = core.resolve_op(None, op)
     if op == ReduceOp.ADASUM:
-        raise tf.errors.AbortedError(None, None, "Reducescatter currently only supports AVERAGE and SUM (hvdplus "
-                                                 "also Min, Max and Product), not Adasum")
+        raise tf.errors.AbortedError(
+            None,
+            None,
+            "Reducescatter currently only supports AVERAGE and SUM (hvdplus also Min, Max and Product), not Adasum",
+        )
     return op
 
 
-def reducescatter(tensor: Any, device_dense: str = "", compression: Compressor = Compression.none,
-                  op: ReduceOp = ReduceOp.AVERAGE, name: str | None = None,
-                  process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+def reducescatter(
+    tensor: Any,
+    device_dense: str = "",
+    compression: Compressor = Compression.none,
+    op: ReduceOp = ReduceOp.AVERAGE,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+    ignore_name_scope: bool = False,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> tf.Tensor:
     """Reduce `tensor` over the ranks and return this rank's rows of the result (Horovod's uneven split).
 
     Differentiable. Collective: every rank in the process set must call this, in the same order."""
@@ -288,17 +375,24 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Compressor =
     return compression.decompress(shard, ctx)
 
 
-def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "", compression: Compressor = Compression.none,
-                          op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
-                          prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[tf.Tensor]:
+def grouped_reducescatter(
+    tensors: Sequence[Any],
+    device_dense: str = "",
+    compression: Compressor = Compression.none,
+    op: ReduceOp = ReduceOp.AVERAGE,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[tf.Tensor]:
     """Reduce-scatter a list of tensors in one op. Differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
     op = _reducescatter_op_of(op)
     pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
     inputs = _tensors([p[0] for p in pairs])
-    shards = _reducescatter_op(inputs, collective_names("Reducescatter", inputs, None), op, prescale_factor,
-                               postscale_factor, process_set)
+    shards = _reducescatter_op(
+        inputs, collective_names("Reducescatter", inputs, None), op, prescale_factor, postscale_factor, process_set
+    )
     return [compression.decompress(s, ctx) for s, (_, ctx) in zip(shards, pairs)]
 
 
@@ -308,12 +402,20 @@ def join() -> tf.Tensor:
 
     Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
     Returns the rank that joined last. Collective: every rank must call it once per epoch."""
-    return execute(lambda: finishing([core.submit_join()], lambda results: [np.int32(results[0])]), [],
-                   [tf.int32], [tf.TensorShape([])])[0]
+    return execute(
+        lambda: finishing([core.submit_join()], lambda results: [np.int32(results[0])]),
+        [],
+        [tf.int32],
+        [tf.TensorShape([])],
+    )[0]
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> tf.Operation | None:
     """Block until every rank of the process set reaches the barrier (in a graph: return the op that does)."""
-    [done] = execute(lambda: finishing([core.submit_barrier(process_set)], lambda _: [np.int32(0)]), [], [tf.int32],
-                     [tf.TensorShape([])])
+    [done] = execute(
+        lambda: finishing([core.submit_barrier(process_set)], lambda _: [np.int32(0)]),
+        [],
+        [tf.int32],
+        [tf.TensorShape([])],
+    )
     return None if tf.executing_eagerly() else done.op

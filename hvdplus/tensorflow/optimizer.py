@@ -57,12 +57,23 @@ class _DistributedOptimizer(_LegacyOptimizer):
         return self._optimizer.variables(*args, **kwargs)
 
 
-def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: bool = False,
-                         device_dense: str = "", device_sparse: str = "", compression: Compressor = Compression.none,
-                         sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op: ReduceOp = Average,
-                         gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
-                         num_groups: int = 0, groups: Any = None, process_set: ProcessSet = global_process_set,
-                         scale_local_gradients: bool = True) -> Any:
+def DistributedOptimizer(
+    optimizer: Any,
+    name: str | None = None,
+    use_locking: bool = False,
+    device_dense: str = "",
+    device_sparse: str = "",
+    compression: Compressor = Compression.none,
+    sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False,
+    num_groups: int = 0,
+    groups: Any = None,
+    process_set: ProcessSet = global_process_set,
+    scale_local_gradients: bool = True,
+) -> Any:
     """Wrap `optimizer` so that it applies gradients averaged (`op`) over the ranks of `process_set`.
 
     A Keras optimizer gets `hvdplus.keras.DistributedOptimizer` (the same arguments; `use_locking` is unused);
@@ -74,29 +85,63 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, use_locking: b
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
     groups = merge_num_groups(num_groups, groups)
     if isinstance(optimizer, _LegacyOptimizer):
-        return _wrap_legacy(optimizer, name, use_locking, compression, sparse_as_dense, backward_passes_per_step,
-                            op, gradient_predivide_factor, groups, process_set, scale_local_gradients)
+        return _wrap_legacy(
+            optimizer,
+            name,
+            use_locking,
+            compression,
+            sparse_as_dense,
+            backward_passes_per_step,
+            op,
+            gradient_predivide_factor,
+            groups,
+            process_set,
+            scale_local_gradients,
+        )
     if op == Adasum:
         raise ValueError("op == Adasum is not supported yet with Keras")
     from hvdplus.keras.optimizer import DistributedOptimizer as keras_distributed_optimizer
 
-    return keras_distributed_optimizer(optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
-                                       gradient_predivide_factor=gradient_predivide_factor, op=op,
-                                       backward_passes_per_step=backward_passes_per_step,
-                                       average_aggregated_gradients=average_aggregated_gradients, groups=groups,
-                                       process_set=process_set, scale_local_gradients=scale_local_gradients)
+    return keras_distributed_optimizer(
+        optimizer,
+        name=name,
+        compression=compression,
+        sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor,
+        op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        groups=groups,
+        process_set=process_set,
+        scale_local_gradients=scale_local_gradients,
+    )
 
 
-def _wrap_legacy(optimizer: Any, name: str | None, use_locking: bool, compression: Compressor,
-                 sparse_as_dense: bool, passes: int, op: ReduceOp, predivide: float, groups: Any,
-                 process_set: ProcessSet, scale_local_gradients: bool) -> _DistributedOptimizer:
+def _wrap_legacy(
+    optimizer: Any,
+    name: str | None,
+    use_locking: bool,
+    compression: Compressor,
+    sparse_as_dense: bool,
+    passes: int,
+    op: ReduceOp,
+    predivide: float,
+    groups: Any,
+    process_set: ProcessSet,
+    scale_local_gradients: bool,
+) -> _DistributedOptimizer:
     if passes != 1:
-        raise NotImplementedError("backward_passes_per_step > 1 is not supported for tf.compat.v1.train optimizers "
-                                  "in hvdplus; accumulate in your training loop or use a Keras optimizer")
+        raise NotImplementedError(
+            "backward_passes_per_step > 1 is not supported for tf.compat.v1.train optimizers "
+            "in hvdplus; accumulate in your training loop or use a Keras optimizer"
+        )
     if op == Adasum:
-        raise NotImplementedError("op=Adasum (Horovod's delta optimizer) is not supported for tf.compat.v1.train "
-                                  "optimizers in hvdplus; use op=Average")
+        raise NotImplementedError(
+            "op=Adasum (Horovod's delta optimizer) is not supported for tf.compat.v1.train "
+            "optimizers in hvdplus; use op=Average"
+        )
     name = name or f"Distributed{type(optimizer).__name__}"
-    reducer = GradientReducer(compression, sparse_as_dense, op, predivide, groups, process_set,
-                              scale_local_gradients, name)
+    reducer = GradientReducer(
+        compression, sparse_as_dense, op, predivide, groups, process_set, scale_local_gradients, name
+    )
     return _DistributedOptimizer(optimizer, name, use_locking, reducer)

@@ -6,7 +6,8 @@ When p's gradient is ready, the wrapped optimizer steps p alone on this rank's g
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -39,16 +40,17 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
             for group, params in zip(self.param_groups, stashed):
                 group["params"] = params
         compressed, ctx = self._compression.compress(p.data)
-        return allreduce_async_(compressed, name=self._parameter_names[p], op=Adasum,
-                                process_set=self.process_set), ctx
+        return allreduce_async_(compressed, name=self._parameter_names[p], op=Adasum, process_set=self.process_set), ctx
 
     def synchronize(self) -> None:
         """Nothing to do before step(): with Adasum, step() completes the reductions and applies them."""
 
     def skip_synchronize(self) -> Iterator[None]:
         """Not available with Adasum: step() itself finishes the reductions and applies them."""
-        raise RuntimeError("Skipping synchronization is not supported when using Adasum optimizer; "
-                           "call optimizer.step() without optimizer.skip_synchronize()")
+        raise RuntimeError(
+            "Skipping synchronization is not supported when using Adasum optimizer; "
+            "call optimizer.step() without optimizer.skip_synchronize()"
+        )
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Finish every delta's Adasum (starting those whose hook did not fire) and apply it."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -11,7 +11,10 @@ from hvdplus.common.halfops import register_half_kernels
 from hvdplus.common.ops import ReduceOp
 
 _COMBINE: dict[ReduceOp, Callable[..., torch.Tensor]] = {
-    ReduceOp.SUM: torch.add, ReduceOp.MIN: torch.minimum, ReduceOp.MAX: torch.maximum, ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.SUM: torch.add,
+    ReduceOp.MIN: torch.minimum,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.PRODUCT: torch.mul,
 }
 
 
@@ -24,12 +27,14 @@ def _combiner(function: Callable[..., torch.Tensor], dtype: torch.dtype) -> Call
     def combine(incoming: np.ndarray, inout: np.ndarray) -> None:
         target = _view(inout, dtype)
         function(target, _view(incoming, dtype), out=target)
+
     return combine
 
 
 def _scaler(dtype: torch.dtype) -> Callable[[np.ndarray, float], None]:
     def scale(buf: np.ndarray, factor: float) -> None:
         _view(buf.reshape(-1), dtype).mul_(factor)
+
     return scale
 
 

@@ -5,25 +5,30 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 
 from hvdplus.common.basics import ProcessSet, elastic_worker, global_process_set, runtime, size
+from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.common.ops import Adasum, Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.torch.compression import Compressor
-from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
 from hvdplus.torch.sparse import sparse_allreduce_async
 
 __all__ = ["AllreduceInFlightError"]
 
-_ZERO_GRAD_IN_FLIGHT = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
-                        "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
-_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
-                    "Increase backward_passes_per_step to accumulate gradients locally.")
+_ZERO_GRAD_IN_FLIGHT = (
+    "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+    "optimizer.synchronize(). This is prohibited as it can cause a race condition."
+)
+_TOO_MANY_PASSES = (
+    "Gradients were computed more than backward_passes_per_step times before call to step(). "
+    "Increase backward_passes_per_step to accumulate gradients locally."
+)
 
 
 class AllreduceInFlightError(RuntimeError, AssertionError):
@@ -45,10 +50,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _hvd_base: type
     _hvd_defaults: dict[str, Any]
 
-    def __init__(self, params: Any, named_parameters: Any, compression: Compressor,
-                 backward_passes_per_step: int = 1, op: ReduceOp = Average, gradient_predivide_factor: float = 1.0,
-                 groups: Any = None, sparse_as_dense: bool = False,
-                 process_set: ProcessSet = global_process_set) -> None:
+    def __init__(
+        self,
+        params: Any,
+        named_parameters: Any,
+        compression: Compressor,
+        backward_passes_per_step: int = 1,
+        op: ReduceOp = Average,
+        gradient_predivide_factor: float = 1.0,
+        groups: Any = None,
+        sparse_as_dense: bool = False,
+        process_set: ProcessSet = global_process_set,
+    ) -> None:
         base = self._hvd_base
         base.__init__(self, params, **_constructor_kwargs(base, self._hvd_defaults))
         self._compression = compression
@@ -69,15 +82,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         self._should_synchronize = True
         if process_set.included() and (size() > 1 or elastic_worker() is not None):  # elastic: size may grow
-            self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(p))
-                                  for p in self._requires_update]
+            self._hook_handles = [
+                p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in self._requires_update
+            ]
 
     def _buckets(self) -> list[list[torch.Tensor]] | None:
         """Default groups: DDP-style buckets of `HVDPLUS_BUCKET_BYTES`, each allreduced as one packed buffer once
         backward has produced all of its gradients (None, one allreduce per gradient, when set to 0)."""
         params = self._requires_update
-        plan = bucket_indices([p.numel() * p.element_size() for p in params], [p.dtype for p in params],
-                              runtime().bucket_bytes, runtime().engine.alone_bytes)
+        plan = bucket_indices(
+            [p.numel() * p.element_size() for p in params],
+            [p.dtype for p in params],
+            runtime().bucket_bytes,
+            runtime().engine.alone_bytes,
+        )
         return [[params[i] for i in bucket] for bucket in plan] or None
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -95,6 +113,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._handles[p] = (None, None)
             if self._allreduce_delay[p] == 0:
                 self._gradient_ready(p)
+
         return hook
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
@@ -128,8 +147,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return sparse_allreduce_async(grad, name=name, op=self.op, process_set=self.process_set), None
         compressed, ctx = self._compression.compress(grad)
         prescale, postscale = self._scales()
-        return allreduce_async_(compressed, name=name, op=self.op, prescale_factor=prescale,
-                                postscale_factor=postscale, process_set=self.process_set), ctx
+        return allreduce_async_(
+            compressed,
+            name=name,
+            op=self.op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=self.process_set,
+        ), ctx
 
     def _start_group(self, group: tuple[torch.Tensor, ...]) -> None:
         """One grouped allreduce for the dense gradients of `group`; sparse ones go the sparse path."""
@@ -146,9 +171,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         compressed, contexts = zip(*(self._compression.compress(g) for g in gradients))
         prescale, postscale = self._scales()
-        result = grouped_allreduce_async_(list(compressed), name=self._parameter_names[dense[0]], op=self.op,
-                                          prescale_factor=prescale, postscale_factor=postscale,
-                                          process_set=self.process_set)
+        result = grouped_allreduce_async_(
+            list(compressed),
+            name=self._parameter_names[dense[0]],
+            op=self.op,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            process_set=self.process_set,
+        )
         for index, (p, ctx) in enumerate(zip(dense, contexts)):
             self._handles[p] = ((result, index), ctx)
 
@@ -212,10 +242,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Synchronize the gradient allreduces (unless skipped), then step the wrapped optimizer."""
         if self._should_synchronize:
             if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() context after "
-                              "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
-                              "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
-                              "your code.", stacklevel=2)
+                warnings.warn(
+                    "optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider "
+                    "using optimizer.skip_synchronize() context if you use optimizer.synchronize() in "
+                    "your code.",
+                    stacklevel=2,
+                )
             self.synchronize()
         self._synchronized = False
         return self._base_step(closure)
@@ -247,16 +280,21 @@ def _parameter_names(param_groups: list[dict[str, Any]], named_parameters: Any) 
         return {p: f"allreduce.noname.{i}" for i, p in enumerate(params)}
     named = list(named_parameters)
     if any(not isinstance(item, tuple) or len(item) != 2 for item in named):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
-                         "model.named_parameters()")
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+            "model.named_parameters()"
+        )
     duplicates = sorted(name for name, count in Counter(name for name, _ in named).items() if count > 1)
     if duplicates:
-        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
-                         f"{', '.join(duplicates)}")
+        raise ValueError(
+            f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(duplicates)}"
+        )
     names = {p: name for name, p in named}
     unnamed = [p for group in param_groups for p in group["params"] if p not in names]
     if unnamed:
-        raise ValueError(f"named_parameters was specified, but {len(unnamed)} optimizer parameter(s) were not named "
-                         f"(shapes {[tuple(p.shape) for p in unnamed]}); pass model.named_parameters() of the model "
-                         f"whose parameters the optimizer holds")
+        raise ValueError(
+            f"named_parameters was specified, but {len(unnamed)} optimizer parameter(s) were not named "
+            f"(shapes {[tuple(p.shape) for p in unnamed]}); pass model.named_parameters() of the model "
+            f"whose parameters the optimizer holds"
+        )
     return names

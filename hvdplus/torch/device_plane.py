@@ -7,7 +7,8 @@ tensors over Gloo: the GPU code path, tested on machines without one.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,9 +22,18 @@ __all__ = ["TorchBufferOps", "StreamEvent", "CPU_TEST_KIND", "register"]
 # The device kind of CPU tensors sent through the device plane (HVDPLUS_DEVICE_PATH_ON_CPU=1).
 CPU_TEST_KIND = "torchcpu"
 
-_STORAGE = {"uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16, "int32": torch.int32,
-            "int64": torch.int64, "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-            "float64": torch.float64, "bool": torch.bool}
+_STORAGE = {
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int16": torch.int16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bool": torch.bool,
+}
 
 
 class TorchBufferOps:
@@ -82,7 +92,7 @@ class TorchBufferOps:
         b_end = b.data_ptr() + b.numel() * b.element_size()
         return a.data_ptr() < b_end and b.data_ptr() < a_end
 
-    def ready(self, buf: torch.Tensor) -> "StreamEvent | None":
+    def ready(self, buf: torch.Tensor) -> StreamEvent | None:
         """An event on the current stream of `buf`'s device (None for CPU tensors: their writes are done)."""
         self.device = buf.device
         return StreamEvent(buf.device) if buf.device.type == "cuda" else None
@@ -117,8 +127,8 @@ class StreamEvent:
 
 def _engine(backend: str) -> Any:
     """A builder of the plane's engine on `backend`. Rank 0 serves its rendezvous (when torch.distributed has none
-    yet) under its host name (as init gathered it, HOROVOD_HOSTNAME included), which the other hosts resolve as they resolve it for ssh and MPI; on loopback when
-    the whole job is on its host."""
+    yet) under its host name (as init gathered it, HOROVOD_HOSTNAME included), which the other hosts resolve as they
+    resolve it for ssh and MPI; on loopback when the whole job is on its host."""
 
     def build(host: Engine, settings: Settings, topology: Topology) -> Any:
         from hvdplus.common.engines.nccl import TorchTensorEngine
@@ -133,13 +143,19 @@ def _nccl_available(settings: Settings) -> bool:
     """NCCL for CUDA tensors, where torch has NCCL and this process a GPU (HOROVOD_GPU_OPERATIONS=mpi: none)."""
     import torch.distributed as dist
 
-    return settings.gpu_operations == "nccl" and dist.is_available() and dist.is_nccl_available() \
+    return (
+        settings.gpu_operations == "nccl"
+        and dist.is_available()
+        and dist.is_nccl_available()
         and torch.cuda.is_available()
+    )
 
 
 def register() -> None:
     """Offer the torch device kinds to the core; idempotent. CUDA tensors: NCCL. CPU tensors, with
     HVDPLUS_DEVICE_PATH_ON_CPU=1 only: Gloo through the same code."""
     register_device_plane("cuda", DeviceKind(TorchBufferOps("cuda"), "nccl", _nccl_available, _engine("nccl")))
-    register_device_plane(CPU_TEST_KIND, DeviceKind(TorchBufferOps("cpu"), "torchgloo",
-                                                    lambda settings: settings.device_path_on_cpu, _engine("gloo")))
+    register_device_plane(
+        CPU_TEST_KIND,
+        DeviceKind(TorchBufferOps("cpu"), "torchgloo", lambda settings: settings.device_path_on_cpu, _engine("gloo")),
+    )

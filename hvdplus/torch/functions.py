@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 
@@ -14,8 +15,9 @@ from hvdplus.torch.mpi_ops import _DTYPE_NAMES, broadcast_async_, synchronize
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 
 
-def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int,
-                         process_set: ProcessSet = global_process_set) -> None:
+def broadcast_parameters(
+    params: Mapping[str, torch.Tensor] | Iterable[Any], root_rank: int, process_set: ProcessSet = global_process_set
+) -> None:
     """Overwrite, in place, each tensor of `params` with the root's values.
 
     `params` is a `model.state_dict()`, `model.named_parameters()` (pairs (name, tensor)) or a list of
@@ -25,12 +27,15 @@ def broadcast_parameters(params: Mapping[str, torch.Tensor] | Iterable[Any], roo
     elif isinstance(params, Iterable) and not isinstance(params, (torch.Tensor, str)):
         items = [p if isinstance(p, tuple) else (None, p) for p in params]
     else:
-        raise ValueError(f"invalid params of type: {type(params).__name__}; pass model.state_dict() or "
-                         f"model.named_parameters()")
+        raise ValueError(
+            f"invalid params of type: {type(params).__name__}; pass model.state_dict() or model.named_parameters()"
+        )
     for name, tensor in items:
         if not isinstance(tensor, torch.Tensor):
-            raise ValueError(f"broadcast_parameters can only broadcast tensors; {name!r} is a "
-                             f"{type(tensor).__name__} (use hvd.broadcast_object for other values)")
+            raise ValueError(
+                f"broadcast_parameters can only broadcast tensors; {name!r} is a "
+                f"{type(tensor).__name__} (use hvd.broadcast_object for other values)"
+            )
     handles = [broadcast_async_(tensor, root_rank, name, process_set) for name, tensor in items]
     for handle in handles:
         synchronize(handle)
@@ -67,8 +72,12 @@ def _fill(value: Any, tensors: list[tuple[str, torch.Tensor]], own: dict[str, to
     new one."""
     if isinstance(value, _TensorSlot):
         tensor = own.get(value.path)
-        if tensor is None or tuple(tensor.shape) != value.shape or tensor.dtype != value.dtype \
-                or not tensor.is_contiguous():
+        if (
+            tensor is None
+            or tuple(tensor.shape) != value.shape
+            or tensor.dtype != value.dtype
+            or not tensor.is_contiguous()
+        ):
             tensor = torch.empty(value.shape, dtype=value.dtype)
         tensors.append((value.path, tensor))
         return tensor
@@ -82,8 +91,12 @@ def _fill(value: Any, tensors: list[tuple[str, torch.Tensor]], own: dict[str, to
 def _initialize_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module | None) -> None:
     """Horovod's start-up step: zero gradients for every parameter that requires one (sparse for SparseAdam and
     for `model`'s sparse embeddings), then one step of the wrapped optimizer, so that its state exists."""
-    sparse = {id(p) for m in (model.modules() if model is not None else ())
-              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    sparse = {
+        id(p)
+        for m in (model.modules() if model is not None else ())
+        if isinstance(m, torch.nn.Embedding) and m.sparse
+        for p in m.parameters()
+    }
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.requires_grad:
@@ -95,8 +108,12 @@ def _initialize_state(optimizer: torch.optim.Optimizer, model: torch.nn.Module |
     base_step()
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None = None,
-                              process_set: ProcessSet = global_process_set) -> None:
+def broadcast_optimizer_state(
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    model: torch.nn.Module | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> None:
     """Give every rank the root's optimizer state and param_group options (lr, momentum, ...).
 
     As in Horovod, an optimizer without state is first initialized on each rank by one step on zero gradients
@@ -108,13 +125,20 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("cannot broadcast torch.optim.LBFGS state (its state holds nested closures); "
-                         "save and load it with torch.save on every rank instead")
+        raise ValueError(
+            "cannot broadcast torch.optim.LBFGS state (its state holds nested closures); "
+            "save and load it with torch.save on every rank instead"
+        )
     _broadcast_state(optimizer, root_rank, model, process_set, initialize_everywhere=True)
 
 
-def _broadcast_state(optimizer: torch.optim.Optimizer, root_rank: int, model: torch.nn.Module | None,
-                     process_set: ProcessSet, initialize_everywhere: bool) -> None:
+def _broadcast_state(
+    optimizer: torch.optim.Optimizer,
+    root_rank: int,
+    model: torch.nn.Module | None,
+    process_set: ProcessSet,
+    initialize_everywhere: bool,
+) -> None:
     """broadcast_optimizer_state's work. Without `initialize_everywhere` only the root initializes an empty state
     (an elastic state sync: the others take the root's state anyway and the model is broadcast afterwards, so
     their start-up step, a whole optimizer step, would be thrown away)."""

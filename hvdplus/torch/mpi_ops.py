@@ -8,7 +8,8 @@ op without a device plane (HOROVOD_GPU_OPERATIONS=mpi, torch without NCCL), stag
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,16 +22,47 @@ from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.device_plane import CPU_TEST_KIND
 
-__all__ = ["allreduce", "allreduce_async", "allreduce_", "allreduce_async_",
-           "grouped_allreduce", "grouped_allreduce_async", "grouped_allreduce_", "grouped_allreduce_async_",
-           "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",
-           "broadcast", "broadcast_async", "broadcast_", "broadcast_async_",
-           "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
-           "grouped_reducescatter", "grouped_reducescatter_async", "poll", "synchronize", "join", "barrier"]
+__all__ = [
+    "allreduce",
+    "allreduce_async",
+    "allreduce_",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "grouped_allreduce_",
+    "grouped_allreduce_async_",
+    "allgather",
+    "allgather_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "broadcast",
+    "broadcast_async",
+    "broadcast_",
+    "broadcast_async_",
+    "alltoall",
+    "alltoall_async",
+    "reducescatter",
+    "reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "poll",
+    "synchronize",
+    "join",
+    "barrier",
+]
 
-_DTYPE_NAMES = {torch.uint8: "uint8", torch.int8: "int8", torch.int16: "int16", torch.int32: "int32",
-                torch.int64: "int64", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                torch.float32: "float32", torch.float64: "float64", torch.bool: "bool"}
+_DTYPE_NAMES = {
+    torch.uint8: "uint8",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+    torch.float64: "float64",
+    torch.bool: "bool",
+}
 
 _CPU = torch.device("cpu")
 
@@ -39,8 +71,9 @@ def _dtype_name(tensor: torch.Tensor) -> str:
     try:
         return _DTYPE_NAMES[tensor.dtype]
     except KeyError:
-        raise TypeError(f"hvdplus collectives do not support {tensor.dtype}; supported: "
-                        f"{', '.join(str(d) for d in _DTYPE_NAMES)}") from None
+        raise TypeError(
+            f"hvdplus collectives do not support {tensor.dtype}; supported: {', '.join(str(d) for d in _DTYPE_NAMES)}"
+        ) from None
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
@@ -135,17 +168,25 @@ def _check(handle: Any) -> Completion:
 
 
 # ----------------------------------------------------------------------------- allreduce
-def _start_allreduce(tensor: torch.Tensor, name: str | None, inplace: bool, op: ReduceOp, prescale: float,
-                     postscale: float, process_set: ProcessSet,
-                     group: int = 0) -> tuple[Handle, Callable[[], torch.Tensor]]:
+def _start_allreduce(
+    tensor: torch.Tensor,
+    name: str | None,
+    inplace: bool,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+    group: int = 0,
+) -> tuple[Handle, Callable[[], torch.Tensor]]:
     """Submit one allreduce (a member of a grouped call of `group` tensors, if not 0); return its handle and the
     function that gives the result once it is done."""
     # Adasum reduces tensor by tensor on the host engine (common/adasum.py)
     kind = None if op == ReduceOp.ADASUM else _plane_kind(tensor)
     output, in_array, out_array, label = _buffers(tensor, inplace, kind)
     device = tensor.device
-    handle = core.submit_allreduce(in_array, out_array, _dtype_name(tensor), name, op, prescale, postscale,
-                                   process_set, label, group=group)
+    handle = core.submit_allreduce(
+        in_array, out_array, _dtype_name(tensor), name, op, prescale, postscale, process_set, label, group=group
+    )
 
     def result() -> torch.Tensor:
         if inplace:
@@ -166,22 +207,39 @@ def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
     if tensors[0].is_cpu:
         return all(isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dtype for t in tensors)
     device = tensors[0].device  # device tensors pack on their device when a device plane takes them
-    return _plane_kind(tensors[0]) is not None and \
-        all(isinstance(t, torch.Tensor) and t.device == device and t.dtype == dtype for t in tensors)
+    return _plane_kind(tensors[0]) is not None and all(
+        isinstance(t, torch.Tensor) and t.device == device and t.dtype == dtype for t in tensors
+    )
 
 
-def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, inplace: bool, op: ReduceOp,
-                            prescale: float, postscale: float,
-                            process_set: ProcessSet) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
+def _start_packed_allreduce(
+    tensors: Sequence[torch.Tensor],
+    name: str | None,
+    inplace: bool,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
     """One request for the whole group: packed by one torch kernel, reduced in place in one engine call,
     unpacked as views of the buffer (copied into the inputs when in place)."""
     with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
         flat = torch._utils._flatten_dense_tensors(tensors)
     kind = _plane_kind(flat)
     buffer = _numpy(flat) if kind is None else flat
-    handle = core.submit_allreduce(buffer, buffer, _dtype_name(flat), name, op, prescale, postscale, process_set,
-                                   _label(flat, kind), parts=tuple(tuple(t.shape) for t in tensors),
-                                   group=len(tensors))
+    handle = core.submit_allreduce(
+        buffer,
+        buffer,
+        _dtype_name(flat),
+        name,
+        op,
+        prescale,
+        postscale,
+        process_set,
+        _label(flat, kind),
+        parts=tuple(tuple(t.shape) for t in tensors),
+        group=len(tensors),
+    )
 
     def result() -> list[torch.Tensor]:
         outputs = torch._utils._unflatten_dense_tensors(flat, tensors)
@@ -194,18 +252,28 @@ def _start_packed_allreduce(tensors: Sequence[torch.Tensor], name: str | None, i
     return handle, result
 
 
-def _grouped_allreduce_async(tensors: Sequence[torch.Tensor], inplace: bool, average: bool | None,
-                             name: str | None, op: ReduceOp | None, prescale_factor: float,
-                             postscale_factor: float, process_set: ProcessSet) -> Completion:
+def _grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: ReduceOp | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+) -> Completion:
     op = core.resolve_op(average, op)
     tensors = list(tensors)
     if _packable(tensors, op):
-        handle, result = _start_packed_allreduce(tensors, name, inplace, op, prescale_factor, postscale_factor,
-                                                 process_set)
+        handle, result = _start_packed_allreduce(
+            tensors, name, inplace, op, prescale_factor, postscale_factor, process_set
+        )
         return Completion([handle], lambda _: result())
     group = group_size(len(tensors))
-    started = [_start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set,
-                                group) for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))]
+    started = [
+        _start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set, group)
+        for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))
+    ]
     return Completion([handle for handle, _ in started], lambda _: [result() for _, result in started])
 
 
@@ -214,45 +282,75 @@ def _first(results: list[Any]) -> Any:
     return results[0]
 
 
-def _allreduce_async(tensor: torch.Tensor, inplace: bool, average: bool | None, name: str | None,
-                     op: ReduceOp | None, prescale_factor: float, postscale_factor: float,
-                     process_set: ProcessSet) -> Completion:
+def _allreduce_async(
+    tensor: torch.Tensor,
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: ReduceOp | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+) -> Completion:
     """One tensor: the grouped path without its lists (this runs once per gradient per step)."""
-    handle, result = _start_allreduce(tensor, name, inplace, core.resolve_op(average, op), prescale_factor,
-                                      postscale_factor, process_set)
+    handle, result = _start_allreduce(
+        tensor, name, inplace, core.resolve_op(average, op), prescale_factor, postscale_factor, process_set
+    )
     return Completion([handle], lambda _: result())
 
 
-def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                            op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                            process_set: ProcessSet = global_process_set) -> Completion:
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Completion:
     """Start allreduces of several tensors; `synchronize` returns the list of results.
 
     Collective: every rank in the process set must call this, in the same order."""
-    return _grouped_allreduce_async(tensors, False, average, name, op, prescale_factor, postscale_factor,
-                                    process_set)
+    return _grouped_allreduce_async(tensors, False, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                             op: ReduceOp | None = None, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Completion:
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Completion:
     """In-place `grouped_allreduce_async`: the inputs receive the results."""
-    return _grouped_allreduce_async(tensors, True, average, name, op, prescale_factor, postscale_factor,
-                                    process_set)
+    return _grouped_allreduce_async(tensors, True, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                    op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                    process_set: ProcessSet = global_process_set) -> Completion:
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Completion:
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new tensor with the result.
 
     Collective: every rank in the process set must call this, in the same order."""
     return _allreduce_async(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
 
 
-def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-                     op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                     process_set: ProcessSet = global_process_set) -> Completion:
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Completion:
     """In-place `allreduce_async`: `tensor` itself receives the result."""
     return _allreduce_async(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -261,22 +359,34 @@ class HorovodAllreduce(torch.autograd.Function):
     """Allreduce whose gradient is the allreduce of the gradient."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
         return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = synchronize(allreduce_async(grad, None, None, ctx.op, ctx.prescale, ctx.postscale,
-                                              ctx.process_set))
+        reduced = synchronize(allreduce_async(grad, None, None, ctx.op, ctx.prescale, ctx.postscale, ctx.process_set))
         return reduced, None, None, None, None, None
 
 
-def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-              compression: Compressor = Compression.none, op: ReduceOp | None = None,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """Reduce `tensor` over all ranks (Average by default) and return the result; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -286,9 +396,15 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     return compression.decompress(reduced, ctx)
 
 
-def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
-               op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
     """In-place allreduce: `tensor` receives the result and is returned."""
     return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
 
@@ -297,23 +413,40 @@ class HorovodGroupedAllreduce(torch.autograd.Function):
     """Grouped allreduce whose gradients are the grouped allreduce of the gradients (as Horovod)."""
 
     @staticmethod
-    def forward(ctx: Any, name: str | None, op: ReduceOp, prescale: float, postscale: float,
-                process_set: ProcessSet, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(
+        ctx: Any,
+        name: str | None,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
-        return tuple(synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale, postscale,
-                                                         process_set)))
+        return tuple(
+            synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale, postscale, process_set))
+        )
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = synchronize(grouped_allreduce_async([g.contiguous() for g in grads], None, None, ctx.op,
-                                                      ctx.prescale, ctx.postscale, ctx.process_set))
+        reduced = synchronize(
+            grouped_allreduce_async(
+                [g.contiguous() for g in grads], None, None, ctx.op, ctx.prescale, ctx.postscale, ctx.process_set
+            )
+        )
         return (None, None, None, None, None, *reduced)
 
 
-def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                      compression: Compressor = Compression.none, op: ReduceOp | None = None,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
     """Allreduce a list of tensors together (one flat buffer when they share a dtype); differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -323,17 +456,25 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     return [compression.decompress(r, ctx) for r, ctx in zip(reduced, contexts)]
 
 
-def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
-                       op: ReduceOp | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
     """In-place grouped allreduce."""
-    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
 
 
 # ----------------------------------------------------------------------------- allgather
-def _allgather_members(tensors: Sequence[torch.Tensor], names: Sequence[str | None], process_set: ProcessSet,
-                       group: int) -> Completion:
+def _allgather_members(
+    tensors: Sequence[torch.Tensor], names: Sequence[str | None], process_set: ProcessSet, group: int
+) -> Completion:
     """Start one allgather per tensor, each announcing the size of the grouped call it belongs to."""
     handles = []
     for t, n in zip(tensors, names):
@@ -342,14 +483,16 @@ def _allgather_members(tensors: Sequence[torch.Tensor], names: Sequence[str | No
     return Completion(handles, lambda results: [_result(r, t) for r, t in zip(results, tensors)])
 
 
-def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                            process_set: ProcessSet = global_process_set) -> Completion:
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Completion:
     """Start allgathers of several tensors; `synchronize` returns the list of results."""
     return _allgather_members(tensors, member_names(name, len(tensors)), process_set, group_size(len(tensors)))
 
 
-def allgather_async(tensor: torch.Tensor, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Completion:
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Completion:
     """Start concatenating every rank's `tensor` along dimension 0 (first dimensions may differ).
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -360,8 +503,7 @@ class HorovodAllgather(torch.autograd.Function):
     """Allgather whose gradient is this rank's slice of the averaged gradient (as Horovod)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet,
-                group: int) -> torch.Tensor:
+    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet, group: int) -> torch.Tensor:
         ctx.rows, ctx.process_set = tensor.shape[0], process_set
         return synchronize(_allgather_members([tensor], [name], process_set, group).then(_first))
 
@@ -369,28 +511,31 @@ class HorovodAllgather(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         reduced = synchronize(allreduce_async(grad, op=ReduceOp.AVERAGE, process_set=ctx.process_set))
         rows = synchronize(allgather_async(torch.tensor([ctx.rows]), process_set=ctx.process_set))
-        offset = int(rows[:ctx.process_set.rank()].sum())
+        offset = int(rows[: ctx.process_set.rank()].sum())
         return reduced.narrow(0, offset, ctx.rows), None, None, None
 
 
-def allgather(tensor: torch.Tensor, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Concatenate every rank's `tensor` along dimension 0; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
     return HorovodAllgather.apply(tensor, name, process_set, 0)
 
 
-def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
-                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = global_process_set
+) -> list[torch.Tensor]:
     """Allgather a list of tensors; differentiable."""
     group = group_size(len(tensors))
     return [HorovodAllgather.apply(t, n, process_set, group) for t, n in zip(tensors, member_names(name, len(tensors)))]
 
 
 # ----------------------------------------------------------------------------- broadcast
-def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet,
-                     inplace: bool) -> Completion:
+def _broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet, inplace: bool
+) -> Completion:
     output, in_array, out_array, label = _buffers(tensor, inplace, _plane_kind(tensor))
     handle = core.submit_broadcast(in_array, out_array, _dtype_name(tensor), root_rank, name, process_set, label)
 
@@ -404,16 +549,18 @@ def _broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None, pro
     return Completion([handle], finish)
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                    process_set: ProcessSet = global_process_set) -> Completion:
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Completion:
     """Start copying root's `tensor` to every rank; `synchronize` returns a new tensor.
 
     Collective: every rank in the process set must call this, in the same order."""
     return _broadcast_async(tensor, root_rank, name, process_set, inplace=False)
 
 
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-                     process_set: ProcessSet = global_process_set) -> Completion:
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> Completion:
     """In-place `broadcast_async`: `tensor` itself receives root's values."""
     return _broadcast_async(tensor, root_rank, name, process_set, inplace=True)
 
@@ -422,8 +569,9 @@ class HorovodBroadcast(torch.autograd.Function):
     """Broadcast whose gradient is the averaged gradient on the root (a global rank) and zero elsewhere (as Horovod)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None,
-                process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet
+    ) -> torch.Tensor:
         ctx.root_rank, ctx.process_set = root_rank, process_set
         return synchronize(broadcast_async(tensor, root_rank, name, process_set))
 
@@ -435,41 +583,50 @@ class HorovodBroadcast(torch.autograd.Function):
         return reduced, None, None, None
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def broadcast(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """Return root's `tensor` on every rank; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
     return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
-               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor:
     """In-place broadcast: `tensor` receives root's values and is returned."""
     return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
 
 
 # ----------------------------------------------------------------------------- alltoall
-def alltoall_async(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None,
-                   name: str | None = None, process_set: ProcessSet = global_process_set) -> Completion:
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Completion:
     """Start an alltoall: rows splits[r] go to rank r (even split without `splits`).
     `synchronize` returns (output, received_splits).
 
     Collective: every rank in the process set must call this, in the same order."""
     if isinstance(splits, torch.Tensor):
         splits = splits.tolist()
-    handle = core.submit_alltoall(_numpy(_host(tensor)), _dtype_name(tensor), splits, name, process_set,
-                                  str(tensor.device))
-    return Completion([handle], lambda results: (_tensor(results[0][0], tensor.dtype, tensor.device),
-                                                torch.from_numpy(results[0][1])))
+    handle = core.submit_alltoall(
+        _numpy(_host(tensor)), _dtype_name(tensor), splits, name, process_set, str(tensor.device)
+    )
+    return Completion(
+        [handle], lambda results: (_tensor(results[0][0], tensor.dtype, tensor.device), torch.from_numpy(results[0][1]))
+    )
 
 
 class HorovodAlltoall(torch.autograd.Function):
     """Alltoall whose gradient is the alltoall of the gradient with the received splits."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None,
-                process_set: ProcessSet) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx: Any, tensor: torch.Tensor, splits: Any, name: str | None, process_set: ProcessSet
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
@@ -481,8 +638,12 @@ class HorovodAlltoall(torch.autograd.Function):
         return output, None, None, None
 
 
-def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None = None, name: str | None = None,
-             process_set: ProcessSet = global_process_set) -> Any:
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor | None = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Any:
     """Scatter slices of `tensor` to every rank and gather theirs; differentiable.
 
     Returns the output, or (output, received_splits) when `splits` is given (as Horovod).
@@ -492,33 +653,59 @@ def alltoall(tensor: torch.Tensor, splits: Sequence[int] | torch.Tensor | None =
 
 
 # ----------------------------------------------------------------------------- reducescatter
-def _reducescatter_members(tensors: Sequence[torch.Tensor], names: Sequence[str | None], op: ReduceOp,
-                           process_set: ProcessSet, prescale: float, postscale: float, group: int) -> Completion:
+def _reducescatter_members(
+    tensors: Sequence[torch.Tensor],
+    names: Sequence[str | None],
+    op: ReduceOp,
+    process_set: ProcessSet,
+    prescale: float,
+    postscale: float,
+    group: int,
+) -> Completion:
     """Start one reduce-scatter per tensor, each announcing the size of the grouped call it belongs to."""
     handles = []
     for t, n in zip(tensors, names):
         buffer, label = _input(t)
-        handles.append(core.submit_reducescatter(buffer, _dtype_name(t), n, core.resolve_op(None, op), prescale,
-                                                 postscale, process_set, label, group))
+        handles.append(
+            core.submit_reducescatter(
+                buffer, _dtype_name(t), n, core.resolve_op(None, op), prescale, postscale, process_set, label, group
+            )
+        )
     return Completion(handles, lambda results: [_result(r, t) for r, t in zip(results, tensors)])
 
 
-def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
-                                op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
-                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Completion:
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: ReduceOp = ReduceOp.AVERAGE,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Completion:
     """Start reduce-scatters of several tensors; `synchronize` returns the list of this rank's shards."""
-    return _reducescatter_members(tensors, member_names(name, len(tensors)), op, process_set, prescale_factor,
-                                  postscale_factor, group_size(len(tensors)))
+    return _reducescatter_members(
+        tensors,
+        member_names(name, len(tensors)),
+        op,
+        process_set,
+        prescale_factor,
+        postscale_factor,
+        group_size(len(tensors)),
+    )
 
 
-def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: ReduceOp = ReduceOp.AVERAGE,
-                        process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0) -> Completion:
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOp = ReduceOp.AVERAGE,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Completion:
     """Start a reduce-scatter: rank r receives its rows of the reduction (Horovod's uneven split).
 
     Collective: every rank in the process set must call this, in the same order."""
-    return _reducescatter_members([tensor], [name], op, process_set, prescale_factor, postscale_factor,
-                                  0).then(_first)
+    return _reducescatter_members([tensor], [name], op, process_set, prescale_factor, postscale_factor, 0).then(_first)
 
 
 class HorovodReducescatter(torch.autograd.Function):
@@ -526,11 +713,20 @@ class HorovodReducescatter(torch.autograd.Function):
     (`reducescatter_grad_scale`: the set's size for Sum, 1 for Average, times the scale factors)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet,
-                prescale: float, postscale: float, group: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        process_set: ProcessSet,
+        prescale: float,
+        postscale: float,
+        group: int,
+    ) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
-        return synchronize(_reducescatter_members([tensor], [name], op, process_set, prescale, postscale,
-                                                  group).then(_first))
+        return synchronize(
+            _reducescatter_members([tensor], [name], op, process_set, prescale, postscale, group).then(_first)
+        )
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -539,30 +735,51 @@ class HorovodReducescatter(torch.autograd.Function):
         return gathered * scale, None, None, None, None, None, None
 
 
-def _reducescatter(tensor: torch.Tensor, name: str | None, compression: Compressor, op: ReduceOp,
-                   process_set: ProcessSet, prescale: float, postscale: float, group: int) -> torch.Tensor:
+def _reducescatter(
+    tensor: torch.Tensor,
+    name: str | None,
+    compression: Compressor,
+    op: ReduceOp,
+    process_set: ProcessSet,
+    prescale: float,
+    postscale: float,
+    group: int,
+) -> torch.Tensor:
     compressed, ctx = compression.compress(tensor)
     shard = HorovodReducescatter.apply(compressed, name, op, process_set, prescale, postscale, group)
     return compression.decompress(shard, ctx)
 
 
-def reducescatter(tensor: torch.Tensor, name: str | None = None, compression: Compressor = Compression.none,
-                  op: ReduceOp = ReduceOp.AVERAGE, process_set: ProcessSet = global_process_set,
-                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> torch.Tensor:
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    op: ReduceOp = ReduceOp.AVERAGE,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
     """Reduce `tensor` over all ranks and return this rank's rows of the result; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
     return _reducescatter(tensor, name, compression, op, process_set, prescale_factor, postscale_factor, 0)
 
 
-def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
-                          compression: Compressor = Compression.none, op: ReduceOp = ReduceOp.AVERAGE,
-                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
-                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    op: ReduceOp = ReduceOp.AVERAGE,
+    process_set: ProcessSet = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
     """Reduce-scatter a list of tensors; differentiable."""
     group = group_size(len(tensors))
-    return [_reducescatter(t, n, compression, op, process_set, prescale_factor, postscale_factor, group)
-            for t, n in zip(tensors, member_names(name, len(tensors)))]
+    return [
+        _reducescatter(t, n, compression, op, process_set, prescale_factor, postscale_factor, group)
+        for t, n in zip(tensors, member_names(name, len(tensors)))
+    ]
 
 
 # ----------------------------------------------------------------------------- join and barrier

@@ -17,7 +17,8 @@ one step on the combined batch of all ranks and passes, the user divides each pa
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -32,12 +33,18 @@ from hvdplus.torch.compression import Compression, Compressor
 __all__ = ["DistributedOptimizer", "AllreduceInFlightError"]
 
 
-def DistributedOptimizer(optimizer: torch.optim.Optimizer,
-                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                         compression: Compressor = Compression.none, backward_passes_per_step: int = 1,
-                         op: ReduceOp = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
-                         groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+def DistributedOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Compressor = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: ReduceOp = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that `step()` applies gradients averaged (`op`) over the ranks of `process_set`.
 
     Returns an instance of a subclass of `type(optimizer)` sharing its param_groups and state.
@@ -54,8 +61,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if hasattr(optimizer, "_hvd_base"):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the original optimizer only once")
     if any(hasattr(p, "_hvdplus_zero3") for group in optimizer.param_groups for p in group["params"]):
-        raise ValueError("these parameters are sharded by hvd.shard_parameters (ZeRO-3): wrap the optimizer with "
-                         "hvd.ZeroOptimizer, which steps the shards")
+        raise ValueError(
+            "these parameters are sharded by hvd.shard_parameters (ZeRO-3): wrap the optimizer with "
+            "hvd.ZeroOptimizer, which steps the shards"
+        )
     check_passes(backward_passes_per_step)
     check_predivide(gradient_predivide_factor, op)
     check_compression(compression)
@@ -68,7 +77,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         methods.update(_DistributedAdasumOptimizer.__dict__)
     members = dict(methods, _hvd_base=optimizer.__class__, _hvd_defaults=dict(optimizer.defaults))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), members)
-    wrapped = cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step, op,
-                  gradient_predivide_factor, groups, sparse_as_dense, process_set)
+    wrapped = cls(
+        optimizer.param_groups,
+        named_parameters,
+        compression,
+        backward_passes_per_step,
+        op,
+        gradient_predivide_factor,
+        groups,
+        sparse_as_dense,
+        process_set,
+    )
     wrapped.state.update(optimizer.state)  # keep state the user loaded before wrapping (Horovod drops it)
     return wrapped

@@ -22,7 +22,8 @@ micro-batch. CPU tensors only."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -35,7 +36,6 @@ from hvdplus.torch.mpi_ops import _dtype_name, _numpy
 from hvdplus.torch.pipeline_backward import WeightWork, backward_full, backward_input, backward_weight
 
 __all__ = ["Pipeline", "PipelineError"]
-
 
 
 _ABANDONED: list[Any] = []  # transfers of failed steps, never waited for (see _Step.fail)
@@ -58,8 +58,9 @@ def _split(value: Any, micro_batches: int, what: str) -> list[Any]:
     if rows.pop() < micro_batches:
         raise ValueError(f"{what} has {tensors[0].shape[0]} rows, fewer than micro_batches={micro_batches}")
     parts = [torch.tensor_split(t, micro_batches) for t in tensors]
-    return [tuple(p[m] for p in parts) if isinstance(value, (tuple, list)) else parts[0][m]
-            for m in range(micro_batches)]
+    return [
+        tuple(p[m] for p in parts) if isinstance(value, (tuple, list)) else parts[0][m] for m in range(micro_batches)
+    ]
 
 
 def _layer_costs(layers: Sequence[torch.nn.Module], sample: Any, repeats: int = 3) -> list[float]:
@@ -89,9 +90,16 @@ class Pipeline(torch.nn.Module):
     Collective: every rank of the job builds the same Pipeline (same model, arguments), in the same order
     relative to its other collectives; it registers the pipelines' and the stages' process sets."""
 
-    def __init__(self, model: torch.nn.Sequential | Sequence[torch.nn.Module], num_stages: int,
-                 micro_batches: int, schedule: str = "1f1b", virtual_stages: int = 1,
-                 balance: str | Sequence[int] = "parameters", sample_input: Any = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Sequential | Sequence[torch.nn.Module],
+        num_stages: int,
+        micro_batches: int,
+        schedule: str = "1f1b",
+        virtual_stages: int = 1,
+        balance: str | Sequence[int] = "parameters",
+        sample_input: Any = None,
+    ) -> None:
         super().__init__()
         layers = list(model)
         names = list(model._modules) if isinstance(model, torch.nn.Module) else [str(i) for i in range(len(layers))]
@@ -101,8 +109,10 @@ class Pipeline(torch.nn.Module):
         chunks = num_stages * virtual_stages
         self.actions_by_stage = build_schedule(schedule, num_stages, micro_batches, virtual_stages)
         if len(layers) < chunks:
-            raise ValueError(f"cannot cut {len(layers)} layers into {chunks} chunks (num_stages={num_stages} x "
-                             f"virtual_stages={virtual_stages})")
+            raise ValueError(
+                f"cannot cut {len(layers)} layers into {chunks} chunks (num_stages={num_stages} x "
+                f"virtual_stages={virtual_stages})"
+            )
         sizes = self._sizes(layers, chunks, balance, sample_input)
         self.num_stages, self.micro_batches, self.virtual_stages = num_stages, micro_batches, virtual_stages
         self.schedule_name = schedule
@@ -112,8 +122,11 @@ class Pipeline(torch.nn.Module):
         self.pipeline_ranks = [s * self.replicas + self.replica for s in range(num_stages)]
         self.stage_of_chunk = chunk_stages(schedule, num_stages, virtual_stages)
         starts = [sum(sizes[:c]) for c in range(chunks + 1)]
-        self.chunks = {c: torch.nn.Sequential(*layers[starts[c]:starts[c + 1]])
-                       for c in range(chunks) if self.stage_of_chunk[c] == self.stage}
+        self.chunks = {
+            c: torch.nn.Sequential(*layers[starts[c] : starts[c + 1]])
+            for c in range(chunks)
+            if self.stage_of_chunk[c] == self.stage
+        }
         for c in self.chunks:  # registered under their names in the whole model: "4.weight"
             for index in range(starts[c], starts[c + 1]):
                 self.add_module(names[index], layers[index])
@@ -122,8 +135,10 @@ class Pipeline(torch.nn.Module):
         self._channel = open_channel()
         self._loss_tag = TAGS_PER_MESSAGE * (1 + 2 * micro_batches * chunks)
         if self._loss_tag + TAGS_PER_MESSAGE > self._channel.max_tag:
-            raise ValueError(f"{micro_batches} micro-batches x {chunks} chunks need more message tags than the "
-                             f"engine has ({self._channel.max_tag})")
+            raise ValueError(
+                f"{micro_batches} micro-batches x {chunks} chunks need more message tags than the "
+                f"engine has ({self._channel.max_tag})"
+            )
         self.last_timings: list[tuple[Action, float, float]] = []
 
     # ------------------------------------------------------------------ construction
@@ -143,8 +158,10 @@ class Pipeline(torch.nn.Module):
 
     def _process_sets(self, world: int) -> tuple[ProcessSet, ProcessSet]:
         """Register every pipeline's and every stage's process set (all ranks, same order); return this rank's."""
+
         def register(ranks: list[int]) -> ProcessSet:
             return global_process_set if len(ranks) == world else _add(ProcessSet(ranks))
+
         pipelines = [register([s * self.replicas + r for s in range(self.num_stages)]) for r in range(self.replicas)]
         stages = [register([s * self.replicas + r for r in range(self.replicas)]) for s in range(self.num_stages)]
         return pipelines[self.replica], stages[self.stage]
@@ -188,7 +205,7 @@ class Pipeline(torch.nn.Module):
         """The model's output for `inputs` on the last stage (None elsewhere); no graph is built.
 
         Collective over the pipeline. Only the first stage's `inputs` are used."""
-        forwards = sorted(((m, c) for m in range(self.micro_batches) for c in self.chunks))
+        forwards = sorted((m, c) for m in range(self.micro_batches) for c in self.chunks)
         actions: list[Action] = []
         for m, c in forwards:
             if c > 0 and self.stage_of_chunk[c - 1] != self.stage:
@@ -261,20 +278,29 @@ class _Step:
             raise
         except Exception as exc:  # noqa: BLE001 - any stage failure must reach the other stages
             action = self.actions[index]
-            text = (f"pipeline stage {self.pipe.stage} (rank {runtime().rank}) failed on micro-batch "
-                    f"{action.micro_batch} (chunk {action.chunk}, {action.op.name.lower()}): "
-                    f"{type(exc).__name__}: {exc}")
+            text = (
+                f"pipeline stage {self.pipe.stage} (rank {runtime().rank}) failed on micro-batch "
+                f"{action.micro_batch} (chunk {action.chunk}, {action.op.name.lower()}): "
+                f"{type(exc).__name__}: {exc}"
+            )
             self.fail(index, text, exc)
 
     def fail(self, index: int, text: str, cause: BaseException) -> None:
         """Send `text` in place of every message this stage still owes, so that no peer waits forever, then
         raise it here."""
         owed = [a for a in self.actions[index:] if a.op in (Op.SEND_ACTIVATION, Op.SEND_GRAD)]
-        transfers = [t for a in owed for t in send_error(self.pipe._channel, self.peer(a),
-                                                         self.pipe.tag(a.op, a.micro_batch, a.chunk), text)]
+        transfers = [
+            t
+            for a in owed
+            for t in send_error(self.pipe._channel, self.peer(a), self.pipe.tag(a.op, a.micro_batch, a.chunk), text)
+        ]
         if self.grad and self.pipe.is_last_stage:
-            transfers += [t for rank in self.pipe.pipeline_ranks if rank != runtime().rank
-                          for t in send_error(self.pipe._channel, rank, self.pipe._loss_tag, text)]
+            transfers += [
+                t
+                for rank in self.pipe.pipeline_ranks
+                if rank != runtime().rank
+                for t in send_error(self.pipe._channel, rank, self.pipe._loss_tag, text)
+            ]
         # Not waited for: a peer that failed too never takes them. They and the step's sends still in flight
         # keep their buffers until the process ends (a freed buffer would reach a peer as garbage).
         _ABANDONED.extend([t for sent in self.sends.values() for t in sent] + transfers)
@@ -305,13 +331,16 @@ class _Step:
             self.drop(key)
         elif op == Op.BACKWARD_INPUT:
             if hasattr(self.pipe.chunks[key[1]], "_hvdplus_zero3"):
-                raise ValueError("the zero-bubble schedules' B/W split cannot run on a stage sharded by "
-                                 "hvd.shard_parameters (W replays the graph after the units are released); use "
-                                 "schedule='1f1b', 'gpipe' or 'interleaved'")
+                raise ValueError(
+                    "the zero-bubble schedules' B/W split cannot run on a stage sharded by "
+                    "hvd.shard_parameters (W replays the graph after the units are released); use "
+                    "schedule='1f1b', 'gpipe' or 'interleaved'"
+                )
             outputs, grads, inputs, params = self.backward_args(key)
             if any(x.requires_grad for x in inputs):
-                input_grads, self.weight_work[key] = backward_input(outputs, grads, inputs, params,
-                                                                    final=index in self.final)
+                input_grads, self.weight_work[key] = backward_input(
+                    outputs, grads, inputs, params, final=index in self.final
+                )
                 self.store_input_grads(key, input_grads)
             else:  # the first chunk: no input gradient to hurry, W does the whole backward
                 self.weight_work[key] = (outputs, grads, inputs, params)
@@ -330,8 +359,9 @@ class _Step:
         elif (m, c) in self.received:
             inputs = self.received[(m, c)]
         else:  # the previous chunk is on this stage (the V's tip): hand its output over as a new leaf
-            inputs = tuple(o.detach().requires_grad_(self.grad and o.is_floating_point())
-                           for o in self.outputs[(m, c - 1)])
+            inputs = tuple(
+                o.detach().requires_grad_(self.grad and o.is_floating_point()) for o in self.outputs[(m, c - 1)]
+            )
             self.received[(m, c)] = inputs
         output = pipe.chunks[c](inputs if len(inputs) > 1 else inputs[0])
         if c == len(pipe.stage_of_chunk) - 1 and self.loss is not None:
@@ -361,8 +391,9 @@ class _Step:
         m, c = key
         if c > 0:
             inputs = self.received[key]
-            self.input_grads[key] = [torch.zeros_like(x) if g is None and x.requires_grad else g
-                                     for x, g in zip(inputs, grads)]
+            self.input_grads[key] = [
+                torch.zeros_like(x) if g is None and x.requires_grad else g for x, g in zip(inputs, grads)
+            ]
 
     def drop(self, key: tuple[int, int]) -> None:
         self.outputs.pop(key, None)
@@ -374,8 +405,12 @@ class _Step:
         self.sends[key] = send_arrays(self.pipe._channel, self.peer(action), self.pipe.tag(*key), arrays)
 
     def receive(self, action: Action) -> tuple[torch.Tensor, ...]:
-        arrays = recv_arrays(self.pipe._channel, self.peer(action),
-                             self.pipe.tag(action.op, action.micro_batch, action.chunk), self.alive)
+        arrays = recv_arrays(
+            self.pipe._channel,
+            self.peer(action),
+            self.pipe.tag(action.op, action.micro_batch, action.chunk),
+            self.alive,
+        )
         return tuple(_tensor(array, dtype) for array, dtype in arrays)
 
     def share_loss(self) -> torch.Tensor:
@@ -384,13 +419,17 @@ class _Step:
         last = pipe.pipeline_ranks[pipe.stage_of_chunk[-1]]
         if runtime().rank == last:
             value = self.total_loss.reshape(1)
-            sends = [t for rank in pipe.pipeline_ranks if rank != last
-                     for t in send_arrays(pipe._channel, rank, pipe._loss_tag, [(_numpy(value), "float32")])]
+            sends = [
+                t
+                for rank in pipe.pipeline_ranks
+                if rank != last
+                for t in send_arrays(pipe._channel, rank, pipe._loss_tag, [(_numpy(value), "float32")])
+            ]
             for transfer in sends:
                 transfer.wait(self.alive)
             return self.total_loss
         try:
-            (array, dtype), = recv_arrays(pipe._channel, last, pipe._loss_tag, self.alive)
+            ((array, dtype),) = recv_arrays(pipe._channel, last, pipe._loss_tag, self.alive)
         except PeerError as exc:
             raise PipelineError(str(exc)) from exc
         return _tensor(array, dtype).reshape(())
@@ -407,4 +446,3 @@ def _align(outputs: tuple[torch.Tensor, ...], grads: tuple) -> tuple:
 def _tensor(array: Any, dtype: str) -> torch.Tensor:
     tensor = torch.from_numpy(array)
     return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
-

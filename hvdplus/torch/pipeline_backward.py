@@ -10,12 +10,12 @@ by hand."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.autograd.graph import GradientEdge
-from torch.distributed.pipelining._backward import (_get_grad_fn_or_grad_acc, construct_reverse_graph,
-                                                    get_param_groups)
+from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups
 
 from hvdplus.torch.zero3_units import add_gradient
 
@@ -35,8 +35,14 @@ def _add_into_grad(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor 
             add_gradient(p, g)
 
 
-def _run(roots: Sequence[Any], grads: Sequence[Any], targets: Sequence[Any], params: Sequence[torch.Tensor],
-         final: bool, retain_graph: bool = False) -> tuple[torch.Tensor | None, ...]:
+def _run(
+    roots: Sequence[Any],
+    grads: Sequence[Any],
+    targets: Sequence[Any],
+    params: Sequence[torch.Tensor],
+    final: bool,
+    retain_graph: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
     """Backpropagate from `roots` to `targets` (tensors or gradient edges); the last len(params) targets are
     those parameters' accumulators. Returns the gradients of the other targets."""
     others = len(targets) - len(params)
@@ -48,22 +54,30 @@ def _run(roots: Sequence[Any], grads: Sequence[Any], targets: Sequence[Any], par
     return tuple(results[:others])
 
 
-def backward_full(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
-                  inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], final: bool) -> list:
+def backward_full(
+    outputs: Sequence[torch.Tensor],
+    output_grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    final: bool,
+) -> list:
     """Gradients of `inputs` (None where one needs none) and, into p.grad, of `params`."""
     roots, grads = _roots(outputs, output_grads)
     wanted = [x for x in inputs if x.requires_grad]
     if not roots:
         return [None] * len(inputs)
     used = _reachable(construct_reverse_graph([r.grad_fn for r in roots]), params)
-    found = iter(_run(roots, grads, wanted + [GradientEdge(_get_grad_fn_or_grad_acc(p), 0) for p in used], used,
-                      final))
+    found = iter(_run(roots, grads, wanted + [GradientEdge(_get_grad_fn_or_grad_acc(p), 0) for p in used], used, final))
     return [next(found) if x.requires_grad else None for x in inputs]
 
 
-def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch.Tensor | None],
-                   inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                   final: bool) -> tuple[list, WeightWork]:
+def backward_input(
+    outputs: Sequence[torch.Tensor],
+    output_grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor],
+    final: bool,
+) -> tuple[list, WeightWork]:
     """B: the gradients of `inputs`; the weights' gradients are left for `backward_weight`, except for weights
     whose path does not meet the inputs' (their gradient is taken now, as W could no longer reach them)."""
     roots, grads = _roots(outputs, output_grads)
@@ -80,13 +94,23 @@ def backward_input(outputs: Sequence[torch.Tensor], output_grads: Sequence[torch
         group["intermediates"] = list(group["intermediates"])
         group["grads"] = [None] * len(group["intermediates"])
         for i, node in enumerate(group["intermediates"]):
+
             def keep(grad_inputs: tuple, group: dict = group, i: int = i) -> None:
                 group["grads"][i] = grad_inputs
+
             handles.append(node.register_prehook(keep))
     left = [p for acc, p in accumulators.items() if acc not in covered]
     try:
-        found = iter(_run(roots, grads, wanted + [GradientEdge(_get_grad_fn_or_grad_acc(p), 0) for p in left], left,
-                          final, retain_graph=True))
+        found = iter(
+            _run(
+                roots,
+                grads,
+                wanted + [GradientEdge(_get_grad_fn_or_grad_acc(p), 0) for p in left],
+                left,
+                final,
+                retain_graph=True,
+            )
+        )
         input_grads = [next(found) if x.requires_grad else None for x in inputs]
     finally:
         for handle in handles:
@@ -108,9 +132,14 @@ def backward_weight(work: WeightWork, final: bool) -> None:
         if not edges:
             continue
         # Replay B's gradients at each intermediate, so that a path through two of them is not counted twice.
-        handles = [node.register_prehook(lambda _, saved=saved: saved)
-                   for saved, node in zip(group["grads"], group["intermediates"])] \
-            if len(group["intermediates"]) > 1 else []
+        handles = (
+            [
+                node.register_prehook(lambda _, saved=saved: saved)
+                for saved, node in zip(group["grads"], group["intermediates"])
+            ]
+            if len(group["intermediates"]) > 1
+            else []
+        )
         params = [p for p in work.params if _get_grad_fn_or_grad_acc(p) in group["params"]]
         try:
             _run(edges, grads, [GradientEdge(_get_grad_fn_or_grad_acc(p), 0) for p in params], params, final)

@@ -8,8 +8,8 @@ import torch
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set
-from hvdplus.common.ops import ReduceOp
 from hvdplus.common.handles import Completion
+from hvdplus.common.ops import ReduceOp
 from hvdplus.torch.mpi_ops import _dtype_name, _input, _result, synchronize
 
 __all__ = ["sparse_allreduce_async"]
@@ -24,16 +24,19 @@ class SparseHandle(Completion):
         return synchronize(self)
 
 
-def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: ReduceOp,
-                           process_set: ProcessSet = global_process_set) -> SparseHandle:
+def sparse_allreduce_async(
+    tensor: torch.Tensor, name: str | None, op: ReduceOp, process_set: ProcessSet = global_process_set
+) -> SparseHandle:
     """Start reducing a sparse COO tensor: allgather of indices and values, coalesced (duplicates summed).
 
     Average divides the values by the process set's size; only Average and Sum are defined for sparse
     tensors. `synchronize(handle)` (or `handle()`) returns the coalesced sparse sum (or average).
     Collective: every rank in the process set must call this, in the same order."""
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
-        raise TypeError(f"sparse_allreduce_async expects a sparse COO tensor, got "
-                        f"{tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+        raise TypeError(
+            f"sparse_allreduce_async expects a sparse COO tensor, got "
+            f"{tensor.layout if isinstance(tensor, torch.Tensor) else type(tensor).__name__}"
+        )
     op = core.resolve_op(None, op)
     if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError(f"sparse allreduce supports op=Average and op=Sum, got {op!r}")

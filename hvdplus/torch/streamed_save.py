@@ -38,8 +38,14 @@ class _WrittenTensor:
 
     def __reduce_ex__(self, protocol: int) -> tuple:
         stride = torch.empty(self.shape, device="meta").stride()
-        return torch._utils._rebuild_tensor_v2, (self.storage, 0, tuple(self.shape), stride, False,
-                                                 collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, (
+            self.storage,
+            0,
+            tuple(self.shape),
+            stride,
+            False,
+            collections.OrderedDict(),
+        )
 
 
 class StreamedSave:
@@ -88,4 +94,3 @@ class StreamedSave:
 
     def __exit__(self, *exc: Any) -> None:
         del self._writer
-

@@ -26,8 +26,15 @@ class SyncBatchNorm(_BatchNorm):
 
     Collective in training mode: every rank in the process set must call forward (and backward) together."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_set: ProcessSet = global_process_set) -> None:
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_set: ProcessSet = global_process_set,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats)
         self.process_set = process_set
 
@@ -47,10 +54,10 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if tracked else None
         running_var = self.running_var if tracked else None
         if not batch_stats or self.process_set.size() == 1:
-            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, batch_stats, factor,
-                                self.eps)
-        return _SyncBatchNormFunction.apply(input, self.weight, self.bias, running_mean, running_var, self.eps,
-                                            factor, self.process_set)
+            return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, batch_stats, factor, self.eps)
+        return _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, running_mean, running_var, self.eps, factor, self.process_set
+        )
 
 
 def _channels_last(tensor: torch.Tensor) -> torch.Tensor:
@@ -72,20 +79,30 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """Global-statistics batch norm; forward and backward each make one collective call."""
 
     @staticmethod
-    def forward(ctx: Any, input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                running_mean: torch.Tensor | None, running_var: torch.Tensor | None, eps: float, momentum: float,
-                process_set: ProcessSet) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        input: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        running_mean: torch.Tensor | None,
+        running_var: torch.Tensor | None,
+        eps: float,
+        momentum: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
         rows = _channels_last(input.detach()).double()
         count = rows.shape[0]
         mean = rows.mean(0) if count else rows.new_zeros(rows.shape[1])
         m2 = (rows - mean).pow(2).sum(0)
         local = torch.cat([rows.new_tensor([count]), mean, m2]).unsqueeze(0)
         stats = synchronize(allgather_async(local.cpu(), process_set=process_set)).to(input.device)
-        counts, means, m2s = stats[:, :1], stats[:, 1:1 + mean.numel()], stats[:, 1 + mean.numel():]
+        counts, means, m2s = stats[:, :1], stats[:, 1 : 1 + mean.numel()], stats[:, 1 + mean.numel() :]
         total = counts.sum()
         if total <= 1:
-            raise ValueError(f"Expected more than 1 value per channel when training, got input size "
-                             f"{list(input.shape)} and {int(total)} values per channel over all ranks")
+            raise ValueError(
+                f"Expected more than 1 value per channel when training, got input size "
+                f"{list(input.shape)} and {int(total)} values per channel over all ranks"
+            )
         global_mean = (counts * means).sum(0) / total
         var = (m2s + counts * (means - global_mean).pow(2)).sum(0) / total
         if running_mean is not None:
@@ -107,10 +124,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         dy = grad.to(xhat.dtype)
         sum_dy = _channels_last(dy).double().sum(0)
         sum_dy_xhat = _channels_last(dy * xhat).double().sum(0)
-        both = synchronize(allreduce_async(torch.cat([sum_dy, sum_dy_xhat]).cpu(), op=ReduceOp.SUM,
-                                           process_set=ctx.process_set)).to(grad.device)
-        mean_dy = (both[:sum_dy.numel()] / ctx.total).to(xhat.dtype)
-        mean_dy_xhat = (both[sum_dy.numel():] / ctx.total).to(xhat.dtype)
+        both = synchronize(
+            allreduce_async(torch.cat([sum_dy, sum_dy_xhat]).cpu(), op=ReduceOp.SUM, process_set=ctx.process_set)
+        ).to(grad.device)
+        mean_dy = (both[: sum_dy.numel()] / ctx.total).to(xhat.dtype)
+        mean_dy_xhat = (both[sum_dy.numel() :] / ctx.total).to(xhat.dtype)
         scale = invstd if weight is None else invstd * weight.to(xhat.dtype)
         centred = dy - _per_channel(mean_dy, dy) - xhat * _per_channel(mean_dy_xhat, dy)
         grad_input = centred * _per_channel(scale, dy)

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,8 +34,13 @@ from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_passes
 from hvdplus.common.sharding import DtypePartition, bucket_ranges, counts_within, parameter_mismatch, partition
 from hvdplus.common.subclassing import disguised_subclass
-from hvdplus.torch._optimizer import (_TOO_MANY_PASSES, _ZERO_GRAD_IN_FLIGHT, AllreduceInFlightError,
-                                      _constructor_kwargs, _parameter_names)
+from hvdplus.torch._optimizer import (
+    _TOO_MANY_PASSES,
+    _ZERO_GRAD_IN_FLIGHT,
+    AllreduceInFlightError,
+    _constructor_kwargs,
+    _parameter_names,
+)
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.mpi_ops import _dtype_name, _numpy
 from hvdplus.torch.zero3 import sharded_model_of
@@ -51,8 +57,16 @@ class _Flat:
 
     __slots__ = ("part", "master", "base", "full", "unit", "grad", "reduce_dtype")
 
-    def __init__(self, part: DtypePartition, master: torch.Tensor, base: int, full: torch.Tensor | None,
-                 grad_elements: int, unit: Any = None, reduce_dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        part: DtypePartition,
+        master: torch.Tensor,
+        base: int,
+        full: torch.Tensor | None,
+        grad_elements: int,
+        unit: Any = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
         self.part, self.master, self.base, self.full, self.unit = part, master, base, full, unit
         self.grad = torch.zeros(grad_elements, dtype=master.dtype)
         self.reduce_dtype = reduce_dtype
@@ -78,9 +92,16 @@ class _Shards:
     a persistent flat buffer. ZeRO-3 (`sharded`, zero3.py): one per trainable partition of each unit; the unit
     owns the shard and gathers the whole unit when its forward needs it."""
 
-
-    def __init__(self, params: list[torch.Tensor], names: list[str], group_of: list[int],
-                 compression: Compressor, passes: int, process_set: ProcessSet, sharded: Any = None) -> None:
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        names: list[str],
+        group_of: list[int],
+        compression: Compressor,
+        passes: int,
+        process_set: ProcessSet,
+        sharded: Any = None,
+    ) -> None:
         self.params, self.names, self.group_of = params, names, group_of
         self.compression, self.passes, self.process_set = compression, passes, process_set
         self.size, self.index = process_set.size(), process_set.rank()
@@ -96,8 +117,11 @@ class _Shards:
         bucket_bytes = runtime().bucket_bytes
         self.buckets = []
         for k, flat in enumerate(self.flats):
-            ranges = ([(0, flat.part.total, flat.part.params)] if flat.unit is not None and not flat.unit.persistent
-                      else bucket_ranges(flat.part, flat.master.element_size(), bucket_bytes))
+            ranges = (
+                [(0, flat.part.total, flat.part.params)]
+                if flat.unit is not None and not flat.unit.persistent
+                else bucket_ranges(flat.part, flat.master.element_size(), bucket_bytes)
+            )
             self.buckets += [_Bucket(k, start, end, members) for start, end, members in ranges]
         self.bucket_of = {i: bucket for bucket in self.buckets for i in bucket.params}
         self.unit_buckets: dict[int, list[_Bucket]] = {}
@@ -133,7 +157,7 @@ class _Shards:
             buffer = torch.empty(part.total, dtype=part.kind)
             with torch.no_grad():
                 for i, offset in zip(part.params, part.offsets):
-                    view = buffer[offset:offset + params[i].numel()]
+                    view = buffer[offset : offset + params[i].numel()]
                     view.copy_(params[i].detach().reshape(-1))
                     params[i].data = view.view_as(params[i])
             flats.append(_Flat(part, buffer, 0, buffer, part.counts[self.index]))
@@ -145,8 +169,10 @@ class _Shards:
         covered = {id(p) for unit in self.sharded.units for p in unit.params}
         strangers = [self.names[i] for i, p in enumerate(self.params) if id(p) not in covered]
         if strangers:
-            raise ValueError(f"ZeroOptimizer over a model sharded by hvd.shard_parameters takes that model's "
-                             f"parameters only; {strangers[:3]} are not among them (use a second optimizer)")
+            raise ValueError(
+                f"ZeroOptimizer over a model sharded by hvd.shard_parameters takes that model's "
+                f"parameters only; {strangers[:3]} are not among them (use a second optimizer)"
+            )
         flats = []
         for unit in self.sharded.units:
             for k, part in enumerate(unit.plan):
@@ -155,13 +181,24 @@ class _Shards:
                     continue
                 missing = [unit.names[j] for j in part.params if id(unit.params[j]) not in position]
                 if missing:
-                    raise ValueError(f"ZeroOptimizer over a model sharded by hvd.shard_parameters steps all of its "
-                                     f"trainable parameters; the optimizer lacks {missing[:3]}")
-                ours = dataclasses.replace(part, kind=dtype,
-                                           params=tuple(position[id(unit.params[j])] for j in part.params))
-                flats.append(_Flat(ours, unit.shards[k], part.bounds[self.index],
-                                   unit.full[k] if unit.persistent else None, part.counts[self.index], unit,
-                                   self.sharded.reduce_dtype))
+                    raise ValueError(
+                        f"ZeroOptimizer over a model sharded by hvd.shard_parameters steps all of its "
+                        f"trainable parameters; the optimizer lacks {missing[:3]}"
+                    )
+                ours = dataclasses.replace(
+                    part, kind=dtype, params=tuple(position[id(unit.params[j])] for j in part.params)
+                )
+                flats.append(
+                    _Flat(
+                        ours,
+                        unit.shards[k],
+                        part.bounds[self.index],
+                        unit.full[k] if unit.persistent else None,
+                        part.counts[self.index],
+                        unit,
+                        self.sharded.reduce_dtype,
+                    )
+                )
         return flats
 
     def shard_views(self, which: str) -> list[torch.Tensor]:
@@ -170,7 +207,7 @@ class _Shards:
         for (k, _, start, end), shape in zip(self.shards, self.shard_shapes):
             flat = self.flats[k]
             base = flat.base if which == "master" else flat.part.bounds[self.index]
-            views.append(getattr(flat, which)[start - base:end - base].view(shape))
+            views.append(getattr(flat, which)[start - base : end - base].view(shape))
         return views
 
     # ------------------------------------------------------------------ backward
@@ -180,8 +217,10 @@ class _Shards:
         if self.passes_done[i] >= self.passes:
             raise AllreduceInFlightError(_TOO_MANY_PASSES)
         if p.grad.is_sparse:
-            raise TypeError(f"ZeroOptimizer shards dense gradients only; parameter {self.names[i]!r} has a sparse "
-                            f"one (use DistributedOptimizer for sparse embeddings)")
+            raise TypeError(
+                f"ZeroOptimizer shards dense gradients only; parameter {self.names[i]!r} has a sparse "
+                f"one (use DistributedOptimizer for sparse embeddings)"
+            )
         if i in bucket.written:  # a second pass reached it before the rest of the bucket: send what is there
             self.start(bucket)
         if bucket.buffer is None:
@@ -189,7 +228,7 @@ class _Shards:
         k, offset = self.where[i]
         offset -= bucket.start
         with torch.no_grad():
-            bucket.buffer[offset:offset + p.grad.numel()].copy_(p.grad.reshape(-1))
+            bucket.buffer[offset : offset + p.grad.numel()].copy_(p.grad.reshape(-1))
         p.grad = None
         bucket.written.add(i)
         self.passes_done[i] += 1
@@ -205,11 +244,11 @@ class _Shards:
         for i in bucket.params:
             if i not in bucket.written:
                 offset = self.where[i][1] - bucket.start
-                bucket.buffer[offset:offset + self.numels[i]].zero_()
+                bucket.buffer[offset : offset + self.numels[i]].zero_()
         while len(self.in_flight) >= self.in_flight_limit:
             self.finish(self.in_flight.pop(0))
         counts = counts_within(flat.part.bounds, bucket.start, bucket.end)
-        offset, count = sum(counts[:self.index]), counts[self.index]
+        offset, count = sum(counts[: self.index]), counts[self.index]
         sent, ctx = self.compression.compress(bucket.buffer)
         array = _numpy(sent)
         unit = flat.unit
@@ -217,14 +256,24 @@ class _Shards:
             name, tag = self.sharded.next_name(), f"gradients of unit {unit.name!r}"
         else:
             name, tag = f"ZeroOptimizer.{self.names[bucket.params[0]]}.{bucket.fills}", ""
-        handle = core.submit_reducescatter(array, _dtype_name(sent), name, ReduceOp.AVERAGE,
-                                           process_set=self.process_set, counts=counts,
-                                           output=array[offset:offset + count], tag=tag)
+        handle = core.submit_reducescatter(
+            array,
+            _dtype_name(sent),
+            name,
+            ReduceOp.AVERAGE,
+            process_set=self.process_set,
+            counts=counts,
+            output=array[offset : offset + count],
+            tag=tag,
+        )
         self.in_flight.append((bucket, handle, sent, ctx, offset, count, bucket.buffer))
         bucket.buffer, bucket.fills = None, bucket.fills + 1
         bucket.written = set()
-        if unit is not None and not unit.persistent and \
-                all(b.fills == bucket.fills for b in self.unit_buckets[id(unit)]):
+        if (
+            unit is not None
+            and not unit.persistent
+            and all(b.fills == bucket.fills for b in self.unit_buckets[id(unit)])
+        ):
             self.sharded.gradients_sent(unit)
 
     def bucket_buffer(self, bucket: _Bucket) -> torch.Tensor:
@@ -244,10 +293,10 @@ class _Shards:
         handle.wait()
         if count:
             flat = self.flats[bucket.flat]
-            mine = self.compression.decompress(sent[offset:offset + count], ctx)
+            mine = self.compression.decompress(sent[offset : offset + count], ctx)
             first = max(bucket.start, flat.part.bounds[self.index]) - flat.part.bounds[self.index]
             with torch.no_grad():
-                flat.grad[first:first + count].add_(mine)
+                flat.grad[first : first + count].add_(mine)
         if len(self.spares) < self.in_flight_limit + 1:
             self.spares.append(buffer)
 
@@ -295,10 +344,19 @@ class _Shards:
                 sent = full[start:end]
             else:
                 sent = _numpy(flat.master.to(flat.full.dtype))
-            handles.append((core.submit_allgather(sent, _dtype_name(flat.full),
-                                                  f"ZeroOptimizer.gather.{self.names[part.params[0]]}",
-                                                  process_set=self.process_set, counts=part.counts,
-                                                  output=full), sent))
+            handles.append(
+                (
+                    core.submit_allgather(
+                        sent,
+                        _dtype_name(flat.full),
+                        f"ZeroOptimizer.gather.{self.names[part.params[0]]}",
+                        process_set=self.process_set,
+                        counts=part.counts,
+                        output=full,
+                    ),
+                    sent,
+                )
+            )
         for handle, _ in handles:
             handle.wait()
 
@@ -312,8 +370,9 @@ class _Shards:
             local = sum(float(torch.linalg.vector_norm(g.double(), norm_type)) ** norm_type for g in grads)
             op = ReduceOp.SUM
         total = np.array([local], dtype=np.float64)
-        core.submit_allreduce(total, total, "float64", f"ZeroOptimizer.norm.{self.names[0]}", op,
-                              process_set=self.process_set).wait()
+        core.submit_allreduce(
+            total, total, "float64", f"ZeroOptimizer.norm.{self.names[0]}", op, process_set=self.process_set
+        ).wait()
         return float(total[0]) if math.isinf(norm_type) else float(total[0]) ** (1.0 / norm_type)
 
 
@@ -378,15 +437,20 @@ class _ZeroOptimizer(ZeroStateDicts):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Param groups are fixed once sharded: the partition covers the parameters given at wrapping time."""
         if getattr(self, "_zero", None) is not None:
-            raise NotImplementedError("ZeroOptimizer cannot add param groups after wrapping: add them to the "
-                                      "optimizer before hvd.ZeroOptimizer(...)")
+            raise NotImplementedError(
+                "ZeroOptimizer cannot add param groups after wrapping: add them to the "
+                "optimizer before hvd.ZeroOptimizer(...)"
+            )
         super().add_param_group(param_group)
 
 
-def ZeroOptimizer(optimizer: torch.optim.Optimizer,
-                  named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-                  compression: Compressor = Compression.none, backward_passes_per_step: int = 1,
-                  process_set: ProcessSet = global_process_set) -> torch.optim.Optimizer:
+def ZeroOptimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    compression: Compressor = Compression.none,
+    backward_passes_per_step: int = 1,
+    process_set: ProcessSet = global_process_set,
+) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that each rank of `process_set` holds and steps only 1/N of its state.
 
     Returns an instance of a subclass of `type(optimizer)` whose param groups hold this rank's flat shards (with
@@ -404,8 +468,9 @@ def ZeroOptimizer(optimizer: torch.optim.Optimizer,
     check_passes(backward_passes_per_step)
     check_compression(compression)
     if not process_set.included():
-        raise ValueError(f"this rank ({runtime().rank}) is not in {process_set}: only its members can shard an "
-                         f"optimizer over it")
+        raise ValueError(
+            f"this rank ({runtime().rank}) is not in {process_set}: only its members can shard an optimizer over it"
+        )
     names = _parameter_names(optimizer.param_groups, named_parameters)
     params, group_of = [], []
     for g, group in enumerate(optimizer.param_groups):
@@ -419,22 +484,31 @@ def ZeroOptimizer(optimizer: torch.optim.Optimizer,
     if sharded is not None and sharded.gradients is not None:
         raise ValueError("this sharded model already has a ZeroOptimizer; wrap one optimizer per sharded model")
     shape = (lambda p: p.shape) if sharded is None else sharded.shape_of
-    described = core.allgather_object([(names[p], tuple(shape(p)), str(p.dtype)) for p in params],
-                                      name=f"ZeroOptimizer.check.{names[params[0]] if params else ''}",
-                                      process_set=process_set)
+    described = core.allgather_object(
+        [(names[p], tuple(shape(p)), str(p.dtype)) for p in params],
+        name=f"ZeroOptimizer.check.{names[params[0]] if params else ''}",
+        process_set=process_set,
+    )
     problem = parameter_mismatch(described, process_set.ranks or list(range(runtime().size)))
     if problem:
         raise CollectiveMismatchError(problem)
     if sharded is not None and (sharded.process_set.ranks or None) != (process_set.ranks or None):
-        raise ValueError(f"the model is sharded over {sharded.process_set}, so its ZeroOptimizer must use that "
-                         f"process set (got {process_set})")
-    shards = _Shards(params, [names[p] for p in params], group_of, compression, backward_passes_per_step,
-                     process_set, sharded)
+        raise ValueError(
+            f"the model is sharded over {sharded.process_set}, so its ZeroOptimizer must use that "
+            f"process set (got {process_set})"
+        )
+    shards = _Shards(
+        params, [names[p] for p in params], group_of, compression, backward_passes_per_step, process_set, sharded
+    )
     if sharded is not None:
         sharded.gradients = shards
-    groups = [dict({k: v for k, v in group.items() if k != "params"},
-                   params=[s for s, (_, g, _, _) in zip(shards.shard_params, shards.shards) if g == index])
-              for index, group in enumerate(optimizer.param_groups)]
+    groups = [
+        dict(
+            {k: v for k, v in group.items() if k != "params"},
+            params=[s for s, (_, g, _, _) in zip(shards.shard_params, shards.shards) if g == index],
+        )
+        for index, group in enumerate(optimizer.param_groups)
+    ]
     base = type(optimizer)
     cls = disguised_subclass(_ZeroOptimizer, base)
     wrapped = cls.__new__(cls)

@@ -30,8 +30,9 @@ zero3_checkpoint.py.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
@@ -65,9 +66,17 @@ class ShardedModel:
     built: dict[tuple[int, ...], int] = {}  # models sharded so far per process set (by its ranks): the members
     # of a set shard their models over it in the same order, so the count is the same on each of them
 
-    def __init__(self, model: torch.nn.Module, units: list[Unit], process_set: ProcessSet,
-                 reshard_after_forward: bool, prefetch: int, max_live_units: int,
-                 param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        units: list[Unit],
+        process_set: ProcessSet,
+        reshard_after_forward: bool,
+        prefetch: int,
+        max_live_units: int,
+        param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None,
+    ) -> None:
         self.model, self.units, self.process_set = model, units, process_set
         self.reshard_after_forward, self.prefetch, self.max_live_units = reshard_after_forward, prefetch, max_live_units
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
@@ -122,7 +131,7 @@ class ShardedModel:
 
     def prefetch_from(self, order: list[Unit], after: int) -> None:
         """Start gathering the next `prefetch` units of `order` after index `after`, within max_live_units."""
-        for unit in order[after + 1:after + 1 + self.prefetch]:
+        for unit in order[after + 1 : after + 1 + self.prefetch]:
             if unit.gathered or unit.pending or unit.persistent:
                 continue
             if self.live() >= self.max_live_units:
@@ -152,8 +161,12 @@ class ShardedModel:
         """The model's floating-point inputs in `param_dtype` (None: no mixed precision, nothing to change)."""
         if self.param_dtype is None:
             return None
-        return tuple(tree_map(lambda a: a.to(self.param_dtype) if isinstance(a, torch.Tensor)
-                              and a.is_floating_point() else a, list(args)))
+        return tuple(
+            tree_map(
+                lambda a: a.to(self.param_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a,
+                list(args),
+            )
+        )
 
     def after_forward(self, unit: Unit | None, output: Any) -> None:
         """After a unit's forward (None: the model's, which has no root unit): hook the backward's start on the
@@ -212,11 +225,12 @@ class ShardedModel:
 
 def sharded_model_of(params: Iterable[torch.Tensor]) -> ShardedModel | None:
     """The ShardedModel that owns these parameters, if `shard_parameters` sharded them."""
-    found = {id(getattr(p, "_hvdplus_zero3")): getattr(p, "_hvdplus_zero3") for p in params
-             if hasattr(p, "_hvdplus_zero3")}
+    found = {id(p._hvdplus_zero3): p._hvdplus_zero3 for p in params if hasattr(p, "_hvdplus_zero3")}
     if len(found) > 1:
-        raise ValueError("the parameters belong to several models sharded by hvd.shard_parameters; wrap one "
-                         "ZeroOptimizer per sharded model")
+        raise ValueError(
+            "the parameters belong to several models sharded by hvd.shard_parameters; wrap one "
+            "ZeroOptimizer per sharded model"
+        )
     return next(iter(found.values()), None)
 
 
@@ -239,8 +253,10 @@ def _unit_modules(model: torch.nn.Module, units: UnitChoice) -> dict[torch.nn.Mo
                 raise ValueError(f"units must be modules of the model; {strangers} are not")
             chosen = [u for u in listed if u is not model]
         else:
-            raise TypeError("units must be a list of module classes, a list of the model's modules, or a "
-                            "function (name, module) -> bool")
+            raise TypeError(
+                "units must be a list of module classes, a list of the model's modules, or a "
+                "function (name, module) -> bool"
+            )
     names = {id(m): n for n, m in named}
     return {m: names[id(m)] for m in chosen}
 
@@ -274,11 +290,19 @@ def _owners(model: torch.nn.Module, unit_names: dict[torch.nn.Module, str]) -> d
 
 
 # ---------------------------------------------------------------------- building
-def shard_parameters(model: torch.nn.Module, units: UnitChoice = None, *,
-                     process_set: ProcessSet = global_process_set, reshard_after_forward: bool = True,
-                     prefetch: int = 1, max_live_units: int = 2, persist_below: int = 0,
-                     param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                     init: Callable[[torch.nn.Module], None] | None = None) -> torch.nn.Module:
+def shard_parameters(
+    model: torch.nn.Module,
+    units: UnitChoice = None,
+    *,
+    process_set: ProcessSet = global_process_set,
+    reshard_after_forward: bool = True,
+    prefetch: int = 1,
+    max_live_units: int = 2,
+    persist_below: int = 0,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    init: Callable[[torch.nn.Module], None] | None = None,
+) -> torch.nn.Module:
     """Shard `model`'s parameters over `process_set` (ZeRO-3) in place and return it; wrap its parameters with
     `hvd.ZeroOptimizer` to train it.
 
@@ -297,8 +321,9 @@ def shard_parameters(model: torch.nn.Module, units: UnitChoice = None, *,
     if hasattr(model, "_hvdplus_zero3"):
         raise ValueError("this model is already sharded by hvd.shard_parameters")
     if not process_set.included():
-        raise ValueError(f"this rank ({runtime().rank}) is not in {process_set}: only its members can shard a "
-                         f"model over it")
+        raise ValueError(
+            f"this rank ({runtime().rank}) is not in {process_set}: only its members can shard a model over it"
+        )
     if prefetch < 0 or max_live_units < 1:
         raise ValueError(f"prefetch must be >= 0 and max_live_units >= 1, got {prefetch} and {max_live_units}")
     for name, p in model.named_parameters():
@@ -315,12 +340,23 @@ def shard_parameters(model: torch.nn.Module, units: UnitChoice = None, *,
     modules = {name: module for module, name in unit_names.items()}
     modules[ROOT] = model
     order = [ROOT] + [n for n in modules if n != ROOT] + [PERSISTENT]
-    built = [Unit(name, modules.get(name), by_unit[name], size, index, param_dtype, name == PERSISTENT)
-             for name in order if name in by_unit]
+    built = [
+        Unit(name, modules.get(name), by_unit[name], size, index, param_dtype, name == PERSISTENT)
+        for name in order
+        if name in by_unit
+    ]
     digests = materialize(model, built, unit_names, init or default_init, meta)
     check_same_everywhere(built, digests, process_set)
-    sharded = ShardedModel(model, built, process_set, reshard_after_forward, prefetch, max_live_units, param_dtype,
-                           reduce_dtype if reduce_dtype is not None else param_dtype)
+    sharded = ShardedModel(
+        model,
+        built,
+        process_set,
+        reshard_after_forward,
+        prefetch,
+        max_live_units,
+        param_dtype,
+        reduce_dtype if reduce_dtype is not None else param_dtype,
+    )
     for unit in built:
         for p in unit.params:
             p._hvdplus_zero3 = sharded  # type: ignore[attr-defined]

@@ -16,8 +16,9 @@ gathered for forward."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -28,8 +29,14 @@ from hvdplus.torch.streamed_save import StreamedSave
 from hvdplus.torch.zero3 import ShardedModel
 from hvdplus.torch.zero3_units import Unit
 
-__all__ = ["full_state_dict", "load_full_state_dict", "save_full_checkpoint", "load_full_checkpoint",
-           "save_sharded_checkpoint", "load_sharded_checkpoint"]
+__all__ = [
+    "full_state_dict",
+    "load_full_state_dict",
+    "save_full_checkpoint",
+    "load_full_checkpoint",
+    "save_sharded_checkpoint",
+    "load_sharded_checkpoint",
+]
 
 _SHARDED_FORMAT = "hvdplus-zero3-sharded-1"
 
@@ -51,9 +58,15 @@ def _whole_shards(sharded: ShardedModel, unit: Unit) -> list[torch.Tensor]:
     wholes = []
     for k, part in enumerate(unit.plan):
         whole = torch.empty(part.total, dtype=unit.shards[k].dtype)
-        core.submit_allgather(_numpy(unit.shards[k]), _dtype_name(whole), sharded.next_name(),
-                              process_set=sharded.process_set, counts=part.counts, output=_numpy(whole),
-                              tag=f"state of unit {unit.name!r}").wait()
+        core.submit_allgather(
+            _numpy(unit.shards[k]),
+            _dtype_name(whole),
+            sharded.next_name(),
+            process_set=sharded.process_set,
+            counts=part.counts,
+            output=_numpy(whole),
+            tag=f"state of unit {unit.name!r}",
+        ).wait()
         wholes.append(whole)
     return wholes
 
@@ -69,12 +82,14 @@ def _model_state(model: torch.nn.Module, to: int, store: Callable[[torch.Tensor]
         if keep:
             for k, part in enumerate(unit.plan):
                 for i, offset, numel in zip(part.params, part.offsets, part.numels):
-                    values[id(unit.params[i])] = store(wholes[k][offset:offset + numel].view(unit.shapes[i]))
+                    values[id(unit.params[i])] = store(wholes[k][offset : offset + numel].view(unit.shapes[i]))
         del wholes
     if not keep:
         return None
-    return {key: values[id(value)] if id(value) in values else store(value.detach())
-            for key, value in model.state_dict(keep_vars=True).items()}
+    return {
+        key: values[id(value)] if id(value) in values else store(value.detach())
+        for key, value in model.state_dict(keep_vars=True).items()
+    }
 
 
 def full_state_dict(model: torch.nn.Module, to: int = 0) -> dict[str, Any] | None:
@@ -96,24 +111,28 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any]) -> 
                 if key not in state_dict:
                     raise KeyError(f"the state dict has no {key!r}")
                 if tuple(state_dict[key].shape) != tuple(unit.shapes[i]):
-                    raise ValueError(f"{key!r} has shape {tuple(state_dict[key].shape)} in the state dict, but "
-                                     f"{tuple(unit.shapes[i])} in the model")
+                    raise ValueError(
+                        f"{key!r} has shape {tuple(state_dict[key].shape)} in the state dict, but "
+                        f"{tuple(unit.shapes[i])} in the model"
+                    )
             for k, part in enumerate(unit.plan):
                 start, end = part.shard(unit.index)
                 for piece in part.pieces(start, end):
                     source = state_dict[names[id(unit.params[piece.param])]].reshape(-1)
-                    unit.shards[k][piece.offset - start:piece.offset - start + piece.length].copy_(
-                        source[piece.start:piece.start + piece.length])
+                    unit.shards[k][piece.offset - start : piece.offset - start + piece.length].copy_(
+                        source[piece.start : piece.start + piece.length]
+                    )
                 if unit.persistent:
                     for i, offset, numel in zip(part.params, part.offsets, part.numels):
-                        unit.full[k][offset:offset + numel].copy_(state_dict[names[id(unit.params[i])]].reshape(-1))
+                        unit.full[k][offset : offset + numel].copy_(state_dict[names[id(unit.params[i])]].reshape(-1))
         for key, value in _unsharded_entries(model, sharded).items():
             if key in state_dict:
                 value.data.copy_(state_dict[key])
 
 
-def save_full_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                         optimizer: torch.optim.Optimizer | None = None, to: int = 0) -> None:
+def save_full_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, to: int = 0
+) -> None:
     """Write {"model": plain state dict, "optimizer": plain optimizer state dict} to `path` on global rank `to`,
     streamed (no rank holds the whole model or optimizer state). Collective."""
     _check_optimizer(model, optimizer)
@@ -127,8 +146,9 @@ def save_full_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         out.finish(saved)
 
 
-def load_full_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
-                         optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_full_checkpoint(
+    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Load what `save_full_checkpoint` (or `torch.save` of plain state dicts under "model" and "optimizer")
     wrote, at any number of ranks; memory-mapped, so each rank reads only its slices."""
     _check_optimizer(model, optimizer)
@@ -138,18 +158,27 @@ def load_full_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
         optimizer.load_state_dict(saved["optimizer"])
 
 
-def save_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
-                            optimizer: torch.optim.Optimizer | None = None) -> None:
+def save_sharded_checkpoint(
+    directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Write this rank's shards (and its optimizer shard) to `directory`/rank-R-of-N.pt; every rank writes its
     own file. Collective (ends with a barrier, so the directory is complete when it returns)."""
     _check_optimizer(model, optimizer)
     sharded = _sharded(model)
     size, rank = sharded.process_set.size(), sharded.process_set.rank()
-    units = {unit.name: {"bounds": [list(part.bounds) for part in unit.plan], "shards": unit.shards}
-             for unit in sharded.units}
+    units = {
+        unit.name: {"bounds": [list(part.bounds) for part in unit.plan], "shards": unit.shards}
+        for unit in sharded.units
+    }
     buffers = _unsharded_entries(model, sharded)
-    saved = {"format": _SHARDED_FORMAT, "size": size, "rank": rank, "units": units, "buffers": buffers,
-             "optimizer": optimizer.sharded_state_dict() if optimizer is not None else None}  # type: ignore
+    saved = {
+        "format": _SHARDED_FORMAT,
+        "size": size,
+        "rank": rank,
+        "units": units,
+        "buffers": buffers,
+        "optimizer": optimizer.sharded_state_dict() if optimizer is not None else None,
+    }  # type: ignore
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.save(saved, Path(directory) / f"rank-{rank}-of-{size}.pt")
     core.submit_barrier(sharded.process_set).wait()
@@ -160,8 +189,9 @@ def save_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module
     core.submit_barrier(sharded.process_set).wait()
 
 
-def load_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module,
-                            optimizer: torch.optim.Optimizer | None = None) -> None:
+def load_sharded_checkpoint(
+    directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> None:
     """Load `save_sharded_checkpoint`'s files, saved with any number of ranks: each rank memory-maps them and
     copies the ranges it now owns. ValueError if the files are missing or the units differ."""
     _check_optimizer(model, optimizer)
@@ -185,15 +215,17 @@ def load_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module
             olds = [s["units"].get(unit.name) for s in saved]
             totals = [part.total for part in unit.plan]
             if any(o is None or [b[-1] for b in o["bounds"]] != totals for o in olds):
-                raise ValueError(f"unit {unit.name!r} of this model does not match the checkpoint's (saved units: "
-                                 f"{sorted(saved[0]['units'])})")
+                raise ValueError(
+                    f"unit {unit.name!r} of this model does not match the checkpoint's (saved units: "
+                    f"{sorted(saved[0]['units'])})"
+                )
             for k, part in enumerate(unit.plan):
                 start, end = part.shard(unit.index)
                 for r, old in enumerate(olds):
                     lo, hi = old["bounds"][k][r], old["bounds"][k][r + 1]
                     a, b = max(lo, start), min(hi, end)
                     if a < b:
-                        unit.shards[k][a - start:b - start].copy_(old["shards"][k][a - lo:b - lo])
+                        unit.shards[k][a - start : b - start].copy_(old["shards"][k][a - lo : b - lo])
                 if unit.persistent:
                     for r, old in enumerate(olds):
                         lo, hi = old["bounds"][k][r], old["bounds"][k][r + 1]
@@ -207,5 +239,4 @@ def load_sharded_checkpoint(directory: str | os.PathLike, model: torch.nn.Module
 
 def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is not None and getattr(getattr(optimizer, "_zero", None), "sharded", None) is not _sharded(model):
-        raise ValueError("the optimizer must be the hvd.ZeroOptimizer wrapped around this sharded model's "
-                         "parameters")
+        raise ValueError("the optimizer must be the hvd.ZeroOptimizer wrapped around this sharded model's parameters")

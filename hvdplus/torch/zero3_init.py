@@ -10,7 +10,7 @@ the second module initialises, so that its draws are made and dropped as in a no
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -34,8 +34,9 @@ def replace_meta_parameters(model: torch.nn.Module) -> bool:
         for name, p in module._parameters.items():
             if p is not None and p.is_meta:
                 if id(p) not in twins:
-                    twins[id(p)] = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype),
-                                                      requires_grad=p.requires_grad)
+                    twins[id(p)] = torch.nn.Parameter(
+                        torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad
+                    )
                 module._parameters[name] = twins[id(p)]
     return bool(twins)
 
@@ -47,16 +48,23 @@ def default_init(module: torch.nn.Module) -> None:
             getattr(module, method)()
             return
     if any(True for _ in module.parameters(recurse=False)):
-        raise ValueError(f"module {type(module).__name__} was built on the meta device but has no "
-                         f"reset_parameters(): pass init= to hvd.shard_parameters to initialise its parameters")
+        raise ValueError(
+            f"module {type(module).__name__} was built on the meta device but has no "
+            f"reset_parameters(): pass init= to hvd.shard_parameters to initialise its parameters"
+        )
 
 
 def _digest(p: torch.Tensor) -> bytes:
     return hashlib.blake2b(_numpy(p.detach().contiguous().reshape(-1)), digest_size=16).digest()
 
 
-def materialize(model: torch.nn.Module, units: list[Unit], unit_names: dict[torch.nn.Module, str],
-                 init: Callable[[torch.nn.Module], None], meta: bool) -> dict[str, list[bytes]]:
+def materialize(
+    model: torch.nn.Module,
+    units: list[Unit],
+    unit_names: dict[torch.nn.Module, str],
+    init: Callable[[torch.nn.Module], None],
+    meta: bool,
+) -> dict[str, list[bytes]]:
     """Cut every unit's shards out of its whole parameters and release it; returns {unit: digests of its
     parameters}. Meta parameters are materialised one unit at a time: modules initialised children first, the
     order in which a normal build draws them from the random generator."""
@@ -112,8 +120,11 @@ def materialize(model: torch.nn.Module, units: list[Unit], unit_names: dict[torc
 
 def check_same_everywhere(units: list[Unit], digests: dict[str, list[bytes]], process_set: ProcessSet) -> None:
     """CollectiveMismatchError on every rank if the ranks' parameters differ in names, shapes, dtypes or values."""
-    mine = [(name, tuple(shape), str(p.dtype), digest) for u in units
-            for name, shape, p, digest in zip(u.names, u.shapes, u.params, digests[u.name])]
+    mine = [
+        (name, tuple(shape), str(p.dtype), digest)
+        for u in units
+        for name, shape, p, digest in zip(u.names, u.shapes, u.params, digests[u.name])
+    ]
     everyone = core.allgather_object(mine, name="shard_parameters.check", process_set=process_set)
     ranks = process_set.ranks or list(range(runtime().size))
     structure = parameter_mismatch([[entry[:3] for entry in listed] for listed in everyone], ranks)
@@ -125,4 +136,5 @@ def check_same_everywhere(units: list[Unit], digests: dict[str, list[bytes]], pr
             raise CollectiveMismatchError(
                 f"Parameter {name!r} differs between ranks at hvd.shard_parameters (digests: "
                 f"{disagreement(values)}): broadcast the parameters from one rank first "
-                f"(hvd.broadcast_parameters), or build the model with the same seed on every rank.")
+                f"(hvd.broadcast_parameters), or build the model with the same seed on every rank."
+            )

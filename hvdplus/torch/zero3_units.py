@@ -8,7 +8,8 @@ autograd saved from it stay valid views, which the next gather fills again."""
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,18 +27,29 @@ ROOT, PERSISTENT = "<root>", "<persistent>"  # the model's own unit; the paramet
 class Unit:
     """The parameters one module owns, flattened per (dtype, trainable) and split over the ranks."""
 
-    def __init__(self, name: str, module: torch.nn.Module | None, named: list[tuple[str, torch.nn.Parameter]],
-                 size: int, index: int, param_dtype: torch.dtype | None, persistent: bool) -> None:
+    def __init__(
+        self,
+        name: str,
+        module: torch.nn.Module | None,
+        named: list[tuple[str, torch.nn.Parameter]],
+        size: int,
+        index: int,
+        param_dtype: torch.dtype | None,
+        persistent: bool,
+    ) -> None:
         self.name, self.module, self.persistent = name, module, persistent
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
         self.shapes = [p.shape for p in self.params]
-        self.plan: list[DtypePartition] = partition([p.numel() for p in self.params],
-                                                    [(p.dtype, p.requires_grad) for p in self.params], size)
+        self.plan: list[DtypePartition] = partition(
+            [p.numel() for p in self.params], [(p.dtype, p.requires_grad) for p in self.params], size
+        )
         self.index = index
         self.shards = [torch.empty(part.counts[index], dtype=part.kind[0]) for part in self.plan]
-        compute = [param_dtype if param_dtype is not None and part.kind[0].is_floating_point else part.kind[0]
-                   for part in self.plan]
+        compute = [
+            param_dtype if param_dtype is not None and part.kind[0].is_floating_point else part.kind[0]
+            for part in self.plan
+        ]
         self.full = [torch.empty(part.total, dtype=dtype) for part, dtype in zip(self.plan, compute)]
         for buffer in self.full:  # never touched: no page of it was resident
             buffer.untyped_storage().resize_(0)
@@ -60,7 +72,7 @@ class Unit:
         with torch.no_grad():
             for k, part in enumerate(self.plan):
                 for i, offset, numel in zip(part.params, part.offsets, part.numels):
-                    self.full[k][offset:offset + numel].copy_(self.params[i].detach().reshape(-1))
+                    self.full[k][offset : offset + numel].copy_(self.params[i].detach().reshape(-1))
         self.point_at_full()
 
     def point_at_full(self) -> None:
@@ -68,7 +80,7 @@ class Unit:
         for k, part in enumerate(self.plan):
             for i, offset, numel in zip(part.params, part.offsets, part.numels):
                 p = self.params[i]
-                p.data = self.full[k][offset:offset + numel].view(self.shapes[i])
+                p.data = self.full[k][offset : offset + numel].view(self.shapes[i])
                 p.grad = getattr(p, "_hvdplus_released_grad", None)
                 p._hvdplus_released_grad = None  # type: ignore[attr-defined]
         self.gathered = True
@@ -79,8 +91,8 @@ class Unit:
             for k, part in enumerate(self.plan):
                 start, end = part.shard(self.index)
                 for piece in part.pieces(start, end):
-                    source = self.params[piece.param].detach().reshape(-1)[piece.start:piece.start + piece.length]
-                    self.shards[k][piece.offset - start:piece.offset - start + piece.length].copy_(source)
+                    source = self.params[piece.param].detach().reshape(-1)[piece.start : piece.start + piece.length]
+                    self.shards[k][piece.offset - start : piece.offset - start + piece.length].copy_(source)
 
     def keep_own_slices(self) -> None:
         """Copy this rank's range of `full` into the shards (after `full` holds the whole unit)."""
@@ -114,10 +126,15 @@ class Unit:
             buffer = self.full[k]
             buffer.untyped_storage().resize_(part.total * buffer.element_size())
             sent = self.shards[k] if self.shards[k].dtype == buffer.dtype else self.shards[k].to(buffer.dtype)
-            handle = core.submit_allgather(_numpy(sent), _dtype_name(buffer), names(),
-                                           process_set=process_set, counts=part.counts,
-                                           output=_unguarded_numpy(buffer),
-                                           tag=f"gather of unit {self.name!r}")
+            handle = core.submit_allgather(
+                _numpy(sent),
+                _dtype_name(buffer),
+                names(),
+                process_set=process_set,
+                counts=part.counts,
+                output=_unguarded_numpy(buffer),
+                tag=f"gather of unit {self.name!r}",
+            )
             self.pending.append((handle, sent))
 
     def finish_gather(self) -> None:

@@ -16,7 +16,8 @@ A state value is per element when it is a tensor of the shard parameter's shape 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -38,9 +39,11 @@ class ZeroStateDicts:
     _zero_original_groups: list[list[torch.Tensor]]
 
     def state_dict(self) -> dict[str, Any]:
-        raise RuntimeError("a ZeroOptimizer holds 1/N of the state on each rank: call "
-                           "optimizer.consolidated_state_dict(to=0) on every rank (the whole state in the wrapped "
-                           "optimizer's format, on rank 0), or optimizer.sharded_state_dict() for this rank's shard")
+        raise RuntimeError(
+            "a ZeroOptimizer holds 1/N of the state on each rank: call "
+            "optimizer.consolidated_state_dict(to=0) on every rank (the whole state in the wrapped "
+            "optimizer's format, on rank 0), or optimizer.sharded_state_dict() for this rank's shard"
+        )
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (no parameters), for `load_sharded_state_dict` at any N:
@@ -49,16 +52,18 @@ class ZeroStateDicts:
         flats = [{"bounds": list(part.bounds), "per_element": {}, "scalars": []} for part in z.plan]
         for (k, _, start, end), param in zip(z.shards, z.shard_params):
             state = self.state.get(param, {})  # type: ignore[attr-defined]
-            flats[k]["scalars"].append((start, end, {key: v for key, v in state.items()
-                                                      if not _per_element(v, param)}))
+            flats[k]["scalars"].append((start, end, {key: v for key, v in state.items() if not _per_element(v, param)}))
             for key, value in state.items():
                 if _per_element(value, param):
                     flats[k]["per_element"].setdefault(key, []).append(value.reshape(-1))
         for flat in flats:
             flat["per_element"] = {key: torch.cat(parts) for key, parts in flat["per_element"].items()}
         groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]  # type: ignore
-        return {"zero": {"size": z.size, "rank": z.index, "totals": [part.total for part in z.plan]},
-                "flats": flats, "param_groups": groups}
+        return {
+            "zero": {"size": z.size, "rank": z.index, "totals": [part.total for part in z.plan]},
+            "flats": flats,
+            "param_groups": groups,
+        }
 
     def load_sharded_state_dict(self, state_dicts: dict[str, Any] | list[dict[str, Any]]) -> None:
         """Load `sharded_state_dict()` results: this rank's own (same number of ranks), or every rank's, in rank
@@ -72,9 +77,11 @@ class ZeroStateDicts:
         mine = len(saved) == 1 and meta[0].get("size") == z.size and meta[0].get("rank") == z.index
         if any(m.get("totals") != totals for m in meta) or not (whole or mine) or "flats" not in saved[0]:
             found = [{key: m.get(key) for key in ("size", "rank", "totals")} for m in meta]
-            raise ValueError(f"these sharded states ({found}) do not fit this optimizer (size {z.size}, rank "
-                             f"{z.index}, totals {totals}): pass this rank's own state saved at the same size, or "
-                             f"every rank's state in rank order")
+            raise ValueError(
+                f"these sharded states ({found}) do not fit this optimizer (size {z.size}, rank "
+                f"{z.index}, totals {totals}): pass this rank's own state saved at the same size, or "
+                f"every rank's state in rank order"
+            )
 
         def entry_for(k: int, start: int, end: int, shape: torch.Size) -> dict[str, Any]:
             owners = [s["flats"][k] for s in saved]
@@ -86,7 +93,7 @@ class ZeroStateDicts:
                     lo, hi = f["bounds"][m["rank"]], f["bounds"][m["rank"] + 1]
                     a, b = max(lo, start), min(hi, end)
                     if a < b:
-                        pieces.append(f["per_element"][key][a - lo:b - lo])
+                        pieces.append(f["per_element"][key][a - lo : b - lo])
                 entry[key] = torch.cat(pieces).view(shape).clone()
             return entry
 
@@ -104,13 +111,15 @@ class ZeroStateDicts:
         out (a streamed save writes it and keeps a placeholder), one flat sequence at a time."""
         z = self._zero
         to = core.check_root(to, z.process_set)
-        shards = [(k, group, start, end, self.state.get(param, {}))  # type: ignore[attr-defined]
-                  for (k, group, start, end), param in zip(z.shards, z.shard_params)]
-        described = [(k, start, end, {key: (str(v.dtype) if _per_element(v, param) else v)
-                                      for key, v in state.items()})
-                     for (k, _, start, end, state), param in zip(shards, z.shard_params)]
-        everyone = core.allgather_object(described, name=f"ZeroOptimizer.state.{z.names[0]}",
-                                         process_set=z.process_set)
+        shards = [
+            (k, group, start, end, self.state.get(param, {}))  # type: ignore[attr-defined]
+            for (k, group, start, end), param in zip(z.shards, z.shard_params)
+        ]
+        described = [
+            (k, start, end, {key: (str(v.dtype) if _per_element(v, param) else v) for key, v in state.items()})
+            for (k, _, start, end, state), param in zip(shards, z.shard_params)
+        ]
+        everyone = core.allgather_object(described, name=f"ZeroOptimizer.state.{z.names[0]}", process_set=z.process_set)
         entries = {(k, start, end): listed for k, start, end, listed in (e for shard in everyone for e in shard)}
         keep = runtime().rank == to
         consolidated: dict[int, dict[str, Any]] = {}
@@ -145,17 +154,27 @@ class ZeroStateDicts:
             full = {}
             for key, dtype in sorted(kinds.get(k, {}).items()):
                 dtype = getattr(torch, dtype.replace("torch.", ""))
-                parts = [state[key].reshape(-1) if key in state else torch.zeros(end - start, dtype=dtype)
-                         for kk, _, start, end, state in shards if kk == k]
+                parts = [
+                    state[key].reshape(-1) if key in state else torch.zeros(end - start, dtype=dtype)
+                    for kk, _, start, end, state in shards
+                    if kk == k
+                ]
                 mine = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
                 out = torch.empty(z.plan[k].total, dtype=dtype)
-                core.submit_allgather(_numpy(mine.contiguous()), _dtype_name(out), f"ZeroOptimizer.state.{k}.{key}",
-                                      process_set=z.process_set, counts=z.plan[k].counts, output=_numpy(out)).wait()
+                core.submit_allgather(
+                    _numpy(mine.contiguous()),
+                    _dtype_name(out),
+                    f"ZeroOptimizer.state.{k}.{key}",
+                    process_set=z.process_set,
+                    counts=z.plan[k].counts,
+                    output=_numpy(out),
+                ).wait()
                 full[key] = out
             yield k, full
 
-    def _consolidated_entry(self, i: int, full: dict, entries: dict,
-                            store: Callable[[torch.Tensor], Any]) -> dict[str, Any]:
+    def _consolidated_entry(
+        self, i: int, full: dict, entries: dict, store: Callable[[torch.Tensor], Any]
+    ) -> dict[str, Any]:
         """Parameter i's state, cut out of its flat sequence's state; scalars from the shard holding its first
         element (empty if that shard has no state yet)."""
         z = self._zero
@@ -165,7 +184,7 @@ class ZeroStateDicts:
         owner = next((listed for (kk, start, end), listed in entries.items() if kk == k and start <= offset < end), {})
         entry = {key: v for key, v in owner.items() if not isinstance(v, str)}
         for key in (key for key, v in owner.items() if isinstance(v, str)):
-            entry[key] = store(full[key][offset:offset + numel].view(shape))
+            entry[key] = store(full[key][offset : offset + numel].view(shape))
         return entry
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -175,12 +194,16 @@ class ZeroStateDicts:
         z = self._zero
         saved_groups = state_dict.get("param_groups") if isinstance(state_dict, dict) else None
         if not isinstance(saved_groups, list) or "state" not in state_dict:
-            raise ValueError("load_state_dict takes a consolidated state dict ({'state': ..., 'param_groups': ...}); "
-                             "use load_sharded_state_dict() for what sharded_state_dict() returned")
+            raise ValueError(
+                "load_state_dict takes a consolidated state dict ({'state': ..., 'param_groups': ...}); "
+                "use load_sharded_state_dict() for what sharded_state_dict() returned"
+            )
         originals = self._zero_original_groups
         if [len(g["params"]) for g in saved_groups] != [len(g) for g in originals]:
-            raise ValueError(f"the state dict has param groups of {[len(g['params']) for g in saved_groups]} "
-                             f"parameters, but this optimizer's are {[len(g) for g in originals]}")
+            raise ValueError(
+                f"the state dict has param groups of {[len(g['params']) for g in saved_groups]} "
+                f"parameters, but this optimizer's are {[len(g) for g in originals]}"
+            )
         by_param = {}
         for saved, params in zip(saved_groups, originals):
             for index, param in zip(saved["params"], params):
@@ -188,21 +211,26 @@ class ZeroStateDicts:
         for i, param in enumerate(z.params):
             for key, value in by_param[param].items():
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape != z.shapes[i]:
-                    raise ValueError(f"state {key!r} of parameter {z.names[i]!r} has shape {tuple(value.shape)}, "
-                                     f"but the parameter's is {tuple(z.shapes[i])}")
+                    raise ValueError(
+                        f"state {key!r} of parameter {z.names[i]!r} has shape {tuple(value.shape)}, "
+                        f"but the parameter's is {tuple(z.shapes[i])}"
+                    )
+
         def entry_for(k: int, start: int, end: int, shape: torch.Size) -> dict[str, Any]:
             pieces = z.plan[k].pieces(start, end)
             first = by_param[z.params[pieces[0].param]]
             entry = {key: v for key, v in first.items() if not (torch.is_tensor(v) and v.dim() > 0)}
             for key in (key for key, v in first.items() if torch.is_tensor(v) and v.dim() > 0):
-                entry[key] = torch.cat([by_param[z.params[p.param]][key].reshape(-1)[p.start:p.start + p.length]
-                                        for p in pieces]).view(shape)
+                entry[key] = torch.cat(
+                    [by_param[z.params[p.param]][key].reshape(-1)[p.start : p.start + p.length] for p in pieces]
+                ).view(shape)
             return entry
 
         self._load_entries(entry_for, saved_groups)
 
-    def _load_entries(self, entry_for: Callable[[int, int, int, torch.Size], dict[str, Any]],
-                      saved_groups: list[dict[str, Any]]) -> None:
+    def _load_entries(
+        self, entry_for: Callable[[int, int, int, torch.Size], dict[str, Any]], saved_groups: list[dict[str, Any]]
+    ) -> None:
         """Give the wrapped optimizer the state `entry_for(flat, start, end, shape)` of each shard parameter and
         the saved groups' hyper-parameters."""
         z = self._zero
@@ -212,7 +240,8 @@ class ZeroStateDicts:
             entry = entry_for(k, start, end, shard.shape)
             if entry:
                 sharded[position[shard]] = entry
-        groups = [dict({k: v for k, v in saved.items() if k != "params"},
-                       params=[position[p] for p in current["params"]])
-                  for saved, current in zip(saved_groups, self.param_groups)]  # type: ignore[attr-defined]
+        groups = [
+            dict({k: v for k, v in saved.items() if k != "params"}, params=[position[p] for p in current["params"]])
+            for saved, current in zip(saved_groups, self.param_groups)
+        ]  # type: ignore[attr-defined]
         super().load_state_dict({"state": sharded, "param_groups": groups})  # type: ignore[misc]

@@ -15,7 +15,6 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
 from typing import NoReturn
 
 import pytest
@@ -41,20 +40,26 @@ class Done:
 
 def job_env(**extra: str) -> dict[str, str]:
     """The test process's environment with the venv first on PATH, minus launch variables from outside."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("HOROVOD_", "HVDPLUS_", "OMPI_", "PMIX_", "SLURM_"))}
-    env.update({"PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}", "PYTHONPATH": str(ROOT),
-                "OMP_NUM_THREADS": "1", "OMPI_MCA_mpi_yield_when_idle": "1", **extra})
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "HVDPLUS_", "OMPI_", "PMIX_", "SLURM_"))
+    }
+    env.update(
+        {
+            "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+            "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1",
+            "OMPI_MCA_mpi_yield_when_idle": "1",
+            **extra,
+        }
+    )
     return env
 
 
-def run(argv: list[str], timeout: float = JOB_TIMEOUT, env: dict[str, str] | None = None,
-        cwd: Path = ROOT) -> Done:
+def run(argv: list[str], timeout: float = JOB_TIMEOUT, env: dict[str, str] | None = None, cwd: Path = ROOT) -> Done:
     """Run argv to the end (killing it after `timeout` s) and return what happened."""
     start = time.monotonic()
     try:
-        done = subprocess.run(argv, cwd=cwd, env=env or job_env(), capture_output=True, text=True,
-                              timeout=timeout)
+        done = subprocess.run(argv, cwd=cwd, env=env or job_env(), capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")
         pytest.fail(f"{argv} did not finish within {timeout} s:\n{out}")

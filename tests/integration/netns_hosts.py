@@ -38,8 +38,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["NetnsHosts", "Host", "layout", "missing_for_netns", "rate_bps", "delay_s", "measure", "main",
-           "HOSTS", "LAUNCHER"]
+__all__ = [
+    "NetnsHosts",
+    "Host",
+    "layout",
+    "missing_for_netns",
+    "rate_bps",
+    "delay_s",
+    "measure",
+    "main",
+    "HOSTS",
+    "LAUNCHER",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 LETTERS = string.ascii_uppercase.replace("L", "")
@@ -110,8 +120,15 @@ class NetnsHosts:
 
     The defaults (2 hosts, prefix hvd, 10.77.0.0/24, no shaping) are the test fixture's hosts."""
 
-    def __init__(self, workdir: Path, hosts: int = 2, prefix: str = "hvd", subnet: str = "10.77.0.0/24",
-                 rate: str | None = None, delay: str | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        hosts: int = 2,
+        prefix: str = "hvd",
+        subnet: str = "10.77.0.0/24",
+        rate: str | None = None,
+        delay: str | None = None,
+    ) -> None:
         self.dir = workdir
         self.key = workdir / "id_ed25519"
         self.prefix, self.subnet, self.bridge = prefix, subnet, f"{prefix}0"
@@ -123,9 +140,18 @@ class NetnsHosts:
 
     def describe(self) -> dict:
         """What was built, as plain data (the topology's JSON)."""
-        return {"prefix": self.prefix, "subnet": self.subnet, "bridge": self.bridge, "key": str(self.key),
-                "launcher": asdict(self.launcher), "hosts": [asdict(h) for h in self.hosts],
-                "rate": self.rate, "rate_bps": self.rate_bps, "delay": self.delay, "delay_s": self.delay_s}
+        return {
+            "prefix": self.prefix,
+            "subnet": self.subnet,
+            "bridge": self.bridge,
+            "key": str(self.key),
+            "launcher": asdict(self.launcher),
+            "hosts": [asdict(h) for h in self.hosts],
+            "rate": self.rate,
+            "rate_bps": self.rate_bps,
+            "delay": self.delay,
+            "delay_s": self.delay_s,
+        }
 
     def _hosts_file(self) -> str:
         lines = ["127.0.0.1 localhost", f"{self.launcher.addr} {self.launcher.name}"]
@@ -150,8 +176,21 @@ class NetnsHosts:
         _sh("ip", "-n", launcher_ns, "link", "set", self.bridge, "up")
         for host in self.hosts:
             port = self._port(host)
-            _sh("ip", "link", "add", port, "netns", launcher_ns, "type", "veth", "peer", "name", self.bridge,
-                "netns", host.ns)
+            _sh(
+                "ip",
+                "link",
+                "add",
+                port,
+                "netns",
+                launcher_ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.bridge,
+                "netns",
+                host.ns,
+            )
             _sh("ip", "-n", launcher_ns, "link", "set", port, "master", self.bridge, "up")
             _sh("ip", "-n", host.ns, "addr", "add", f"{host.addr}/{bits}", "dev", self.bridge)
             _sh("ip", "-n", host.ns, "link", "set", self.bridge, "up")
@@ -164,8 +203,10 @@ class NetnsHosts:
             try:
                 _sh(*tc, "root", "handle", "1:", "netem", "delay", delay)
             except subprocess.CalledProcessError as exc:
-                raise RuntimeError(f"tc cannot add netem for the delay ({exc.stderr.decode().strip()}); a kernel "
-                                   "without sch_netem (CONFIG_NET_SCH_NETEM) cannot add delay") from exc
+                raise RuntimeError(
+                    f"tc cannot add netem for the delay ({exc.stderr.decode().strip()}); a kernel "
+                    "without sch_netem (CONFIG_NET_SCH_NETEM) cannot add delay"
+                ) from exc
             if tbf:
                 _sh(*tc, "parent", "1:1", "handle", "10:", *tbf)
         elif tbf:
@@ -184,8 +225,9 @@ class NetnsHosts:
         known.write_text("".join(f"{h.name},{h.addr} {k}\n" for h in self.hosts for k in keys))
         etc_ssh = Path("/etc/netns") / self.launcher.ns / "ssh"
         etc_ssh.mkdir(exist_ok=True)
-        (etc_ssh / "ssh_config").write_text(f"Host *\n    IdentityFile {self.key}\n    UserKnownHostsFile {known}\n"
-                                            "    StrictHostKeyChecking yes\n")
+        (etc_ssh / "ssh_config").write_text(
+            f"Host *\n    IdentityFile {self.key}\n    UserKnownHostsFile {known}\n    StrictHostKeyChecking yes\n"
+        )
 
     def _sshd(self) -> None:
         Path("/run/sshd").mkdir(exist_ok=True)
@@ -195,9 +237,11 @@ class NetnsHosts:
         (self.dir / "authorized_keys").chmod(0o600)
         self._ssh_client()
         for host in self.hosts:
-            sshd = (f"/usr/sbin/sshd -o ListenAddress={host.addr} -o PidFile={self._pidfile(host)} "
-                    f"-o PermitRootLogin=prohibit-password -o AuthorizedKeysFile={self.dir / 'authorized_keys'} "
-                    f"-o StrictModes=no -o UseDNS=no -o MaxStartups=100 -o MaxSessions=100")
+            sshd = (
+                f"/usr/sbin/sshd -o ListenAddress={host.addr} -o PidFile={self._pidfile(host)} "
+                f"-o PermitRootLogin=prohibit-password -o AuthorizedKeysFile={self.dir / 'authorized_keys'} "
+                f"-o StrictModes=no -o UseDNS=no -o MaxStartups=100 -o MaxSessions=100"
+            )
             _sh("ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c", f"hostname {host.name} && {sshd}")
         for host in self.hosts:
             self._wait_for(self._pidfile(host))
@@ -225,8 +269,17 @@ class NetnsHosts:
 
     def launcher_argv(self, command: str) -> list[str]:
         """argv that runs the shell `command` on the launcher host (its namespace and host name)."""
-        return ["ip", "netns", "exec", self.launcher.ns, "unshare", "--uts", "sh", "-c",
-                f"hostname {self.launcher.name} && {command}"]
+        return [
+            "ip",
+            "netns",
+            "exec",
+            self.launcher.ns,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f"hostname {self.launcher.name} && {command}",
+        ]
 
     def sshd_pid(self, host: Host) -> int | None:
         """`host`'s sshd pid from its pid file, None where there is none or that process is not this sshd
@@ -293,32 +346,55 @@ def bulk_source(addr: str, port: int, seconds: float, round_trips: int = 200) ->
 
 def _python_in(ns: str, call: str) -> list[str]:
     """argv that runs `call` (a bulk_sink/bulk_source call) with this Python inside namespace `ns`."""
-    return ["ip", "netns", "exec", ns, sys.executable, "-c",
-            f"from tests.integration.netns_hosts import bulk_sink, bulk_source; {call}"]
+    return [
+        "ip",
+        "netns",
+        "exec",
+        ns,
+        sys.executable,
+        "-c",
+        f"from tests.integration.netns_hosts import bulk_sink, bulk_source; {call}",
+    ]
 
 
 def measure(sender: Host, receiver: Host, seconds: float = 2.0) -> dict:
     """TCP throughput from `sender` to `receiver` over `seconds` (as the receiver sees it) and the median and
     fastest of 200 one-byte TCP round trips (Python's own overhead included, some 0.05-0.1 ms here)."""
-    sink = subprocess.Popen(_python_in(receiver.ns, f"bulk_sink({receiver.addr!r}, {MEASURE_PORT})"),
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    sink = subprocess.Popen(
+        _python_in(receiver.ns, f"bulk_sink({receiver.addr!r}, {MEASURE_PORT})"),
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     try:
         if sink.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the receiver on {receiver.name} did not start")
-        sent = subprocess.run(_python_in(sender.ns, f"bulk_source({receiver.addr!r}, {MEASURE_PORT}, {seconds})"),
-                              capture_output=True, text=True, check=True, timeout=seconds + 30, cwd=ROOT)
+        sent = subprocess.run(
+            _python_in(sender.ns, f"bulk_source({receiver.addr!r}, {MEASURE_PORT}, {seconds})"),
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=seconds + 30,
+            cwd=ROOT,
+        )
         received = json.loads(sink.communicate(timeout=30)[0])
     finally:
         if sink.poll() is None:
             sink.kill()
             sink.wait()
     rtts = json.loads(sent.stdout)["rtt_s"]
-    return {"from": sender.name, "to": receiver.name, "seconds": received["seconds"],
-            "rate_bps": received["bytes"] * 8 / received["seconds"],
-            "rtt_ms": statistics.median(rtts) * 1e3, "rtt_min_ms": min(rtts) * 1e3}
+    return {
+        "from": sender.name,
+        "to": receiver.name,
+        "seconds": received["seconds"],
+        "rate_bps": received["bytes"] * 8 / received["seconds"],
+        "rtt_ms": statistics.median(rtts) * 1e3,
+        "rtt_min_ms": min(rtts) * 1e3,
+    }
 
 
 # ---- scripts/topology.sh: a topology for benchmarks, described by a JSON file in its state directory ----
+
 
 def state_dir(prefix: str) -> Path:
     """Where topology `prefix` keeps its keys, pid files and topology.json."""
@@ -331,8 +407,9 @@ def _load(prefix: str) -> tuple[NetnsHosts, dict]:
     if not path.exists():
         raise SystemExit(f"no topology '{prefix}' is up ({path} does not exist)")
     state = json.loads(path.read_text())
-    hosts = NetnsHosts(path.parent, len(state["hosts"]), state["prefix"], state["subnet"], state["rate"],
-                       state["delay"])
+    hosts = NetnsHosts(
+        path.parent, len(state["hosts"]), state["prefix"], state["subnet"], state["rate"], state["delay"]
+    )
     return hosts, state
 
 
@@ -347,20 +424,27 @@ def _usage(hosts: NetnsHosts, slots: int) -> str:
     bindir = Path(sys.executable).parent
     runner = bindir / "hvdplusrun" if (bindir / "hvdplusrun").exists() else "hvdplusrun"
     hosts_arg = ",".join(f"{h.name}:{slots}" for h in hosts.hosts)
-    shaping = ", ".join(filter(None, [hosts.rate and f"rate {hosts.rate}",
-                                      hosts.delay and f"one-way delay {hosts.delay}"])) or "not shaped"
-    job = (f"{runner} -np {slots * len(hosts.hosts)} -H {hosts_arg} -i {hosts.key} "
-           f"--mpi-args \"--mca mpi_yield_when_idle 1\" {sys.executable} train.py")
+    shaping = (
+        ", ".join(filter(None, [hosts.rate and f"rate {hosts.rate}", hosts.delay and f"one-way delay {hosts.delay}"]))
+        or "not shaped"
+    )
+    job = (
+        f"{runner} -np {slots * len(hosts.hosts)} -H {hosts_arg} -i {hosts.key} "
+        f'--mpi-args "--mca mpi_yield_when_idle 1" {sys.executable} train.py'
+    )
     rows = [f"  {h.name:<9} {h.addr:<15} namespace {h.ns}" for h in [*hosts.hosts, hosts.launcher]]
-    return "\n".join([
-        f"topology '{hosts.prefix}': {len(hosts.hosts)} hosts x {slots} slots on {hosts.subnet}, links {shaping}",
-        *rows,
-        f"ssh identity file: {hosts.key} (ssh in the launcher namespace uses it: ssh hostB hostname)",
-        "run a job from the launcher host:",
-        f"  ip netns exec {hosts.launcher.ns} unshare --uts sh -c 'hostname {hosts.launcher.name} && {job}'",
-        "  (mpi_yield_when_idle: every host shares this machine's cores; without it Open MPI busy-polls)",
-        f"measure the link: scripts/topology.sh measure --prefix {hosts.prefix}",
-        f"remove it:        scripts/topology.sh down --prefix {hosts.prefix}"])
+    return "\n".join(
+        [
+            f"topology '{hosts.prefix}': {len(hosts.hosts)} hosts x {slots} slots on {hosts.subnet}, links {shaping}",
+            *rows,
+            f"ssh identity file: {hosts.key} (ssh in the launcher namespace uses it: ssh hostB hostname)",
+            "run a job from the launcher host:",
+            f"  ip netns exec {hosts.launcher.ns} unshare --uts sh -c 'hostname {hosts.launcher.name} && {job}'",
+            "  (mpi_yield_when_idle: every host shares this machine's cores; without it Open MPI busy-polls)",
+            f"measure the link: scripts/topology.sh measure --prefix {hosts.prefix}",
+            f"remove it:        scripts/topology.sh down --prefix {hosts.prefix}",
+        ]
+    )
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -372,16 +456,18 @@ def _up(args: argparse.Namespace) -> int:
         raise SystemExit("--slots must be at least 1")
     workdir = state_dir(args.prefix)
     if (workdir / "topology.json").exists():
-        raise SystemExit(f"topology '{args.prefix}' is up already (scripts/topology.sh status/down --prefix "
-                         f"{args.prefix})")
+        raise SystemExit(
+            f"topology '{args.prefix}' is up already (scripts/topology.sh status/down --prefix {args.prefix})"
+        )
     try:
         hosts = NetnsHosts(workdir, args.hosts, args.prefix, TOPOLOGY_SUBNET, args.rate, args.delay)
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
     taken = sorted(_existing_namespaces() & set(hosts.namespaces))
     if taken:
-        raise SystemExit(f"namespaces {', '.join(taken)} exist already (a test run or another topology?); "
-                         "choose another --prefix")
+        raise SystemExit(
+            f"namespaces {', '.join(taken)} exist already (a test run or another topology?); choose another --prefix"
+        )
     workdir.mkdir(mode=0o700, exist_ok=True)
     (workdir / "topology.json").write_text(json.dumps({**hosts.describe(), "slots": args.slots}, indent=2) + "\n")
     try:
@@ -427,22 +513,29 @@ def _measure(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{result['from']} -> {result['to']}: {result['rate_bps'] / 1e6:.1f} Mbit/s over "
-              f"{result['seconds']:.2f} s (shaped: {hosts.rate or 'no'}); TCP round trip "
-              f"{result['rtt_ms']:.3f} ms median, {result['rtt_min_ms']:.3f} ms fastest "
-              f"(delay: {hosts.delay or 'none'})")
+        print(
+            f"{result['from']} -> {result['to']}: {result['rate_bps'] / 1e6:.1f} Mbit/s over "
+            f"{result['seconds']:.2f} s (shaped: {hosts.rate or 'no'}); TCP round trip "
+            f"{result['rtt_ms']:.3f} ms median, {result['rtt_min_ms']:.3f} ms fastest "
+            f"(delay: {hosts.delay or 'none'})"
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """scripts/topology.sh up|down|status|measure: simulated hosts for benchmarks (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="scripts/topology.sh", description="Simulated hosts on this machine: "
-                                     "network namespaces with their own sshd and host name, joined by shaped links.")
+    parser = argparse.ArgumentParser(
+        prog="scripts/topology.sh",
+        description="Simulated hosts on this machine: "
+        "network namespaces with their own sshd and host name, joined by shaped links.",
+    )
     actions = parser.add_subparsers(dest="action", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--prefix", default=TOPOLOGY_PREFIX,
-                        help=f"namespace prefix and state directory /tmp/hvdplus-topology-PREFIX (default "
-                             f"{TOPOLOGY_PREFIX})")
+    common.add_argument(
+        "--prefix",
+        default=TOPOLOGY_PREFIX,
+        help=f"namespace prefix and state directory /tmp/hvdplus-topology-PREFIX (default {TOPOLOGY_PREFIX})",
+    )
     up = actions.add_parser("up", parents=[common], help="build the hosts and print how to use them")
     up.add_argument("--hosts", type=int, default=2, help="number of hosts: hostA, hostB, ... (default 2)")
     up.add_argument("--slots", type=int, default=1, help="slots per host for the printed -H string (default 1)")

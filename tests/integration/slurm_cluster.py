@@ -32,8 +32,10 @@ def _free_port() -> int:
 
 def _munge_works() -> bool:
     encoded = subprocess.run(["munge", "-n"], capture_output=True, timeout=10)
-    return encoded.returncode == 0 and subprocess.run(["unmunge"], input=encoded.stdout, capture_output=True,
-                                                      timeout=10).returncode == 0
+    return (
+        encoded.returncode == 0
+        and subprocess.run(["unmunge"], input=encoded.stdout, capture_output=True, timeout=10).returncode == 0
+    )
 
 
 class SlurmCluster:
@@ -64,20 +66,41 @@ class SlurmCluster:
         host = socket.gethostname()
         for sub in ("state", "spool"):
             (self.dir / sub).mkdir(exist_ok=True)
-        self.conf.write_text("\n".join([
-            "ClusterName=hvdplustest", f"SlurmctldHost={host}", "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge", f"SlurmctldPort={_free_port()}",
-            f"SlurmdPort={_free_port()}", f"StateSaveLocation={self.dir / 'state'}",
-            f"SlurmdSpoolDir={self.dir / 'spool'}", f"SlurmctldPidFile={self.dir / 'slurmctld.pid'}",
-            f"SlurmdPidFile={self.dir / 'slurmd.pid'}", f"SlurmctldLogFile={self.dir / 'slurmctld.log'}",
-            f"SlurmdLogFile={self.dir / 'slurmd.log'}", "ProctrackType=proctrack/linuxproc",
-            "TaskPlugin=task/none", "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "MpiDefault=none", "ReturnToService=2", "SlurmdParameters=config_overrides",
-            "InactiveLimit=0", "KillWait=2", "MinJobAge=5",
-            # 4 CPUs declared on this 2-core machine, so that 3- and 4-task jobs fit (config_overrides).
-            f"NodeName={host} NodeAddr=127.0.0.1 CPUs=4 Boards=1 SocketsPerBoard=1 CoresPerSocket=4 "
-            "ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN",
-            "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES", ""]))
+        self.conf.write_text(
+            "\n".join(
+                [
+                    "ClusterName=hvdplustest",
+                    f"SlurmctldHost={host}",
+                    "SlurmUser=root",
+                    "SlurmdUser=root",
+                    "AuthType=auth/munge",
+                    "CredType=cred/munge",
+                    f"SlurmctldPort={_free_port()}",
+                    f"SlurmdPort={_free_port()}",
+                    f"StateSaveLocation={self.dir / 'state'}",
+                    f"SlurmdSpoolDir={self.dir / 'spool'}",
+                    f"SlurmctldPidFile={self.dir / 'slurmctld.pid'}",
+                    f"SlurmdPidFile={self.dir / 'slurmd.pid'}",
+                    f"SlurmctldLogFile={self.dir / 'slurmctld.log'}",
+                    f"SlurmdLogFile={self.dir / 'slurmd.log'}",
+                    "ProctrackType=proctrack/linuxproc",
+                    "TaskPlugin=task/none",
+                    "SelectType=select/cons_tres",
+                    "SelectTypeParameters=CR_Core",
+                    "MpiDefault=none",
+                    "ReturnToService=2",
+                    "SlurmdParameters=config_overrides",
+                    "InactiveLimit=0",
+                    "KillWait=2",
+                    "MinJobAge=5",
+                    # 4 CPUs declared on this 2-core machine, so that 3- and 4-task jobs fit (config_overrides).
+                    f"NodeName={host} NodeAddr=127.0.0.1 CPUs=4 Boards=1 SocketsPerBoard=1 CoresPerSocket=4 "
+                    "ThreadsPerCore=1 RealMemory=1000 State=UNKNOWN",
+                    "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES",
+                    "",
+                ]
+            )
+        )
 
     def start(self, timeout: float = 60.0) -> None:
         """Start munge (unless one already works), slurmctld and slurmd; wait until the node is idle."""
@@ -92,8 +115,10 @@ class SlurmCluster:
             if state.stdout.strip() == "idle":
                 return
             time.sleep(0.5)
-        raise RuntimeError(f"Slurm node not idle after {timeout} s: {state.stdout.strip()} {state.stderr.strip()}; "
-                           f"see {self.dir}/slurmctld.log and slurmd.log")
+        raise RuntimeError(
+            f"Slurm node not idle after {timeout} s: {state.stdout.strip()} {state.stderr.strip()}; "
+            f"see {self.dir}/slurmctld.log and slurmd.log"
+        )
 
     def stop(self) -> None:
         """Stop the daemons this cluster started, by their pid files."""

@@ -16,8 +16,8 @@ import subprocess
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -69,7 +69,7 @@ def _assert_finished_like_one_process(output: str, steps: int, size: int) -> Non
         assert final["final"] == pytest.approx(expected, abs=1e-6), (final, expected)
 
 
-def _elastic(*flags: str, env: dict[str, str] | None = None, timeout: float = 90) -> "run":
+def _elastic(*flags: str, env: dict[str, str] | None = None, timeout: float = 90) -> run:
     return run([HVDPLUSRUN, *flags, PY, TRAIN], timeout=timeout, env=job_env(**(env or {})))
 
 
@@ -98,8 +98,16 @@ def test_a_failed_worker_is_dropped_and_training_goes_on_from_the_commit(tmp_pat
 def test_a_worker_dying_between_a_reset_and_the_state_sync_costs_one_more_reset():
     """The first failure makes generation 1; a worker of it dies in its reset callback, while the others wait in
     the state sync: they restore, meet in generation 2 and finish like a one-process run."""
-    done = _elastic("-np", "3", "--min-np", "1", "-H", f"localhost:1,127.0.0.1:1,{THIRD_HOST}:1",
-                    env={"STEPS": "10", "FAIL": f"{THIRD_HOST}/0:3:kill", "KILL_IN_RESET": "127.0.0.1/0"}, timeout=60)
+    done = _elastic(
+        "-np",
+        "3",
+        "--min-np",
+        "1",
+        "-H",
+        f"localhost:1,127.0.0.1:1,{THIRD_HOST}:1",
+        env={"STEPS": "10", "FAIL": f"{THIRD_HOST}/0:3:kill", "KILL_IN_RESET": "127.0.0.1/0"},
+        timeout=60,
+    )
     assert done.returncode == 0, done.output[-4000:]
     assert "generation 2 (worker 127.0.0.1/0 failed): 1 worker(s): localhost/0" in done.output, done.output[-4000:]
     assert _sizes(done.output) == [3] * 3 + [1] * 7, done.output[-4000:]
@@ -107,8 +115,16 @@ def test_a_worker_dying_between_a_reset_and_the_state_sync_costs_one_more_reset(
 
 
 def test_every_worker_failing_ends_the_job_with_the_reason():
-    done = _elastic("-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
-                    env={"STEPS": "20", "FAIL": "localhost/0:3:raise,127.0.0.1/0:3:exit"}, timeout=60)
+    done = _elastic(
+        "-np",
+        "2",
+        "--min-np",
+        "1",
+        "-H",
+        "localhost:1,127.0.0.1:1",
+        env={"STEPS": "20", "FAIL": "localhost/0:3:raise,127.0.0.1/0:3:exit"},
+        timeout=60,
+    )
     assert done.returncode == 1, done.output[-4000:]
     assert "hvdplusrun: elastic job failed: every host is blacklisted" in done.output, done.output[-4000:]
     assert done.seconds < 30
@@ -116,37 +132,75 @@ def test_every_worker_failing_ends_the_job_with_the_reason():
 
 def test_the_last_host_blacklisted_ends_the_job():
     """One host's worker fails, the job goes on alone on the other, then that one fails too."""
-    done = _elastic("-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
-                    env={"STEPS": "20", "FAIL": "127.0.0.1/0:2:kill,localhost/0:6:raise"}, timeout=60)
+    done = _elastic(
+        "-np",
+        "2",
+        "--min-np",
+        "1",
+        "-H",
+        "localhost:1,127.0.0.1:1",
+        env={"STEPS": "20", "FAIL": "127.0.0.1/0:2:kill,localhost/0:6:raise"},
+        timeout=60,
+    )
     assert done.returncode == 1, done.output[-4000:]
     assert _sizes(done.output)[:6] == [2, 2, 1, 1, 1, 1], done.output[-4000:]
     assert "elastic job failed: every host is blacklisted (localhost, 127.0.0.1)" in done.output, done.output[-4000:]
 
 
 def test_the_reset_limit_ends_the_job():
-    done = _elastic("-np", "3", "--min-np", "1", "--reset-limit", "1", "-H",
-                    f"localhost:1,127.0.0.1:1,{THIRD_HOST}:1",
-                    env={"STEPS": "30", "FAIL": f"{THIRD_HOST}/0:3:kill,127.0.0.1/0:6:kill"}, timeout=60)
+    done = _elastic(
+        "-np",
+        "3",
+        "--min-np",
+        "1",
+        "--reset-limit",
+        "1",
+        "-H",
+        f"localhost:1,127.0.0.1:1,{THIRD_HOST}:1",
+        env={"STEPS": "30", "FAIL": f"{THIRD_HOST}/0:3:kill,127.0.0.1/0:6:kill"},
+        timeout=60,
+    )
     assert done.returncode == 1, done.output[-4000:]
     assert _sizes(done.output)[:6] == [3, 3, 3, 2, 2, 2], done.output[-4000:]
     assert "elastic job failed: the job was reset 1 time(s), the --reset-limit" in done.output, done.output[-4000:]
 
 
 def test_too_few_slots_for_the_elastic_timeout_ends_the_job():
-    done = _elastic("-np", "2", "--min-np", "2", "--elastic-timeout", "3", "-H", "localhost:1,127.0.0.1:1",
-                    env={"STEPS": "30", "FAIL": "127.0.0.1/0:2:kill"}, timeout=60)
+    done = _elastic(
+        "-np",
+        "2",
+        "--min-np",
+        "2",
+        "--elastic-timeout",
+        "3",
+        "-H",
+        "localhost:1,127.0.0.1:1",
+        env={"STEPS": "30", "FAIL": "127.0.0.1/0:2:kill"},
+        timeout=60,
+    )
     assert done.returncode == 1, done.output[-4000:]
     assert "1 slot(s) usable, fewer than --min-np 2: waiting up to 3 s" in done.output, done.output[-4000:]
-    assert "elastic job failed: fewer than --min-np 2 slots (1) stayed available for --elastic-timeout 3 s" \
-        in done.output, done.output[-4000:]
+    assert (
+        "elastic job failed: fewer than --min-np 2 slots (1) stayed available for --elastic-timeout 3 s" in done.output
+    ), done.output[-4000:]
 
 
 def test_a_blacklisted_host_comes_back_after_its_cooldown():
     """--blacklist-cooldown-range 1 2: the failed host's worker is started again about 2 s later, in a new
     generation, and the job grows back to 2 (the restarted worker does not fail again)."""
-    done = _elastic("-np", "2", "--min-np", "1", "--blacklist-cooldown-range", "1", "2", "-H",
-                    "localhost:1,127.0.0.1:1", env={"STEPS": "60", "SLEEP": "0.1", "FAIL": "127.0.0.1/0:3:kill"},
-                    timeout=90)
+    done = _elastic(
+        "-np",
+        "2",
+        "--min-np",
+        "1",
+        "--blacklist-cooldown-range",
+        "1",
+        "2",
+        "-H",
+        "localhost:1,127.0.0.1:1",
+        env={"STEPS": "60", "SLEEP": "0.1", "FAIL": "127.0.0.1/0:3:kill"},
+        timeout=90,
+    )
     assert done.returncode == 0, done.output[-4000:]
     sizes = _sizes(done.output)
     shrunk, regrown = sizes.index(1), len(sizes) - sizes[::-1].index(1)
@@ -159,8 +213,9 @@ class _LiveJob:
     """hvdplusrun started in the background, its output lines collected as they come."""
 
     def __init__(self, argv: list[str], env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -189,7 +244,7 @@ class _LiveJob:
         stop_file.write_text("")
         return self.proc.wait(timeout=timeout)
 
-    def __enter__(self) -> "_LiveJob":
+    def __enter__(self) -> _LiveJob:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -205,18 +260,24 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
     when the test asks. Sizes, ranks and generations are checked at each stage."""
     hosts, script = discovery_script(tmp_path, f"localhost:{slots}\n")
     stop = tmp_path / "stop"
-    with _LiveJob([HVDPLUSRUN, "-np", str(slots), "--min-np", "1", "--host-discovery-script", str(script), PY,
-                   TRAIN], job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), WAIT_AT_STEP="3")) as job:
+    with _LiveJob(
+        [HVDPLUSRUN, "-np", str(slots), "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
+        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), WAIT_AT_STEP="3"),
+    ) as job:
         job.wait_for_size(slots)
-        job.wait_until(lambda output: output.count('"waiting": true') == slots,  # the public way to wait
-                       "rank waiting for a host change")
+        job.wait_until(
+            lambda output: output.count('"waiting": true') == slots,  # the public way to wait
+            "rank waiting for a host change",
+        )
         assert '"waited"' not in job.output
         hosts.write_text(f"localhost:{slots}\n127.0.0.1:{slots}\n")
         job.wait_for_size(2 * slots)
         hosts.write_text(f"localhost:{slots}\n")
         added = max(s["generation"] for s in _steps(job.output))
-        job.wait_until(lambda output: any(s["size"] == slots and s["generation"] > added for s in _steps(output)),
-                       "step after the host's removal")
+        job.wait_until(
+            lambda output: any(s["size"] == slots and s["generation"] > added for s in _steps(output)),
+            "step after the host's removal",
+        )
         code = job.stop(stop)
     output = job.output
     assert code == 0, output[-4000:]
@@ -225,8 +286,9 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
         generations.setdefault(line["generation"], set()).add((line["worker"], line["rank"], line["size"]))
     assert sorted(generations) == [0, 1, 2], output[-4000:]
     local = {(f"localhost/{s}", s, slots) for s in range(slots)}
-    grown = {(f"localhost/{s}", s, 2 * slots) for s in range(slots)} | \
-            {(f"127.0.0.1/{s}", slots + s, 2 * slots) for s in range(slots)}
+    grown = {(f"localhost/{s}", s, 2 * slots) for s in range(slots)} | {
+        (f"127.0.0.1/{s}", slots + s, 2 * slots) for s in range(slots)
+    }
     assert generations[0] == local and generations[1] == grown and generations[2] == local, generations
     assert output.count('"waited": true') == slots, output[-4000:]
     removed = [f"127.0.0.1/{s}" for s in range(slots)]
@@ -240,14 +302,18 @@ def test_every_original_host_replaced_the_job_goes_on(tmp_path):
     workers that hold it, rank 0 moves to 127.0.0.1, and the result is a one-process run's."""
     hosts, script = discovery_script(tmp_path, "localhost:1\n")
     stop = tmp_path / "stop"
-    with _LiveJob([HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
-                  job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop))) as job:
+    with _LiveJob(
+        [HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
+        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop)),
+    ) as job:
         job.wait_for_size(1)
         hosts.write_text("localhost:1\n127.0.0.1:1\n")
         job.wait_for_size(2)
         hosts.write_text("127.0.0.1:1\n")
-        job.wait_until(lambda output: any(s["worker"] == "127.0.0.1/0" and s["size"] == 1 for s in _steps(output)),
-                       "step on 127.0.0.1 alone")
+        job.wait_until(
+            lambda output: any(s["worker"] == "127.0.0.1/0" and s["size"] == 1 for s in _steps(output)),
+            "step on 127.0.0.1 alone",
+        )
         code = job.stop(stop)
     assert code == 0, job.output[-4000:]
     [final] = _finals(job.output)
@@ -259,8 +325,9 @@ def test_the_sampler_resumes_without_repeating_or_skipping_samples():
     """Two epochs over 103 samples in batches of 4 on 3 workers; one is killed mid-epoch 0. Over each epoch, the
     committed batches hold every sample at least once, and only the padding that evens out the epoch's last
     batch over the ranks (fewer than the size) more than once."""
-    done = _elastic("-np", "3", "--min-np", "1", "-H", "localhost:2,127.0.0.1:1",
-                    env={"SAMPLER": "1", "FAIL": "127.0.0.1/0:4:kill"})
+    done = _elastic(
+        "-np", "3", "--min-np", "1", "-H", "localhost:2,127.0.0.1:1", env={"SAMPLER": "1", "FAIL": "127.0.0.1/0:4:kill"}
+    )
     assert done.returncode == 0, done.output[-4000:]
     steps = _steps(done.output)
     assert {s["size"] for s in steps if s["epoch"] == 0} == {3, 2}, done.output[-4000:]
@@ -273,9 +340,15 @@ def test_the_sampler_resumes_without_repeating_or_skipping_samples():
 
 
 def test_a_process_set_from_before_a_reset_raises_a_clear_error():
-    done = _elastic("-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1",
-                    env={"STEPS": "6", "PROCESS_SET": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "1",
-                         "FAIL": "127.0.0.1/0:2:kill"})
+    done = _elastic(
+        "-np",
+        "3",
+        "--min-np",
+        "2",
+        "-H",
+        "localhost:2,127.0.0.1:1",
+        env={"STEPS": "6", "PROCESS_SET": "1", "HOROVOD_DYNAMIC_PROCESS_SETS": "1", "FAIL": "127.0.0.1/0:2:kill"},
+    )
     assert done.returncode == 0, done.output[-4000:]
     errors = [line for line in _lines(done.output) if "process_set_error" in line]
     assert len(errors) == 2, done.output[-4000:]
@@ -290,12 +363,15 @@ def test_a_zero_optimizer_in_a_torch_state_is_refused_with_what_to_do():
     assert "TorchState cannot keep a ZeroOptimizer yet" in error and "Use hvd.DistributedOptimizer" in error
 
 
-@pytest.mark.parametrize("flags,words", [
-    (["--mpi", "--min-np", "2"], "elastic training runs in Gloo mode, as Horovod's does: drop --mpi"),
-    (["--max-np", "4"], "--max-np is an elastic flag: add --min-np (or --host-discovery-script)"),
-    (["--min-np", "4", "--max-np", "2"], "--max-np 2 is below --min-np 4"),
-    (["--min-np", "1", "--output-filename", "out"], "--output-filename does not work in elastic mode yet"),
-])
+@pytest.mark.parametrize(
+    "flags,words",
+    [
+        (["--mpi", "--min-np", "2"], "elastic training runs in Gloo mode, as Horovod's does: drop --mpi"),
+        (["--max-np", "4"], "--max-np is an elastic flag: add --min-np (or --host-discovery-script)"),
+        (["--min-np", "4", "--max-np", "2"], "--max-np 2 is below --min-np 4"),
+        (["--min-np", "1", "--output-filename", "out"], "--output-filename does not work in elastic mode yet"),
+    ],
+)
 def test_bad_elastic_flags_are_refused_with_the_reason(flags, words):
     done = run([HVDPLUSRUN, "-np", "2", *flags, PY, "-c", "pass"])
     assert done.returncode == 2, done.output
@@ -304,8 +380,24 @@ def test_bad_elastic_flags_are_refused_with_the_reason(flags, words):
 
 def test_the_elastic_example_learns_through_a_failure():
     pytest.importorskip("sklearn")
-    done = run([HVDPLUSRUN, "-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1", PY,
-                "examples/pytorch_elastic.py", "--epochs", "2", "--fail-at", "10"], timeout=180)
+    done = run(
+        [
+            HVDPLUSRUN,
+            "-np",
+            "3",
+            "--min-np",
+            "2",
+            "-H",
+            "localhost:2,127.0.0.1:1",
+            PY,
+            "examples/pytorch_elastic.py",
+            "--epochs",
+            "2",
+            "--fail-at",
+            "10",
+        ],
+        timeout=180,
+    )
     assert done.returncode == 0, done.output[-4000:]
     assert "generation 1 (worker 127.0.0.1/0 failed): 2 worker(s)" in done.output
     assert "Reset: now 2 ranks" in done.output
@@ -318,8 +410,10 @@ def test_sigterm_stops_every_worker_of_an_elastic_job(tmp_path):
     """hvdplusrun gets SIGTERM while an elastic job trains: it names the signal, stops every worker, and exits
     with 128 + 15; no worker is left running."""
     stop = tmp_path / "never"
-    with _LiveJob([HVDPLUSRUN, "-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", PY, TRAIN],
-                  job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop))) as job:
+    with _LiveJob(
+        [HVDPLUSRUN, "-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", PY, TRAIN],
+        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop)),
+    ) as job:
         job.wait_for_size(2)
         job.proc.send_signal(15)
         code = job.proc.wait(timeout=30)

@@ -72,8 +72,11 @@ def keras_reference() -> list[float]:
 def unit_results(tmp_path_factory) -> dict[str, str | None]:
     """Runs the one-process checks as a one-rank Gloo job; each check's traceback, or None."""
     rendezvous = tmp_path_factory.mktemp("elastic_tf_unit") / "rendezvous"
-    done = run([PY, UNIT], timeout=TIMEOUT, env=job_env(HOROVOD_RANK="0", HOROVOD_SIZE="1",
-                                                        HVDPLUS_RENDEZVOUS_FILE=str(rendezvous)))
+    done = run(
+        [PY, UNIT],
+        timeout=TIMEOUT,
+        env=job_env(HOROVOD_RANK="0", HOROVOD_SIZE="1", HVDPLUS_RENDEZVOUS_FILE=str(rendezvous)),
+    )
     assert done.returncode == 0, done.output[-4000:]
     results = {line["check"]: line["error"] for line in _lines(done.output) if "check" in line}
     assert sorted(results) == sorted(UNIT_CHECKS), done.output[-4000:]
@@ -86,8 +89,9 @@ def test_one_process(unit_results, check):
 
 
 def _keras_job(*flags: str, **env: str):
-    return run([HVDPLUSRUN, *flags, PY, KERAS], timeout=TIMEOUT, env=job_env(EPOCHS=str(EPOCHS), STEPS=str(STEPS),
-                                                                             **env))
+    return run(
+        [HVDPLUSRUN, *flags, PY, KERAS], timeout=TIMEOUT, env=job_env(EPOCHS=str(EPOCHS), STEPS=str(STEPS), **env)
+    )
 
 
 def _assert_every_batch_once(output: str, worker: str, first: tuple[int, int] = (0, 1)) -> list[int]:
@@ -96,7 +100,7 @@ def _assert_every_batch_once(output: str, worker: str, first: tuple[int, int] = 
     lines = _lines(output, worker)
     batches = [(line["epoch"], line["batch"]) for line in lines if "batch" in line]
     expected = [(e, b) for e in range(EPOCHS) for b in range(1, STEPS + 1)]
-    assert batches == expected[expected.index(first):], output[-4000:]
+    assert batches == expected[expected.index(first) :], output[-4000:]
     ends = [(line["epoch_end"], line["state_epoch"]) for line in lines if "epoch_end" in line]
     assert ends == [(e, e + 1) for e in range(first[0], EPOCHS)], output[-4000:]
     return [line["size"] for line in lines if "batch" in line]
@@ -130,8 +134,9 @@ def test_keras_epochs_stay_right_after_a_scale_up(tmp_path, keras_reference):
     hosts, script = discovery_script(tmp_path, "localhost:1\n")
     done = _keras_job("-np", "1", "--min-np", "1", "--host-discovery-script", str(script), GROW=f"{hosts}:1:2")
     assert done.returncode == 0, done.output[-4000:]
-    assert re.search(r"generation 1 \(.*\): 2 worker\(s\): localhost/0, 127\.0\.0\.1/0", done.output), \
-        done.output[-4000:]
+    assert re.search(r"generation 1 \(.*\): 2 worker\(s\): localhost/0, 127\.0\.0\.1/0", done.output), done.output[
+        -4000:
+    ]
     sizes = _assert_every_batch_once(done.output, "localhost/0")
     assert sizes == [1] * (STEPS + 3) + [2] * (EPOCHS * STEPS - STEPS - 3), sizes
     assert set(_assert_every_batch_once(done.output, "127.0.0.1/0", first=(1, 4))) == {2}
@@ -143,8 +148,11 @@ def test_custom_loop_restores_the_commit_after_a_worker_raises():
     after the commit of step 5. The survivors' next allreduce fails inside the tf.function (an OpError that
     hvd.elastic.run turns into HorovodInternalError), they restore step 5's commit and end like one process."""
     reference = _reference(LOOP, STEPS="12")
-    done = run([HVDPLUSRUN, "-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1", PY, LOOP], timeout=TIMEOUT,
-               env=job_env(STEPS="12", RAISE="127.0.0.1/0:5"))
+    done = run(
+        [HVDPLUSRUN, "-np", "3", "--min-np", "2", "-H", "localhost:2,127.0.0.1:1", PY, LOOP],
+        timeout=TIMEOUT,
+        env=job_env(STEPS="12", RAISE="127.0.0.1/0:5"),
+    )
     assert done.returncode == 0, done.output[-4000:]
     assert "worker 127.0.0.1/0 (rank 2 of generation 0) failed with exit code 1" in done.output, done.output[-4000:]
     steps = [(line["step"], line["size"]) for line in _lines(done.output, "localhost/0") if "step" in line]
@@ -160,8 +168,11 @@ def test_a_custom_loop_traced_at_size_1_reduces_once_the_job_grows(tmp_path):
     worker would wait for it forever; both end like one process."""
     reference = _reference(LOOP, STEPS="12")
     hosts, script = discovery_script(tmp_path, "localhost:1\n")
-    done = run([HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, LOOP],
-               timeout=TIMEOUT, env=job_env(STEPS="12", GROW=f"{hosts}:3"))
+    done = run(
+        [HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, LOOP],
+        timeout=TIMEOUT,
+        env=job_env(STEPS="12", GROW=f"{hosts}:3"),
+    )
     assert done.returncode == 0, done.output[-4000:]
     steps = [(line["step"], line["size"]) for line in _lines(done.output, "localhost/0") if "step" in line]
     # step 4's commit raises HostsUpdatedInterrupt before it is printed; the state keeps it (no restore)
@@ -174,7 +185,9 @@ def test_a_custom_loop_traced_at_size_1_reduces_once_the_job_grows(tmp_path):
 def test_the_elastic_keras_example_runs(tmp_path):
     """examples/keras_elastic.py as its docstring runs it, for one short epoch."""
     example = Path(__file__).resolve().parents[2] / "examples" / "keras_elastic.py"
-    done = run([HVDPLUSRUN, "-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", PY, str(example),
-                "--epochs", "1"], timeout=TIMEOUT)
+    done = run(
+        [HVDPLUSRUN, "-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1", PY, str(example), "--epochs", "1"],
+        timeout=TIMEOUT,
+    )
     assert done.returncode == 0, done.output[-4000:]
     assert re.search(r"Final test accuracy: 0\.\d+ \(workers at the end: 2\)", done.output), done.output[-4000:]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import ROOT, SCRIPTS, job_env, reports, run
+from tests.integration.conftest import ROOT, SCRIPTS, job_env, run
 
 ALIAS_PTH = "hvdplus-horovod-alias.pth"
 
@@ -25,16 +25,24 @@ class AliasVenv:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.python = str(path / "bin" / "python")
-        self.site = Path(subprocess.run([self.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                        capture_output=True, text=True, check=True).stdout.strip())
+        self.site = Path(
+            subprocess.run(
+                [self.python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        )
 
     def pip(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "pip", "--python", self.python, *args], capture_output=True,
-                              text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "pip", "--python", self.python, *args], capture_output=True, text=True, timeout=300
+        )
 
     def alias(self, action: str) -> str:
-        done = subprocess.run([str(self.path / "bin" / "hvdplus-horovod-alias"), action], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run(
+            [str(self.path / "bin" / "hvdplus-horovod-alias"), action], capture_output=True, text=True, timeout=60
+        )
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout
 
@@ -46,15 +54,31 @@ class AliasVenv:
         return {**env, **extra}
 
     def imports(self, code: str, **extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([self.python, "-c", code], capture_output=True, text=True, env=self.env(**extra),
-                              cwd="/", timeout=120)
+        return subprocess.run(
+            [self.python, "-c", code], capture_output=True, text=True, env=self.env(**extra), cwd="/", timeout=120
+        )
 
 
 def make_venv(tmp: Path) -> AliasVenv:
     """A new venv with hvdplus pip-installed from a wheel of this checkout."""
     wheel_dir = tmp / "wheel"
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                            str(wheel_dir), str(ROOT)], capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheel_dir),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert built.returncode == 0, built.stdout + built.stderr
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp / "venv")], check=True, timeout=120)
     venv = AliasVenv(tmp / "venv")
@@ -82,9 +106,11 @@ def test_on_serves_horovod_and_off_removes_it(venv):
     assert "ModuleNotFoundError" in venv.imports("import horovod").stderr
     venv.alias("on")
     assert (venv.site / ALIAS_PTH).exists()
-    done = venv.imports("import horovod.torch as hvd, hvdplus.torch; assert hvd is hvdplus.torch; "
-                        "import horovod.tensorflow.keras as k, hvdplus.tensorflow.keras; "
-                        "assert k is hvdplus.tensorflow.keras; print('alias ok')")
+    done = venv.imports(
+        "import horovod.torch as hvd, hvdplus.torch; assert hvd is hvdplus.torch; "
+        "import horovod.tensorflow.keras as k, hvdplus.tensorflow.keras; "
+        "assert k is hvdplus.tensorflow.keras; print('alias ok')"
+    )
     assert "alias ok" in done.stdout, done.stdout + done.stderr
     assert "alias on" in venv.alias("status")
     venv.alias("off")
@@ -100,8 +126,10 @@ def test_a_real_horovod_is_never_shadowed(alias_on, tmp_path):
     real.mkdir(parents=True)
     (real / "__init__.py").write_text("REAL = True\n")
     (real / "torch.py").write_text("REAL = True\n")
-    done = alias_on.imports("import horovod.torch; assert horovod.REAL and horovod.torch.REAL; print('real')",
-                            PYTHONPATH=str(tmp_path / "real"))
+    done = alias_on.imports(
+        "import horovod.torch; assert horovod.REAL and horovod.torch.REAL; print('real')",
+        PYTHONPATH=str(tmp_path / "real"),
+    )
     assert "real" in done.stdout, done.stdout + done.stderr
     installed = alias_on.site / "horovod"
     installed.mkdir()
@@ -132,15 +160,15 @@ HOROVOD_SCRIPT = str(SCRIPTS / "horovod_script.py")
 
 def _horovod_ranks(output: str, n: int) -> None:
     for rank in range(n):
-        assert f"horovod rank {rank}/{n} sum {[float(sum(range(1, n + 1)))] * 2} module hvdplus.torch" in output, \
-            output
+        assert f"horovod rank {rank}/{n} sum {[float(sum(range(1, n + 1)))] * 2} module hvdplus.torch" in output, output
 
 
 @pytest.mark.parametrize("mpi", [None, "pmix"])
 def test_unmodified_torch_script_under_plain_srun(slurm, alias_on, mpi):
     if mpi:
-        plugins = subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True,
-                                 env=alias_on.env(SLURM_CONF=slurm.env["SLURM_CONF"]))
+        plugins = subprocess.run(
+            ["srun", "--mpi=list"], capture_output=True, text=True, env=alias_on.env(SLURM_CONF=slurm.env["SLURM_CONF"])
+        )
         if "pmix" not in plugins.stdout + plugins.stderr:
             pytest.skip("this Slurm has no PMIx plugin (Debian: slurm-wlm with libpmix-dev)")
     argv = ["srun", *([f"--mpi={mpi}"] if mpi else []), "-n", "2", alias_on.python, HOROVOD_SCRIPT]
@@ -150,8 +178,12 @@ def test_unmodified_torch_script_under_plain_srun(slurm, alias_on, mpi):
 
 
 def test_keras2_era_tf_script_under_plain_srun(slurm, alias_on):
-    done = run(["srun", "-n", "2", alias_on.python, str(SCRIPTS / "keras2_horovod_script.py")], timeout=240,
-               env=alias_on.env(SLURM_CONF=slurm.env["SLURM_CONF"], TF_CPP_MIN_LOG_LEVEL="2"), cwd=Path("/"))
+    done = run(
+        ["srun", "-n", "2", alias_on.python, str(SCRIPTS / "keras2_horovod_script.py")],
+        timeout=240,
+        env=alias_on.env(SLURM_CONF=slurm.env["SLURM_CONF"], TF_CPP_MIN_LOG_LEVEL="2"),
+        cwd=Path("/"),
+    )
     assert done.returncode == 0, done.output[-5000:]
     for rank in (0, 1):  # trained, weights equal on both ranks; the Keras 2 idioms layer came with the alias
         assert re.search(rf"rank {rank}: lr 0\.20, loss [\d.]+, weights agree: True", done.output), done.output[-5000:]
@@ -161,14 +193,20 @@ def test_keras2_era_tf_script_under_plain_srun(slurm, alias_on):
 @pytest.mark.parametrize("n", [2, 3])
 def test_unmodified_torch_script_under_mpirun(alias_on, n):
     mpirun = str(Path(sys.executable).parent / "mpirun")
-    done = run([mpirun, "-np", str(n), "--oversubscribe", "--bind-to", "none", alias_on.python, HOROVOD_SCRIPT],
-               env=alias_on.env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"), cwd=Path("/"))
+    done = run(
+        [mpirun, "-np", str(n), "--oversubscribe", "--bind-to", "none", alias_on.python, HOROVOD_SCRIPT],
+        env=alias_on.env(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1"),
+        cwd=Path("/"),
+    )
     assert done.returncode == 0, done.output
     _horovod_ranks(done.output, n)
 
 
 def test_unmodified_torch_script_under_torchrun(alias_on):
-    done = run([alias_on.python, "-m", "torch.distributed.run", "--nproc-per-node", "2", HOROVOD_SCRIPT],
-               env=alias_on.env(), cwd=Path("/"))
+    done = run(
+        [alias_on.python, "-m", "torch.distributed.run", "--nproc-per-node", "2", HOROVOD_SCRIPT],
+        env=alias_on.env(),
+        cwd=Path("/"),
+    )
     assert done.returncode == 0, done.output
     _horovod_ranks(done.output, 2)

@@ -23,9 +23,28 @@ def _tensorflow():
 
 @pytest.mark.timeout(240)
 def test_horovods_tensorflow2_synthetic_benchmark_runs_unmodified():
-    done = run([HVDPLUSRUN, "-np", "2", PY, str(SCRIPTS / "tensorflow2_synthetic_benchmark.py"), "--model",
-                "MobileNetV2", "--batch-size", "8", "--no-cuda", "--num-warmup-batches", "1",
-                "--num-batches-per-iter", "1", "--num-iters", "2"], timeout=200, env=job_env(TF_CPP_MIN_LOG_LEVEL="2"))
+    done = run(
+        [
+            HVDPLUSRUN,
+            "-np",
+            "2",
+            PY,
+            str(SCRIPTS / "tensorflow2_synthetic_benchmark.py"),
+            "--model",
+            "MobileNetV2",
+            "--batch-size",
+            "8",
+            "--no-cuda",
+            "--num-warmup-batches",
+            "1",
+            "--num-batches-per-iter",
+            "1",
+            "--num-iters",
+            "2",
+        ],
+        timeout=200,
+        env=job_env(TF_CPP_MIN_LOG_LEVEL="2"),
+    )
     assert done.returncode == 0, done.output[-5000:]
     assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+ \+-[\d.]+", done.output), done.output[-5000:]
     # opt.variables() (Keras 2) warned about once per rank, naming the Keras 3 form
@@ -34,8 +53,11 @@ def test_horovods_tensorflow2_synthetic_benchmark_runs_unmodified():
 
 @pytest.mark.timeout(240)
 def test_keras2_era_horovod_script_runs_unmodified():
-    done = run([HVDPLUSRUN, "-np", "2", PY, str(SCRIPTS / "keras2_horovod_script.py")], timeout=200,
-               env=job_env(TF_CPP_MIN_LOG_LEVEL="2"))
+    done = run(
+        [HVDPLUSRUN, "-np", "2", PY, str(SCRIPTS / "keras2_horovod_script.py")],
+        timeout=200,
+        env=job_env(TF_CPP_MIN_LOG_LEVEL="2"),
+    )
     assert done.returncode == 0, done.output[-5000:]
     for rank in (0, 1):
         assert re.search(rf"rank {rank}: lr 0\.20, loss [\d.]+, weights agree: True", done.output), done.output[-5000:]

@@ -29,8 +29,13 @@ def _seconds_after_failure(output: str, ended: float) -> float:
 
 
 @pytest.mark.parametrize("np,stopped", [(2, "stopping 1 other worker."), (3, "stopping 2 other workers.")])
-@pytest.mark.parametrize("how,code,words", [("raise", 1, "exit code 1 (RuntimeError: rank 1 fails on purpose)"),
-                                             ("kill", 137, "exit code 137 (killed by SIGKILL)")])
+@pytest.mark.parametrize(
+    "how,code,words",
+    [
+        ("raise", 1, "exit code 1 (RuntimeError: rank 1 fails on purpose)"),
+        ("kill", 137, "exit code 137 (killed by SIGKILL)"),
+    ],
+)
 def test_failed_worker_ends_the_job(how, code, words, np, stopped):
     done = run([HVDPLUSRUN, "-np", str(np), "--gloo", PY, MISBEHAVE, how])
     ended = time.time()
@@ -47,8 +52,10 @@ def test_failed_worker_under_mpi_ends_the_job(np):
     done = run([HVDPLUSRUN, "-np", str(np), "--mpi", PY, MISBEHAVE, "raise"])
     assert done.returncode != 0
     line = re.search(r"^hvdplusrun: .*$", done.output, re.MULTILINE).group(0)
-    assert line.startswith("hvdplusrun: rank 1 on localhost failed (RuntimeError: rank 1 fails on purpose); "
-                           f"mpirun exited with exit code {done.returncode}"), done.output
+    assert line.startswith(
+        "hvdplusrun: rank 1 on localhost failed (RuntimeError: rank 1 fails on purpose); "
+        f"mpirun exited with exit code {done.returncode}"
+    ), done.output
     assert "stopping" not in line, line
     assert _seconds_after_failure(done.output, time.time()) < PROMPT, done.output
 
@@ -57,9 +64,26 @@ def test_failed_worker_under_mpi_ends_the_job(np):
 def test_a_frozen_rank_is_named_and_ends_the_job(engine):
     """Rank 1 stops (SIGSTOP) while every rank is in allreduces: the live ranks warn naming it after the stall
     check time, fail naming it at the shutdown time, and the job ends with nothing left running."""
-    proc = subprocess.Popen([HVDPLUSRUN, "-np", "3", engine, "--stall-check-warning-time-seconds", "2",
-                             "--stall-check-shutdown-time-seconds", "5", PY, MISBEHAVE, "freeze"],
-                            cwd=ROOT, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            HVDPLUSRUN,
+            "-np",
+            "3",
+            engine,
+            "--stall-check-warning-time-seconds",
+            "2",
+            "--stall-check-shutdown-time-seconds",
+            "5",
+            PY,
+            MISBEHAVE,
+            "freeze",
+        ],
+        cwd=ROOT,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     while len(_pids("".join(lines))) < 3:
         line = proc.stdout.readline()
@@ -73,8 +97,9 @@ def test_a_frozen_rank_is_named_and_ends_the_job(engine):
     assert "rank 1 has not answered a control round" in output, output
     assert output.count("HorovodInternalError: rank 1 did not answer a control round") >= 2, output
     line = re.search(r"^hvdplusrun: .*$", output, re.MULTILINE).group(0)
-    assert line.startswith("hvdplusrun: rank 1 on localhost failed (frozen or hung: no answer to the control "
-                           "rounds)"), output
+    assert line.startswith(
+        "hvdplusrun: rank 1 on localhost failed (frozen or hung: no answer to the control rounds)"
+    ), output
     assert line.count("rank 1") == 1, line  # named once
     time.sleep(0.5)
     assert not [p for p in tree if alive(p)], "processes left running"
@@ -82,8 +107,14 @@ def test_a_frozen_rank_is_named_and_ends_the_job(engine):
 
 def _sleeping_job(np: int, engine: str) -> tuple[subprocess.Popen, list[str]]:
     """hvdplusrun running `np` ranks that sleep, once every rank printed its pid; (process, lines so far)."""
-    proc = subprocess.Popen([HVDPLUSRUN, "-np", str(np), engine, PY, MISBEHAVE, "sleep"], cwd=ROOT, env=job_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [HVDPLUSRUN, "-np", str(np), engine, PY, MISBEHAVE, "sleep"],
+        cwd=ROOT,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     while len(_pids("".join(lines))) < np:
         line = proc.stdout.readline()
@@ -101,8 +132,11 @@ def test_the_rank_that_failed_first_is_blamed_when_all_are_inside_collectives(en
         assert done.returncode != 0, done.output
         # Gloo: rank 1's own exit status; MPI: mpirun's, after the rank's exception
         line = re.search(r"^hvdplusrun: .*$", done.output, re.MULTILINE).group(0)
-        assert re.match(r"hvdplusrun: rank 1 on localhost failed (with exit code 1 )?\(RuntimeError: rank 1 fails "
-                        r"on purpose\)", line), done.output
+        assert re.match(
+            r"hvdplusrun: rank 1 on localhost failed (with exit code 1 )?\(RuntimeError: rank 1 fails "
+            r"on purpose\)",
+            line,
+        ), done.output
         assert line.count("rank 1 on") == 1 and "worker(s)" not in line, line
         assert done.output.count("HorovodInternalError: hvdplus was shut down on rank 1") >= 2, done.output
 
@@ -164,14 +198,23 @@ def test_unreachable_host_is_named(engine):
 
 
 @pytest.mark.parametrize("engine", ["--gloo", "--mpi"])
-@pytest.mark.parametrize("problem,argv,words", [
-    ("host that does not resolve", ["-H", "unreachable-host-xyz:1", PY, "-c", "pass"],
-     "cannot reach unreachable-host-xyz over ssh"),
-    ("bad interface", ["--network-interfaces", "nosuchnic0", PY, "-c", "pass"],
-     "--network-interfaces: this machine has no interface 'nosuchnic0'"),
-    ("missing program", ["no-such-program-xyz"], "cannot run 'no-such-program-xyz': no such executable file"),
-    ("missing script", [PY, "no_such_script.py"], "cannot run 'no_such_script.py': no such Python script"),
-])
+@pytest.mark.parametrize(
+    "problem,argv,words",
+    [
+        (
+            "host that does not resolve",
+            ["-H", "unreachable-host-xyz:1", PY, "-c", "pass"],
+            "cannot reach unreachable-host-xyz over ssh",
+        ),
+        (
+            "bad interface",
+            ["--network-interfaces", "nosuchnic0", PY, "-c", "pass"],
+            "--network-interfaces: this machine has no interface 'nosuchnic0'",
+        ),
+        ("missing program", ["no-such-program-xyz"], "cannot run 'no-such-program-xyz': no such executable file"),
+        ("missing script", [PY, "no_such_script.py"], "cannot run 'no_such_script.py': no such Python script"),
+    ],
+)
 def test_bad_hosts_interfaces_and_programs_fail_before_anything_starts(engine, problem, argv, words):
     """The same one line and exit status 1 in both modes (mpirun gave 255, 213 and 183 with its own text)."""
     done = run([HVDPLUSRUN, "-np", "1", engine, *argv])
@@ -199,8 +242,9 @@ def test_more_ranks_than_slots_is_refused():
 def test_a_reader_that_goes_away_leaves_the_job_running_to_its_end(engine):
     """`hvdplusrun ... | head -2`: head exits after two lines while the ranks print thousands; the launcher keeps
     draining their output (to nowhere), so no rank blocks on a full pipe, and the job ends with status 0."""
-    pipeline = (f"{HVDPLUSRUN} -np 2 {engine} {PY} {MISBEHAVE} spam | head -2; "
-                f"echo \"hvdplusrun status ${{PIPESTATUS[0]}}\"")
+    pipeline = (
+        f'{HVDPLUSRUN} -np 2 {engine} {PY} {MISBEHAVE} spam | head -2; echo "hvdplusrun status ${{PIPESTATUS[0]}}"'
+    )
     done = run(["bash", "-c", pipeline], timeout=90)
     assert "hvdplusrun status 0" in done.output, done.output
     assert "BrokenPipeError" not in done.output and "Traceback" not in done.output, done.output

@@ -13,8 +13,9 @@ PY = sys.executable
 
 @pytest.mark.parametrize("mode,np", [("--gloo", 2), ("--mpi", 3)])
 def test_local_job_runs_every_rank(mode, np, tmp_path):
-    done = run([HVDPLUSRUN, "-np", str(np), mode, "--output-filename", str(tmp_path / "out"),
-                PY, str(SCRIPTS / "report.py")])
+    done = run(
+        [HVDPLUSRUN, "-np", str(np), mode, "--output-filename", str(tmp_path / "out"), PY, str(SCRIPTS / "report.py")]
+    )
     assert done.returncode == 0, done.output
     ranks = reports(done.output)
     assert [r["rank"] for r in ranks] == list(range(np)), done.output
@@ -28,11 +29,29 @@ def test_local_job_runs_every_rank(mode, np, tmp_path):
 
 def test_tuning_flags_and_config_file_reach_the_workers(tmp_path):
     config = tmp_path / "hvd.yaml"
-    config.write_text("params:\n  fusion_threshold_mb: 4\n  cycle_time_ms: 2.5\n"
-                      "stall_check:\n  enabled: false\n  warning_time_seconds: 9\nlogging:\n  level: info\n")
-    done = run([HVDPLUSRUN, "-np", "2", "--gloo", "--config-file", str(config), "--cycle-time-ms", "7",
-                "--hierarchical-allreduce", "--timeline-filename", "/tmp/tl.json", "-x", "HVDPLUS_CACHE_CAPACITY=5",
-                PY, str(SCRIPTS / "settings_probe.py")])
+    config.write_text(
+        "params:\n  fusion_threshold_mb: 4\n  cycle_time_ms: 2.5\n"
+        "stall_check:\n  enabled: false\n  warning_time_seconds: 9\nlogging:\n  level: info\n"
+    )
+    done = run(
+        [
+            HVDPLUSRUN,
+            "-np",
+            "2",
+            "--gloo",
+            "--config-file",
+            str(config),
+            "--cycle-time-ms",
+            "7",
+            "--hierarchical-allreduce",
+            "--timeline-filename",
+            "/tmp/tl.json",
+            "-x",
+            "HVDPLUS_CACHE_CAPACITY=5",
+            PY,
+            str(SCRIPTS / "settings_probe.py"),
+        ]
+    )
     assert done.returncode == 0, done.output
     for seen in reports(done.output):
         assert seen["fusion_threshold"] == 4 * 1024 * 1024
@@ -68,6 +87,7 @@ def test_python_api_run_returns_results_by_rank():
     sys.path.insert(0, str(SCRIPTS))
     try:
         import functions
+
         from hvdplus.runner import run as hvd_run
 
         env = {"PYTHONPATH": f"{SCRIPTS}:{ROOT}"}
@@ -82,7 +102,8 @@ def test_python_api_run_returns_results_by_rank():
 @pytest.mark.parametrize("mode", ["--gloo", "--mpi"])
 def test_pipeline_example_under_hvdplusrun(mode):
     """hvd.pipeline under hvdplusrun on both engines: 2 stages, the unpipelined loss matched (--check)."""
-    done = run([HVDPLUSRUN, "-np", "2", mode, PY, str(ROOT / "examples" / "pytorch_pipeline.py"), "--epochs", "1",
-                "--check"])
+    done = run(
+        [HVDPLUSRUN, "-np", "2", mode, PY, str(ROOT / "examples" / "pytorch_pipeline.py"), "--epochs", "1", "--check"]
+    )
     assert done.returncode == 0, done.output
     assert "1 pipeline(s) x 2 stages" in done.output and "final loss" in done.output, done.output

@@ -25,8 +25,10 @@ def mpiexec() -> str:
 
 
 def test_hvdplusrun_runs_a_job_on_the_mpich_named_by_hvdplus_mpirun(mpiexec, tmp_path):
-    done = run([HVDPLUSRUN, "-np", "3", "--mpi", "--output-filename", str(tmp_path / "out"), PY,
-                str(SCRIPTS / "report.py")], env=job_env(HVDPLUS_MPIRUN=mpiexec))
+    done = run(
+        [HVDPLUSRUN, "-np", "3", "--mpi", "--output-filename", str(tmp_path / "out"), PY, str(SCRIPTS / "report.py")],
+        env=job_env(HVDPLUS_MPIRUN=mpiexec),
+    )
     assert done.returncode == 0, done.output
     ranks = reports(done.output)
     assert [r["rank"] for r in ranks] == [0, 1, 2], done.output
@@ -41,8 +43,10 @@ def test_hvdplusrun_runs_a_job_on_the_mpich_named_by_hvdplus_mpirun(mpiexec, tmp
 
 
 def test_a_failing_rank_ends_an_mpich_job_promptly(mpiexec):
-    done = run([HVDPLUSRUN, "-np", "3", "--mpi", PY, str(SCRIPTS / "misbehave.py"), "raise"],
-               env=job_env(HVDPLUS_MPIRUN=mpiexec))
+    done = run(
+        [HVDPLUSRUN, "-np", "3", "--mpi", PY, str(SCRIPTS / "misbehave.py"), "raise"],
+        env=job_env(HVDPLUS_MPIRUN=mpiexec),
+    )
     assert done.returncode != 0, done.output
     assert "rank 1 fails on purpose" in done.output
     assert done.seconds < PROMPT, f"the job took {done.seconds:.1f} s to end"
@@ -51,12 +55,16 @@ def test_a_failing_rank_ends_an_mpich_job_promptly(mpiexec):
 def test_mpi4py_on_another_mpi_than_the_launcher_raises_on_every_rank(mpiexec):
     # Without MPI4PY_LIBMPI, mpi4py's wheel loads the venv's Open MPI: each rank would be a job of size 1.
     # Line-buffered stderr (PYTHONUNBUFFERED unset) keeps each traceback line in one Hydra-tagged chunk.
-    done = run([mpiexec, "-n", "2", "-prepend-rank", PY, str(SCRIPTS / "report.py")],
-               env=job_env(HOROVOD_CPU_OPERATIONS="mpi", PYTHONUNBUFFERED=""))
+    done = run(
+        [mpiexec, "-n", "2", "-prepend-rank", PY, str(SCRIPTS / "report.py")],
+        env=job_env(HOROVOD_CPU_OPERATIONS="mpi", PYTHONUNBUFFERED=""),
+    )
     assert done.returncode != 0, done.output
     for rank in (0, 1):
-        assert f"[{rank}] RuntimeError: the MPI launcher started 2 ranks (PMI_SIZE=2) but MPI.COMM_WORLD has 1" \
-            in done.output, done.output
+        assert (
+            f"[{rank}] RuntimeError: the MPI launcher started 2 ranks (PMI_SIZE=2) but MPI.COMM_WORLD has 1"
+            in done.output
+        ), done.output
     assert "Open MPI" in done.output and "MPI4PY_LIBMPI" in done.output
     assert reports(done.output) == []
     assert done.seconds < PROMPT

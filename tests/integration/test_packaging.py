@@ -11,8 +11,23 @@ from tests.integration.conftest import ROOT
 
 
 def test_the_wheel_declares_its_license_as_spdx_and_builds_without_deprecations(tmp_path):
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w",
-                            str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-v",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = built.stdout + built.stderr
     assert built.returncode == 0, output
     assert "deprecat" not in output.lower(), output

@@ -72,7 +72,8 @@ def test_pipeline_example_under_srun(slurm, engine):
         if "pmix" not in plugins.stdout + plugins.stderr:
             pytest.skip("this Slurm has no PMIx plugin (Debian: slurm-wlm with libpmix-dev)")
         mpi = ["--mpi=pmix"]
-    done = run(["srun", *mpi, "-n", "2", PY, "examples/pytorch_pipeline.py", "--epochs", "1", "--check"],
-               env=_env(slurm))
+    done = run(
+        ["srun", *mpi, "-n", "2", PY, "examples/pytorch_pipeline.py", "--epochs", "1", "--check"], env=_env(slurm)
+    )
     assert done.returncode == 0, done.output
     assert "1 pipeline(s) x 2 stages" in done.output and "final loss" in done.output, done.output

@@ -24,7 +24,11 @@ def test_four_ranks_on_two_hosts(ssh_hosts, mode):
     assert done.returncode == 0, done.output
     ranks = reports(done.output)
     assert [(r["rank"], r["host"], r["local_rank"], r["cross_rank"]) for r in ranks] == [
-        (0, "hostA", 0, 0), (1, "hostA", 1, 0), (2, "hostB", 0, 1), (3, "hostB", 1, 1)], done.output
+        (0, "hostA", 0, 0),
+        (1, "hostA", 1, 0),
+        (2, "hostB", 0, 1),
+        (3, "hostB", 1, 1),
+    ], done.output
     assert {r["sum"] for r in ranks} == {6.0} and {r["engine"] for r in ranks} == {mode[2:]}
 
 
@@ -34,17 +38,35 @@ def test_hierarchical_collectives_across_real_hosts(ssh_hosts, mode):
     the global set and on process sets, with sizes that do not divide by the ranks per host; the hierarchical path
     ran (counted), and the sets that cannot use it fall back and say why."""
     scenario = ROOT / "tests" / "parallel" / "scenarios" / "hierarchical.py"
-    done = run(_on_launcher(ssh_hosts, "-np", "4", "-H", "hostA:2,hostB:2", mode, "--hierarchical-allreduce",
-                            "--hierarchical-allgather", "-x", "HOSTS=2,2", "-x", "REAL_HOSTS=1",
-                            "-x", f"EXPECT={'engine' if mode == '--gloo' else 'halving-doubling'}", PY, str(scenario)))
+    done = run(
+        _on_launcher(
+            ssh_hosts,
+            "-np",
+            "4",
+            "-H",
+            "hostA:2,hostB:2",
+            mode,
+            "--hierarchical-allreduce",
+            "--hierarchical-allgather",
+            "-x",
+            "HOSTS=2,2",
+            "-x",
+            "REAL_HOSTS=1",
+            "-x",
+            f"EXPECT={'engine' if mode == '--gloo' else 'halving-doubling'}",
+            PY,
+            str(scenario),
+        )
+    )
     assert done.returncode == 0, done.output
     assert done.output.count("hierarchical ok") == 4, done.output
     assert "fall back to flat: its hosts run different numbers of ranks (hostA: 2, hostB: 1)" in done.output
 
 
 def test_worker_killed_on_remote_host_ends_the_job_everywhere(ssh_hosts):
-    argv = _on_launcher(ssh_hosts, "-np", "4", "-H", "hostA:2,hostB:2", "--gloo", PY,
-                        str(SCRIPTS / "misbehave.py"), "kill")
+    argv = _on_launcher(
+        ssh_hosts, "-np", "4", "-H", "hostA:2,hostB:2", "--gloo", PY, str(SCRIPTS / "misbehave.py"), "kill"
+    )
     done = run(argv)
     ended = time.time()
     assert done.returncode == 137, done.output
@@ -68,8 +90,24 @@ def test_elastic_job_loses_a_remote_worker_and_goes_on(ssh_hosts):
     """Elastic mode over real ssh: a worker on hostB is SIGKILLed after step 4; hostB is blacklisted and the two
     workers on hostA go on from the commit to the end (the tiny model's result does not depend on the size)."""
     script = ROOT / "tests" / "integration" / "scripts" / "elastic_train.py"
-    done = run(_on_launcher(ssh_hosts, "-np", "4", "--min-np", "2", "-H", "hostA:2,hostB:2", "-x", "STEPS=8",
-                            "-x", "FAIL=hostB/1:4:kill", PY, str(script)), timeout=120)
+    done = run(
+        _on_launcher(
+            ssh_hosts,
+            "-np",
+            "4",
+            "--min-np",
+            "2",
+            "-H",
+            "hostA:2,hostB:2",
+            "-x",
+            "STEPS=8",
+            "-x",
+            "FAIL=hostB/1:4:kill",
+            PY,
+            str(script),
+        ),
+        timeout=120,
+    )
     assert done.returncode == 0, done.output
     assert "worker hostB/1 (rank 3 of generation 0) failed with exit code 137 (killed by SIGKILL)" in done.output
     assert "generation 1 (worker hostB/1 failed): 2 worker(s): hostA/0, hostA/1" in done.output

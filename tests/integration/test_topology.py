@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -52,7 +51,9 @@ def _namespaces() -> set[str]:
 def test_up_describes_the_hosts_and_how_to_launch(shaped):
     up, state = shaped
     assert [(h["name"], h["ns"], h["addr"]) for h in state["hosts"]] == [
-        ("hostA", "tptA", "10.78.0.1"), ("hostB", "tptB", "10.78.0.2")]
+        ("hostA", "tptA", "10.78.0.1"),
+        ("hostB", "tptB", "10.78.0.2"),
+    ]
     assert (state["launcher"]["ns"], state["slots"], state["rate_bps"]) == ("tptL", 2, RATE_BPS)
     assert "-np 4 -H hostA:2,hostB:2" in up.stdout and "--mca mpi_yield_when_idle 1" in up.stdout, up.stdout
     assert state["key"] in up.stdout and Path(state["key"]).is_file()
@@ -61,11 +62,26 @@ def test_up_describes_the_hosts_and_how_to_launch(shaped):
 
 def test_each_host_answers_ssh_with_its_own_name(shaped):
     _, state = shaped
-    checks = " && ".join(["hostname"] + [f"ssh -i {state['key']} -o BatchMode=yes {h['name']} hostname"
-                                         for h in state["hosts"]])
+    checks = " && ".join(
+        ["hostname"] + [f"ssh -i {state['key']} -o BatchMode=yes {h['name']} hostname" for h in state["hosts"]]
+    )
     launcher = state["launcher"]
-    done = subprocess.run(["ip", "netns", "exec", launcher["ns"], "unshare", "--uts", "sh", "-c",
-                           f"hostname {launcher['name']} && {checks}"], capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [
+            "ip",
+            "netns",
+            "exec",
+            launcher["ns"],
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            f"hostname {launcher['name']} && {checks}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.stdout.split() == ["hvdlaunch", "hostA", "hostB"], done.stdout + done.stderr
 
 
@@ -73,8 +89,9 @@ def test_bulk_transfer_runs_at_the_shaped_rate(shaped):
     measured = _topology("measure", "--prefix", "tpt", "--seconds", "2", "--json")
     assert measured.returncode == 0, measured.stdout + measured.stderr
     result = json.loads(measured.stdout)
-    print(f"\nhostA -> hostB at {RATE}: {result['rate_bps'] / 1e6:.1f} Mbit/s, "
-          f"TCP round trip {result['rtt_ms']:.3f} ms")
+    print(
+        f"\nhostA -> hostB at {RATE}: {result['rate_bps'] / 1e6:.1f} Mbit/s, TCP round trip {result['rtt_ms']:.3f} ms"
+    )
     assert 0.5 * RATE_BPS <= result["rate_bps"] <= 1.15 * RATE_BPS, result
 
 

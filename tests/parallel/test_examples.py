@@ -62,8 +62,21 @@ def test_train_learns_digits_and_resumes_from_its_checkpoint(tmp_path):
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
 def test_train_with_fp16_accumulation_and_sync_bn_over_gloo(tmp_path):
-    code, output = run_job("gloo", 2, [TRAIN, "--epochs", "1", "--fp16", "--batches-per-allreduce", "2",
-                                       "--sync-bn", "--checkpoint-dir", str(tmp_path)])
+    code, output = run_job(
+        "gloo",
+        2,
+        [
+            TRAIN,
+            "--epochs",
+            "1",
+            "--fp16",
+            "--batches-per-allreduce",
+            "2",
+            "--sync-bn",
+            "--checkpoint-dir",
+            str(tmp_path),
+        ],
+    )
     assert code == 0, output[-5000:]
     assert _final_accuracy(output) > 0.2, output[-5000:]  # one short epoch: well above chance (0.1)
     assert (tmp_path / "checkpoint-1.pt").exists()
@@ -73,9 +86,22 @@ def test_train_with_fp16_accumulation_and_sync_bn_over_gloo(tmp_path):
 @pytest.mark.timeout(300)
 def test_synthetic_benchmark_prints_horovods_summary():
     _need_mpi()
-    code, output = run_job("mpi", 2, ["examples/pytorch_synthetic_benchmark.py", "--batch-size", "8",
-                                       "--num-warmup-batches", "1", "--num-batches-per-iter", "2", "--num-iters", "2",
-                                       "--fp16-allreduce"])
+    code, output = run_job(
+        "mpi",
+        2,
+        [
+            "examples/pytorch_synthetic_benchmark.py",
+            "--batch-size",
+            "8",
+            "--num-warmup-batches",
+            "1",
+            "--num-batches-per-iter",
+            "2",
+            "--num-iters",
+            "2",
+            "--fp16-allreduce",
+        ],
+    )
     assert code == 0, output[-5000:]
     per_cpu = re.findall(r"Img/sec per CPU: ([\d.]+) \+-([\d.]+)", output)
     total = re.findall(r"Total img/sec on 2 CPU\(s\): ([\d.]+) \+-([\d.]+)", output)
@@ -92,11 +118,15 @@ def test_zero_example_halves_the_state_and_learns_as_distributed_optimizer_does(
     _need_mpi()
     found = {}
     for flag in ("--zero", None):
-        code, output = run_job("mpi", 2, ["examples/pytorch_zero.py", "--epochs", "3", *([flag] if flag else [])],
-                               timeout=150)
+        code, output = run_job(
+            "mpi", 2, ["examples/pytorch_zero.py", "--epochs", "3", *([flag] if flag else [])], timeout=150
+        )
         assert code == 0, output[-5000:]
-        lines = re.findall(r"rank (\d): (\w+), \d+ parameters, optimizer state (\d+) KiB on this rank, "
-                           r"test accuracy ([\d.]+)", output)
+        lines = re.findall(
+            r"rank (\d): (\w+), \d+ parameters, optimizer state (\d+) KiB on this rank, "
+            r"test accuracy ([\d.]+)",
+            output,
+        )
         assert len(lines) == 2, output[-3000:]
         found[flag] = lines
     zero_state, full_state = int(found["--zero"][0][2]), int(found[None][0][2])
@@ -124,15 +154,19 @@ def test_zero3_example_trains_a_meta_built_gpt_and_its_checkpoint_loads_into_a_p
 def _pipeline_run(np: int, flags: list[str]) -> dict:
     """Run the pipeline example with --check on `np` ranks; return what rank 0 printed."""
     _need_mpi()
-    code, output = run_job("mpi", np, ["examples/pytorch_pipeline.py", "--check", "--epochs", "2", *flags],
-                           timeout=100)
+    code, output = run_job("mpi", np, ["examples/pytorch_pipeline.py", "--check", "--epochs", "2", *flags], timeout=100)
     assert code == 0, output[-5000:]
     epochs = re.findall(r"epoch (\d+): loss ([\d.]+), (\d+) samples/s", output)
     final = re.findall(r"final loss ([\d.]+) \(unpipelined ([\d.]+), difference ([\d.e+-]+)\)", output)
     accuracy = re.findall(r"test accuracy ([\d.]+)", output)
     assert [int(e[0]) for e in epochs] == [1, 2] and len(final) == 1 and len(accuracy) == 1, output[-5000:]
-    return {"losses": [float(e[1]) for e in epochs], "throughputs": [int(e[2]) for e in epochs],
-            "final": [float(v) for v in final[0]], "accuracy": float(accuracy[0]), "output": output}
+    return {
+        "losses": [float(e[1]) for e in epochs],
+        "throughputs": [int(e[2]) for e in epochs],
+        "final": [float(v) for v in final[0]],
+        "accuracy": float(accuracy[0]),
+        "output": output,
+    }
 
 
 def _check_pipeline_run(found: dict) -> None:

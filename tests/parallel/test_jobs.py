@@ -36,14 +36,19 @@ def test_worker_suite(engine: str, np: int) -> None:
 def test_optimizer_without_buckets():
     """HVDPLUS_BUCKET_BYTES=0: DistributedOptimizer allreduces each gradient on its own (Horovod's own path)."""
     _skip_if_missing("mpi")
-    code, output = run_job("mpi", 3, pytest_argv(str(WORKERS / "test_torch_optimizer.py")),
-                           extra_env={"HVDPLUS_BUCKET_BYTES": "0"})
+    code, output = run_job(
+        "mpi", 3, pytest_argv(str(WORKERS / "test_torch_optimizer.py")), extra_env={"HVDPLUS_BUCKET_BYTES": "0"}
+    )
     assert code == 0, f"job failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran("mpi", 3, output, at_least=10)
 
 
-DEVICE_PLANE_FILES = ("test_torch_device_plane.py", "test_torch_ops.py", "test_torch_optimizer.py",
-                      "test_torch_sparse_groups.py")
+DEVICE_PLANE_FILES = (
+    "test_torch_device_plane.py",
+    "test_torch_ops.py",
+    "test_torch_optimizer.py",
+    "test_torch_sparse_groups.py",
+)
 
 
 @pytest.mark.parallel
@@ -54,8 +59,9 @@ def test_device_plane_on_cpu_tensors(engine, np, files):
     engine, the executor's device plane) on CPU tensors. Over Gloo the collective and optimizer worker tests run
     through it; over MPI the device engine makes its own torch.distributed job, as a GPU job under mpirun does."""
     _skip_if_missing(engine)
-    code, output = run_job(engine, np, pytest_argv(*(str(WORKERS / name) for name in files)),
-                           extra_env={"HVDPLUS_DEVICE_PATH_ON_CPU": "1"})
+    code, output = run_job(
+        engine, np, pytest_argv(*(str(WORKERS / name) for name in files)), extra_env={"HVDPLUS_DEVICE_PATH_ON_CPU": "1"}
+    )
     assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran(engine, np, output, at_least=10 if len(files) == 1 else 100)
 
@@ -114,7 +120,8 @@ def test_pipeline_suite_on_4_ranks(engine):
     3-rank jobs above cover 2 x 1 and 3 x 1)."""
     _skip_if_missing(engine)
     zero3 = "test_torch_zero3.py::test_pipeline_stages_sharded_over_their_data_parallel_set"
-    code, output = run_job(engine, 4, pytest_argv(str(WORKERS / "test_torch_pipeline.py"), str(WORKERS / zero3)),
-                           timeout=280)
+    code, output = run_job(
+        engine, 4, pytest_argv(str(WORKERS / "test_torch_pipeline.py"), str(WORKERS / zero3)), timeout=280
+    )
     assert code == 0, f"{engine} job with 4 ranks failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran(engine, 4, output, at_least=15)

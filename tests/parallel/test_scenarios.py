@@ -23,18 +23,26 @@ def on_both_engines(test):
 
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine,hosts,env,expect", [
-    ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "halving-doubling"),  # auto for 2 hosts over MPI
-    ("gloo", "2,2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_CROSS_ALGORITHM": "ring"}, "ring"),
-    ("gloo", "2,1", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "flat"),  # uneven hosts: flat, with the reason
-    ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLGATHER": "0"}, "flat"),  # nothing asked: flat (the default)
-], ids=["mpi-2x2-auto", "gloo-3x2-ring", "gloo-uneven", "mpi-2x2-default"])
+@pytest.mark.parametrize(
+    "engine,hosts,env,expect",
+    [
+        ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "halving-doubling"),  # auto for 2 hosts over MPI
+        ("gloo", "2,2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_CROSS_ALGORITHM": "ring"}, "ring"),
+        ("gloo", "2,1", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "flat"),  # uneven hosts: flat, with the reason
+        ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLGATHER": "0"}, "flat"),  # nothing asked: flat (the default)
+    ],
+    ids=["mpi-2x2-auto", "gloo-3x2-ring", "gloo-uneven", "mpi-2x2-default"],
+)
 def test_hierarchical_collectives_on_simulated_hosts(engine, hosts, env, expect):
     """Ranks told they live on several hosts: hierarchical allreduce and allgather on the global set and on
     process sets equal the flat results, the expected path ran (counted), uneven layouts fall back and say why."""
     size = sum(int(n) for n in hosts.split(","))
-    code, output = run_job(engine, size, [str(SCENARIOS / "hierarchical.py")],
-                           {"HOSTS": hosts, "EXPECT": expect, "HOROVOD_HIERARCHICAL_ALLGATHER": "1", **env})
+    code, output = run_job(
+        engine,
+        size,
+        [str(SCENARIOS / "hierarchical.py")],
+        {"HOSTS": hosts, "EXPECT": expect, "HOROVOD_HIERARCHICAL_ALLGATHER": "1", **env},
+    )
     assert code == 0, output
     assert output.count("hierarchical ok") == size, output
     if hosts == "2,1":
@@ -72,20 +80,28 @@ def test_a_failure_in_one_background_thread_is_named_on_every_rank(engine, where
     for rank in reporting:
         raised = re.search(rf"rank {rank}: raised after ([\d.]+) s: .*{injected}", output)
         assert raised and float(raised.group(1)) < 5, output
-        assert re.search(rf"rank {rank}: later call raised: hvdplus can no longer run collectives: .*{injected}",
-                         output), output
+        assert re.search(
+            rf"rank {rank}: later call raised: hvdplus can no longer run collectives: .*{injected}", output
+        ), output
     for rank in set(range(3)) - {1}:
         assert f"rank {rank}: no error" not in output, output
 
 
 @on_both_engines
 def test_stall_shutdown_names_the_tensor_and_the_missing_rank(engine):
-    code, output = run_job(engine, 2, [str(SCENARIOS / "stall_shutdown.py")],
-                           {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"})
+    code, output = run_job(
+        engine,
+        2,
+        [str(SCENARIOS / "stall_shutdown.py")],
+        {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"},
+    )
     assert code == 0, output
     for rank in (0, 1):
-        assert re.search(rf"rank {rank}: raised .*stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=2: "
-                         r"allreduce 'late.tensor' \(missing ranks \[1\]\)", output), output
+        assert re.search(
+            rf"rank {rank}: raised .*stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=2: "
+            r"allreduce 'late.tensor' \(missing ranks \[1\]\)",
+            output,
+        ), output
 
 
 @on_both_engines
@@ -94,8 +110,10 @@ def test_peer_shutdown_leaves_rank_and_size_readable(engine):
     code, output = run_job(engine, 3, [str(SCENARIOS / "peer_shutdown.py")], timeout=60)
     assert code == 0, output
     for rank in (1, 2):
-        expected = (f"rank {rank}/3: raised HorovodInternalError: hvdplus can no longer run collectives: "
-                    "hvdplus was shut down on rank 0")
+        expected = (
+            f"rank {rank}/3: raised HorovodInternalError: hvdplus can no longer run collectives: "
+            "hvdplus was shut down on rank 0"
+        )
         assert expected in output, output
 
 
@@ -107,8 +125,14 @@ def test_single_process_without_launcher():
 
     from tests.parallel.jobs import ROOT, worker_env
 
-    done = subprocess.run([sys.executable, "examples/pytorch_collectives.py"], cwd=ROOT, env=worker_env(),
-                          capture_output=True, text=True, timeout=100)
+    done = subprocess.run(
+        [sys.executable, "examples/pytorch_collectives.py"],
+        cwd=ROOT,
+        env=worker_env(),
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[rank 0/1, single process] allreduce(Sum) of ones*rank: [0.0, 0.0, 0.0]" in done.stdout
     assert "allgather_object: [{'rank': 0}]" in done.stdout
@@ -123,9 +147,13 @@ def test_timeline_is_a_valid_chrome_trace_with_horovods_phases(tmp_path):
     import json
 
     path = tmp_path / "timeline.json"
-    code, output = run_job("gloo", 4, [str(SCENARIOS / "timeline.py")],
-                           {"HOROVOD_TIMELINE": str(path), "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"},
-                           rank_env=lambda rank: {"HOROVOD_HOSTNAME": f"host{rank // 2}"})
+    code, output = run_job(
+        "gloo",
+        4,
+        [str(SCENARIOS / "timeline.py")],
+        {"HOROVOD_TIMELINE": str(path), "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"},
+        rank_env=lambda rank: {"HOROVOD_HOSTNAME": f"host{rank // 2}"},
+    )
     assert code == 0, output
     assert "valid while running" in output, output
     events = json.loads(path.read_text())
@@ -151,15 +179,21 @@ def test_timeline_is_a_valid_chrome_trace_with_horovods_phases(tmp_path):
 
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine,np", [
-    pytest.param("mpi", 2, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
-    pytest.param("mpi", 3, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
-    ("gloo", 2), ("gloo", 3)])
+@pytest.mark.parametrize(
+    "engine,np",
+    [
+        pytest.param("mpi", 2, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+        pytest.param("mpi", 3, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+        ("gloo", 2),
+        ("gloo", 3),
+    ],
+)
 def test_timelines_started_and_stopped_while_collectives_run(tmp_path, engine, np):
     """Rank 0 starts and stops 30 timelines from a thread while every rank runs async allreduces and allgathers:
     no error, every result right, every file a valid Chrome trace, the job ends normally."""
-    code, output = run_job(engine, np, [str(SCENARIOS / "timeline_swaps.py")], {"TIMELINE_DIR": str(tmp_path)},
-                           timeout=120)
+    code, output = run_job(
+        engine, np, [str(SCENARIOS / "timeline_swaps.py")], {"TIMELINE_DIR": str(tmp_path)}, timeout=120
+    )
     assert code == 0, output
     assert re.search(r"30 timelines valid over \d+ steps, [1-9]\d* spans", output), output
     assert output.count("timeline swaps done") == np, output
@@ -169,8 +203,9 @@ def test_timelines_started_and_stopped_while_collectives_run(tmp_path, engine, n
 @on_both_engines
 def test_negotiation_by_recursive_doubling(engine):
     """3 ranks (not a power of two: one rank folds in and out) swap merged tables over the real engine."""
-    code, output = run_job(engine, 3, [str(SCENARIOS / "negotiation_doubling.py")],
-                           {"HVDPLUS_NEGOTIATION_DOUBLING_RANKS": "2"}, timeout=90)
+    code, output = run_job(
+        engine, 3, [str(SCENARIOS / "negotiation_doubling.py")], {"HVDPLUS_NEGOTIATION_DOUBLING_RANKS": "2"}, timeout=90
+    )
     assert code == 0, output
     assert output.count("mismatch raised") == 3, output
     assert len(re.findall(r"rank \d: doubling ok after \d+ exchanges", output)) == 3, output
@@ -178,11 +213,15 @@ def test_negotiation_by_recursive_doubling(engine):
 
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine,np,hosts", [
-    pytest.param("mpi", 2, 1, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
-    ("gloo", 3, 1),
-    ("gloo", 4, 2),  # 2 simulated hosts x 2 ranks: the hierarchical options and the cross algorithm are candidates
-], ids=["mpi-2", "gloo-3", "gloo-2x2"])
+@pytest.mark.parametrize(
+    "engine,np,hosts",
+    [
+        pytest.param("mpi", 2, 1, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+        ("gloo", 3, 1),
+        ("gloo", 4, 2),  # 2 simulated hosts x 2 ranks: the hierarchical options and the cross algorithm are candidates
+    ],
+    ids=["mpi-2", "gloo-3", "gloo-2x2"],
+)
 def test_autotune_converges_with_the_users_cycle_time_fixed(tmp_path, engine, np, hosts):
     """HOROVOD_AUTOTUNE with HOROVOD_CYCLE_TIME given: rank 0 samples fusion thresholds (and, across hosts, the
     hierarchical options) but never the cycle time, logs every sample and its choice to the CSV, every rank ends
@@ -193,11 +232,22 @@ def test_autotune_converges_with_the_users_cycle_time_fixed(tmp_path, engine, np
     from hvdplus.common.autotune import TUNED
 
     log = tmp_path / "at.csv"
-    env = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": str(log), "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
-           "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "12",
-           "HOROVOD_CYCLE_TIME": "2"}
-    code, output = run_job(engine, np, [str(SCENARIOS / "autotune.py"), "150"], env,
-                           rank_env=lambda rank: {"HOROVOD_HOSTNAME": f"host{rank * hosts // np}"}, timeout=150)
+    env = {
+        "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_AUTOTUNE_LOG": str(log),
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
+        "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3",
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "12",
+        "HOROVOD_CYCLE_TIME": "2",
+    }
+    code, output = run_job(
+        engine,
+        np,
+        [str(SCENARIOS / "autotune.py"), "150"],
+        env,
+        rank_env=lambda rank: {"HOROVOD_HOSTNAME": f"host{rank * hosts // np}"},
+        timeout=150,
+    )
     assert code == 0, output
     tuned = [dict(ast.literal_eval(found)) for found in re.findall(r"150 steps correct; tuned (\[.*\])", output)]
     assert len(tuned) == np and all(t == tuned[0] for t in tuned), output
@@ -210,18 +260,17 @@ def test_autotune_converges_with_the_users_cycle_time_fixed(tmp_path, engine, np
     assert len({r["fusion_threshold"] for r in samples}) >= 6, rows
     assert all(int(r["bytes"]) > 0 and float(r["score"]) > 0 for r in rows), rows
     chosen = rows[-1]
-    assert {name: chosen[name] for name in TUNED} == {name: str(tuned[0][name])
-                                                      for name in TUNED}, (chosen, tuned[0])
+    assert {name: chosen[name] for name in TUNED} == {name: str(tuned[0][name]) for name in TUNED}, (chosen, tuned[0])
     assert {r["hierarchical_allreduce"] for r in samples} == ({"True", "False"} if hosts > 1 else {"False"}), rows
 
 
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine,np", [
-    pytest.param("mpi", 2, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")), ("gloo", 3)])
+@pytest.mark.parametrize(
+    "engine,np", [pytest.param("mpi", 2, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")), ("gloo", 3)]
+)
 def test_the_elastic_sync_decision_is_collective(engine, np):
     """horovod#3494: one rank needs a sync after a reset and another would skip it: every rank syncs."""
     code, output = run_job(engine, np, [str(SCENARIOS / "elastic_sync_decision.py")], timeout=60)
     assert code == 0, output
     assert all(f"rank {r}: syncs 2, value 0" in output for r in range(np)), output
-

@@ -23,8 +23,12 @@ WORKERS_TF = ROOT / "tests" / "parallel" / "workers_tf"
 def test_tf_worker_suite(engine: str, np: int) -> None:
     """Every TF worker test passes on every rank (a failure on any rank fails the job)."""
     _need(engine)
-    code, output = run_job(engine, np, pytest_argv("--color=no", str(WORKERS_TF)),
-                           extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"})
+    code, output = run_job(
+        engine,
+        np,
+        pytest_argv("--color=no", str(WORKERS_TF)),
+        extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"},
+    )
     assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran(engine, np, output, at_least=60)
 
@@ -36,9 +40,17 @@ def test_tf_graphs_with_one_inter_op_thread(engine: str, np: int) -> None:
     """The graph tests again with one inter-op thread for the whole process (tf.function's pool too): a
     collective that held the only thread while it waited would hang the job (the stall shutdown ends it)."""
     _need(engine)
-    code, output = run_job(engine, np, pytest_argv("--color=no", str(WORKERS_TF / "test_tf_graphs.py")),
-                           extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30",
-                                      "TEST_TF_INTER_OP_THREADS": "1"}, timeout=150)
+    code, output = run_job(
+        engine,
+        np,
+        pytest_argv("--color=no", str(WORKERS_TF / "test_tf_graphs.py")),
+        extra_env={
+            "TF_CPP_MIN_LOG_LEVEL": "2",
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30",
+            "TEST_TF_INTER_OP_THREADS": "1",
+        },
+        timeout=150,
+    )
     assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran(engine, np, output, at_least=5)
 
@@ -50,14 +62,21 @@ def test_tf_graph_collectives_the_ranks_do_not_share_fail_on_every_rank(engine: 
     """Each rank's session runs a collective the other never submits: both runs raise a TensorFlow error naming
     both collectives and their missing ranks once HOROVOD_STALL_SHUTDOWN_TIME_SECONDS has passed, and none hangs."""
     _need(engine)
-    code, output = run_job(engine, 2, [str(ROOT / "tests" / "parallel" / "scenarios" / "tf_partial_fetch.py")],
-                           extra_env={"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3",
-                                      "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"}, timeout=120)
+    code, output = run_job(
+        engine,
+        2,
+        [str(ROOT / "tests" / "parallel" / "scenarios" / "tf_partial_fetch.py")],
+        extra_env={"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3", "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"},
+        timeout=120,
+    )
     assert code == 0, output
     for rank in (0, 1):
-        raised = re.search(rf"rank {rank}: raised UnknownError after (\d+) s: a collective stalled longer than "
-                           r"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=3: allreduce 'only.rank.0' \(missing ranks \[1\]\); "
-                           r"allreduce 'only.rank.1' \(missing ranks \[0\]\)", output)
+        raised = re.search(
+            rf"rank {rank}: raised UnknownError after (\d+) s: a collective stalled longer than "
+            r"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=3: allreduce 'only.rank.0' \(missing ranks \[1\]\); "
+            r"allreduce 'only.rank.1' \(missing ranks \[0\]\)",
+            output,
+        )
         assert raised and int(raised.group(1)) < 10, output
 
 
@@ -67,9 +86,13 @@ def test_tf_graph_collectives_the_ranks_do_not_share_fail_on_every_rank(engine: 
 def test_tf_gradients_fetched_alone_on_the_other_pairs(engine: str, np: int) -> None:
     """The gradient-alone tests at the (engine, ranks) pairs the whole suite's jobs do not run."""
     _need(engine)
-    code, output = run_job(engine, np, pytest_argv("--color=no", str(WORKERS_TF / "test_tf_gradients_alone.py")),
-                           extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"},
-                           timeout=250)
+    code, output = run_job(
+        engine,
+        np,
+        pytest_argv("--color=no", str(WORKERS_TF / "test_tf_gradients_alone.py")),
+        extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"},
+        timeout=250,
+    )
     assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran(engine, np, output, at_least=30)
 
@@ -102,8 +125,21 @@ def test_keras_example_learns_and_its_checkpoint_loads_with_plain_keras(tmp_path
     if mpirun() is None:
         pytest.skip("no mpirun found (pip install 'hvdplus[mpi]')")
     checkpoint = tmp_path / "best.keras"
-    code, output = run_job("mpi", 2, ["examples/keras_train.py", "--epochs", "3", "--fp16", "--batches-per-allreduce",
-                                      "2", "--checkpoint", str(checkpoint)], extra_env={"TF_CPP_MIN_LOG_LEVEL": "2"})
+    code, output = run_job(
+        "mpi",
+        2,
+        [
+            "examples/keras_train.py",
+            "--epochs",
+            "3",
+            "--fp16",
+            "--batches-per-allreduce",
+            "2",
+            "--checkpoint",
+            str(checkpoint),
+        ],
+        extra_env={"TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     assert code == 0, output[-5000:]
     assert "finished gradual learning rate warmup" in output and checkpoint.exists()
     assert re.search(r"Best checkpoint .*: test accuracy 0\.\d+", output), output[-5000:]
@@ -121,8 +157,21 @@ def test_tensorflow2_examples_over_gloo():
     code, output = run_job("gloo", 2, ["examples/tensorflow2_train.py", "--epochs", "2", "--fp16"], extra_env=env)
     assert code == 0, output[-5000:]
     assert _final_accuracy(output) > 0.7, output[-5000:]  # measured 0.867 after 2 epochs; ~0.1 if not learning
-    code, output = run_job("gloo", 2, ["examples/tensorflow2_synthetic_benchmark.py", "--num-warmup-batches", "1",
-                                       "--num-batches-per-iter", "2", "--num-iters", "2", "--batch-size", "8"],
-                           extra_env=env)
+    code, output = run_job(
+        "gloo",
+        2,
+        [
+            "examples/tensorflow2_synthetic_benchmark.py",
+            "--num-warmup-batches",
+            "1",
+            "--num-batches-per-iter",
+            "2",
+            "--num-iters",
+            "2",
+            "--batch-size",
+            "8",
+        ],
+        extra_env=env,
+    )
     assert code == 0, output[-5000:]
     assert re.search(r"Total img/sec on 2 CPU\(s\): [\d.]+", output), output[-5000:]

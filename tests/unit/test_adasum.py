@@ -65,11 +65,11 @@ def test_narrow_dtypes_are_widened(dtype):
         assert bits.dtype == np.uint16
         got = halfops.bfloat16_to_float32(bits)
         want = formula(halfops.bfloat16_to_float32(a_bits), halfops.bfloat16_to_float32(b_bits))
-        rtol = 2 ** -8  # one bfloat16 rounding of the result (8 significant bits)
+        rtol = 2**-8  # one bfloat16 rounding of the result (8 significant bits)
     else:
         a, b = a.astype(dtype), b.astype(dtype)
         got, want = pair(a, b, dtype=dtype), formula(a, b)
-        rtol = {"float16": 2 ** -11, "float32": 2 ** -24}[dtype]  # one rounding of the float64 result
+        rtol = {"float16": 2**-11, "float32": 2**-24}[dtype]  # one rounding of the float64 result
         assert got.dtype == np.dtype(dtype)
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=1e-6)
 

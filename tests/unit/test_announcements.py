@@ -15,7 +15,7 @@ from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
 from hvdplus.common.topology import Topology
 
-ALLGATHER, DOUBLING = 10 ** 6, 1  # values of doubling_from: never, always
+ALLGATHER, DOUBLING = 10**6, 1  # values of doubling_from: never, always
 
 
 def run_ranks(size, body):
@@ -40,9 +40,11 @@ def run_ranks(size, body):
 def requests_of(rank, size):
     """Shared names in a rank-dependent order, one name only this rank has, and one rank 0 sends differently."""
     shared = [Request(name=f"t{i}", kind=OpKind.ALLREDUCE, shape=(4,)) for i in range(6)]
-    order = shared[rank % 3:] + shared[:rank % 3]
-    return order + [Request(name=f"own{rank}", kind=OpKind.ALLREDUCE),
-                    Request(name="odd", kind=OpKind.ALLREDUCE, shape=(1,) if rank == 0 else (2,))]
+    order = shared[rank % 3 :] + shared[: rank % 3]
+    return order + [
+        Request(name=f"own{rank}", kind=OpKind.ALLREDUCE),
+        Request(name="odd", kind=OpKind.ALLREDUCE, shape=(1,) if rank == 0 else (2,)),
+    ]
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 8, 9])
@@ -51,8 +53,10 @@ def test_both_exchanges_give_every_rank_the_same_merged_list(size):
     results = {}
     for doubling_from in (ALLGATHER, DOUBLING):
         world = ThreadWorld(size)
-        results[doubling_from] = run_ranks(size, lambda rank: exchange_announcements(
-            world.engines[rank], "world", requests_of(rank, size), doubling_from))
+        results[doubling_from] = run_ranks(
+            size,
+            lambda rank: exchange_announcements(world.engines[rank], "world", requests_of(rank, size), doubling_from),
+        )
     merged = results[ALLGATHER][0]
     for per_rank in results.values():
         assert all(result == merged for result in per_rank)
@@ -86,18 +90,28 @@ def test_coordinators_negotiate_over_recursive_doubling(size):
     on every rank naming the odd rank."""
     world = ThreadWorld(size)
     settings = Settings.from_env({}, negotiation_doubling_ranks=2)
-    coordinators = [Coordinator(engine, settings, Topology.single_host(engine.rank, engine.size)) for engine in world.engines]
+    coordinators = [
+        Coordinator(engine, settings, Topology.single_host(engine.rank, engine.size)) for engine in world.engines
+    ]
 
     def body(rank):
         coordinator, sums = coordinators[rank], []
         for _ in range(2):
-            handles = [coordinator.submit(Request(name=f"g{i}", kind=OpKind.ALLREDUCE, shape=(3,)),
-                                          np.full(3, rank + i, np.float32), np.empty(3, np.float32))
-                       for i in range(4)]
+            handles = [
+                coordinator.submit(
+                    Request(name=f"g{i}", kind=OpKind.ALLREDUCE, shape=(3,)),
+                    np.full(3, rank + i, np.float32),
+                    np.empty(3, np.float32),
+                )
+                for i in range(4)
+            ]
             sums.append([handle.wait(30).tolist() for handle in handles])
         shape = (2,) if rank == size - 1 else (3,)
-        handle = coordinator.submit(Request(name="bad", kind=OpKind.ALLREDUCE, shape=shape),
-                                    np.zeros(shape, np.float32), np.empty(shape, np.float32))
+        handle = coordinator.submit(
+            Request(name="bad", kind=OpKind.ALLREDUCE, shape=shape),
+            np.zeros(shape, np.float32),
+            np.empty(shape, np.float32),
+        )
         with pytest.raises(CollectiveMismatchError, match=f"rank {size - 1} has"):
             handle.wait(30)
         return sums

@@ -26,8 +26,19 @@ def test_function_matches_horovod_signature(name, params):
 
 
 def test_ops_classes_and_objects():
-    for attr in ("Average", "Sum", "Min", "Max", "Product", "Adasum", "Compression", "ProcessSet",
-                 "global_process_set", "HorovodInternalError", "HostsUpdatedInterrupt"):
+    for attr in (
+        "Average",
+        "Sum",
+        "Min",
+        "Max",
+        "Product",
+        "Adasum",
+        "Compression",
+        "ProcessSet",
+        "global_process_set",
+        "HorovodInternalError",
+        "HostsUpdatedInterrupt",
+    ):
         assert hasattr(hvd, attr), attr
     assert hvd.Compression.none and hvd.Compression.fp16 and hvd.Compression.bf16
     assert issubclass(hvd.HorovodInternalError, RuntimeError)

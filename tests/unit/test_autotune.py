@@ -40,8 +40,9 @@ def drive(tuner: Autotuner, space, score, max_cycles: int = 10_000) -> list[int]
 
 def make(fixed=(), hierarchical=False, hosts=2, warmup=0, steps=3, max_samples=20, log_path="", **start):
     space = tuning_space(Tunables.from_settings(Settings(**start)), frozenset(fixed), hierarchical, hosts)
-    return space, Autotuner(space, warmup_samples=warmup, steps_per_sample=steps, max_samples=max_samples,
-                            log_path=log_path)
+    return space, Autotuner(
+        space, warmup_samples=warmup, steps_per_sample=steps, max_samples=max_samples, log_path=log_path
+    )
 
 
 def rows(path) -> list[dict]:
@@ -66,9 +67,13 @@ def test_encoding_round_trips_every_configuration():
 
 def test_start_is_the_users_settings_with_auto_resolved():
     space, _ = make(hierarchical=True, hosts=3)
-    assert space.decode(space.start) == {"fusion_threshold": 128 * MiB, "cycle_time_ms": 1.0,
-                                         "hierarchical_allreduce": False, "cross_algorithm": "ring",
-                                         "hierarchical_allgather": False}
+    assert space.decode(space.start) == {
+        "fusion_threshold": 128 * MiB,
+        "cycle_time_ms": 1.0,
+        "hierarchical_allreduce": False,
+        "cross_algorithm": "ring",
+        "hierarchical_allgather": False,
+    }
     assert space.candidates["cross_algorithm"] == ("ring", "engine")  # 3 hosts: no halving-doubling
     assert make(hierarchical=True, hosts=4)[0].candidates["cross_algorithm"][0] == "halving-doubling"
 
@@ -85,14 +90,19 @@ def test_converges_to_the_best_configuration():
     space, tuner = make(hierarchical=True, hosts=2, max_samples=40)
     sampled = drive(tuner, space, peaked)
     assert tuner.done and space.decode(tuner.config) == {
-        "fusion_threshold": 16 * MiB, "cycle_time_ms": 2.5, "hierarchical_allreduce": True,
-        "cross_algorithm": "ring", "hierarchical_allgather": False}
+        "fusion_threshold": 16 * MiB,
+        "cycle_time_ms": 2.5,
+        "hierarchical_allreduce": True,
+        "cross_algorithm": "ring",
+        "hierarchical_allgather": False,
+    }
     assert len(sampled) == len(set(sampled))  # no configuration measured twice
 
 
 def test_cross_algorithm_is_not_searched_while_hierarchical_allreduce_is_off():
     def flat_wins(values):
         return 2000.0 if values["hierarchical_allreduce"] is False else 1000.0
+
     space, tuner = make(hierarchical=True, hosts=2, max_samples=40)
     sampled = drive(tuner, space, flat_wins)
     assert space.decode(tuner.config)["hierarchical_allreduce"] is False

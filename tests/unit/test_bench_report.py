@@ -16,17 +16,33 @@ import pytest
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 MIB = 1 << 20
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-SECTIONS = ("## Allreduce against the raw engine call", "## Multi-host allreduce against the cost model",
-            "## Training throughput, PyTorch", "## Training throughput, Keras", "## ZeRO optimizer-state sharding",
-            "## ZeRO-3 parameter sharding against FSDP2", "## Pipeline schedules", "## Elastic training")
+SECTIONS = (
+    "## Allreduce against the raw engine call",
+    "## Multi-host allreduce against the cost model",
+    "## Training throughput, PyTorch",
+    "## Training throughput, Keras",
+    "## ZeRO optimizer-state sharding",
+    "## ZeRO-3 parameter sharding against FSDP2",
+    "## Pipeline schedules",
+    "## Elastic training",
+)
 
 
 @pytest.fixture
 def scripts(monkeypatch):
     """The benchmark scripts as modules (they import each other by their plain names)."""
     monkeypatch.syspath_prepend(str(SCRIPTS))
-    names = ("bench_report", "bench_collectives", "bench_training", "bench_training_keras", "training_bench",
-             "bench_multihost", "bench_zero", "bench_zero3", "bench_pipeline")
+    names = (
+        "bench_report",
+        "bench_collectives",
+        "bench_training",
+        "bench_training_keras",
+        "training_bench",
+        "bench_multihost",
+        "bench_zero",
+        "bench_zero3",
+        "bench_pipeline",
+    )
     return SimpleNamespace(**{name: importlib.import_module(name) for name in names})
 
 
@@ -45,15 +61,33 @@ def engine_report(bc, engine: str, ranks: int, hvdplus_s: float) -> dict:
 
 def write_collectives(scripts, path: Path) -> None:
     bc = scripts.bench_collectives
-    reports = {bc.config_label("mpi", 2): engine_report(bc, "mpi", 2, 2e-3),
-               bc.config_label("gloo", 3): engine_report(bc, "gloo", 3, 4e-3)}
-    bc.write_json(str(path), argparse.Namespace(np=(2, 3), quick=True), reports,
-                  {bc.config_label("mpi", 3): "the mpi benchmark job failed (exit codes [1])"})
+    reports = {
+        bc.config_label("mpi", 2): engine_report(bc, "mpi", 2, 2e-3),
+        bc.config_label("gloo", 3): engine_report(bc, "gloo", 3, 4e-3),
+    }
+    bc.write_json(
+        str(path),
+        argparse.Namespace(np=(2, 3), quick=True),
+        reports,
+        {bc.config_label("mpi", 3): "the mpi benchmark job failed (exit codes [1])"},
+    )
 
 
 def training_args(path: Path, **extra) -> argparse.Namespace:
-    return argparse.Namespace(json=str(path), np=2, models="mlp", steps=20, reps=3, warmup=5, rounds=2,
-                              timeout=600, worker=False, mode=None, result_file=None, **extra)
+    return argparse.Namespace(
+        json=str(path),
+        np=2,
+        models="mlp",
+        steps=20,
+        reps=3,
+        warmup=5,
+        rounds=2,
+        timeout=600,
+        worker=False,
+        mode=None,
+        result_file=None,
+        **extra,
+    )
 
 
 def write_training(scripts, path: Path) -> None:
@@ -71,75 +105,170 @@ def write_training_keras(scripts, path: Path) -> None:
 
 def write_multihost(scripts, path: Path) -> None:
     """One 2x2 run, as the workers record it, summarised and written as bench_multihost.py's driver does."""
-    step = {"raw": (0.010, 0.700), "flat": (0.012, 0.600), "hierarchical": (0.015, 0.480),
-            "hierarchical-fp16": (0.010, 0.240)}
-    record = {"hosts": 2, "local": 2, "sizes": {"1M": 1 << 20, "64M": 1 << 26}, "hierarchical_runs": {},
-              "links": {"local": {"alpha_s": 2e-5, "beta_Bps": 2e9}, "inter": {"alpha_s": 1e-3, "beta_Bps": 1.2e8}},
-              "samples": {mode: {"1M": [small], "64M": [large]} for mode, (small, large) in step.items()}}
+    step = {
+        "raw": (0.010, 0.700),
+        "flat": (0.012, 0.600),
+        "hierarchical": (0.015, 0.480),
+        "hierarchical-fp16": (0.010, 0.240),
+    }
+    record = {
+        "hosts": 2,
+        "local": 2,
+        "sizes": {"1M": 1 << 20, "64M": 1 << 26},
+        "hierarchical_runs": {},
+        "links": {"local": {"alpha_s": 2e-5, "beta_Bps": 2e9}, "inter": {"alpha_s": 1e-3, "beta_Bps": 1.2e8}},
+        "samples": {mode: {"1M": [small], "64M": [large]} for mode, (small, large) in step.items()},
+    }
     summary = scripts.bench_multihost._summarise([record], 1e9)
-    autotune = {"shape": "mpi 2x2", "grid_steps_per_s": {"hier=0 fusion=0MiB cycle=0.5ms": 4.0,
-                                                          "hier=1 fusion=4MiB cycle=2.5ms": 5.0},
-                "best_fixed": "hier=1 fusion=4MiB cycle=2.5ms", "autotune_steps_per_s": 4.9,
-                "autotune_over_best": 0.98, "search_steps": 40, "search_s": 12.0, "chosen": {"fusion_threshold": 1}}
-    path.write_text(json.dumps({"rate": "1gbit", "rate_bps": 1e9, "summary": summary, "records": [record],
-                                "autotune": [autotune], "date": "2026-11-20"}))
+    autotune = {
+        "shape": "mpi 2x2",
+        "grid_steps_per_s": {"hier=0 fusion=0MiB cycle=0.5ms": 4.0, "hier=1 fusion=4MiB cycle=2.5ms": 5.0},
+        "best_fixed": "hier=1 fusion=4MiB cycle=2.5ms",
+        "autotune_steps_per_s": 4.9,
+        "autotune_over_best": 0.98,
+        "search_steps": 40,
+        "search_s": 12.0,
+        "chosen": {"fusion_threshold": 1},
+    }
+    path.write_text(
+        json.dumps(
+            {
+                "rate": "1gbit",
+                "rate_bps": 1e9,
+                "summary": summary,
+                "records": [record],
+                "autotune": [autotune],
+                "date": "2026-11-20",
+            }
+        )
+    )
 
 
 def write_zero3(scripts, path: Path) -> None:
     """bench_zero3.py's report at 2 ranks: stage 3 holds half of DistributedOptimizer's model state; one process
     was OOM-killed under the limit and stage 3 trained."""
-    def job(state_mib: int, rss_mib: int, step_s: float, sent_mib: int) -> list[dict]:
-        return [{"rank": rank, "params": 168_000_000, "step_s": [step_s] * 3, "sent_bytes": [sent_mib * MIB] * 3,
-                 "peak_rss_bytes": rss_mib * MIB, "param_bytes": state_mib * MIB // 4,
-                 "grad_bytes": state_mib * MIB // 4, "state_bytes": state_mib * MIB // 2} for rank in (0, 1)]
 
-    samples = {"zero3": [job(1344, 2300, 5.5, 929)], "fsdp2": [job(1344, 2500, 9.5, 1249)],
-               "zero": [job(1680, 2400, 5.6, 641)], "distributed": [job(2688, 4000, 6.6, 1282)]}
+    def job(state_mib: int, rss_mib: int, step_s: float, sent_mib: int) -> list[dict]:
+        return [
+            {
+                "rank": rank,
+                "params": 168_000_000,
+                "step_s": [step_s] * 3,
+                "sent_bytes": [sent_mib * MIB] * 3,
+                "peak_rss_bytes": rss_mib * MIB,
+                "param_bytes": state_mib * MIB // 4,
+                "grad_bytes": state_mib * MIB // 4,
+                "state_bytes": state_mib * MIB // 2,
+            }
+            for rank in (0, 1)
+        ]
+
+    samples = {
+        "zero3": [job(1344, 2300, 5.5, 929)],
+        "fsdp2": [job(1344, 2500, 9.5, 1249)],
+        "zero": [job(1680, 2400, 5.6, 641)],
+        "distributed": [job(2688, 4000, 6.6, 1282)],
+    }
     args = argparse.Namespace(np=2, layers=12, steps=3, rounds=1)
     report = scripts.bench_zero3.build_report(args, samples)
-    report["memory_limit"] = {"limit_bytes": 2645 * MIB, "single_exit_codes": [-9], "zero3_exit_codes": [0],
-                              "zero3_peak_rss_bytes": [2300 * MIB, 2310 * MIB], "zero3_step_s": 5.6}
+    report["memory_limit"] = {
+        "limit_bytes": 2645 * MIB,
+        "single_exit_codes": [-9],
+        "zero3_exit_codes": [0],
+        "zero3_peak_rss_bytes": [2300 * MIB, 2310 * MIB],
+        "zero3_step_s": 5.6,
+    }
     path.write_text(json.dumps(report))
 
 
 def write_zero(scripts, path: Path) -> None:
     """bench_zero.py's report at 2 ranks: DistributedOptimizer 384 MiB of state, ZeroOptimizer half of it."""
+
     def job(state_mib: int, rss_mib: int, step_s: float) -> list[dict]:
-        rank = {"params": 50_000_000, "state_bytes": state_mib * MIB, "peak_rss_bytes": rss_mib * MIB,
-                "step_s": [step_s] * 3}
+        rank = {
+            "params": 50_000_000,
+            "state_bytes": state_mib * MIB,
+            "peak_rss_bytes": rss_mib * MIB,
+            "step_s": [step_s] * 3,
+        }
         return [rank, rank]
 
     samples = {"distributed": [job(384, 1200, 0.600)], "zero": [job(192, 1000, 0.660)]}
-    report = {"params": 50_000_000, "width": 2048, "batch": 16, "rounds": 1,
-              "ranks": {2: scripts.bench_zero.summarize(samples, 2)}}
+    report = {
+        "params": 50_000_000,
+        "width": 2048,
+        "batch": 16,
+        "rounds": 1,
+        "ranks": {2: scripts.bench_zero.summarize(samples, 2)},
+    }
     path.write_text(json.dumps(report))
 
 
 def write_elastic(scripts, path: Path) -> None:
     """bench_elastic.py's summary rows (one with a target and a reference) and the scale-up's phases."""
-    report = {"date": "2026-11-25T14:00:00", "host": "testhost", "cpus": 2,
-              "summary": [{"metric": "recovery after a SIGKILL, median", "value": 0.19, "unit": "s", "target": 3.0,
-                           "reference": 30.4, "reference_name": "Horovod Elastic"},
-                          {"metric": "TorchState.save() / torch copy", "value": 1.02, "unit": "x", "target": 1.5}],
-              "scaleup": {"median_phases_s": {"imported": 3.5, "synced": 0.17}}}
+    report = {
+        "date": "2026-11-25T14:00:00",
+        "host": "testhost",
+        "cpus": 2,
+        "summary": [
+            {
+                "metric": "recovery after a SIGKILL, median",
+                "value": 0.19,
+                "unit": "s",
+                "target": 3.0,
+                "reference": 30.4,
+                "reference_name": "Horovod Elastic",
+            },
+            {"metric": "TorchState.save() / torch copy", "value": 1.02, "unit": "x", "target": 1.5},
+        ],
+        "scaleup": {"median_phases_s": {"imported": 3.5, "synced": 0.17}},
+    }
     path.write_text(json.dumps(report))
 
 
 def pipeline_row(schedule: str, bubble: float, theory: float) -> dict:
     """A bench_pipeline.py row at S = 2, M = 4, with what the report and the plot read."""
-    return {"schedule": schedule, "stages": 2, "micro_batches": 4, "layers": "real", "bubble": [bubble, bubble],
-            "bubble_mean": bubble, "bubble_max": bubble, "simulated_mean": theory, "theory": theory,
-            "peak_saved_bytes": [10240 * 1024, 10240 * 1024]}
+    return {
+        "schedule": schedule,
+        "stages": 2,
+        "micro_batches": 4,
+        "layers": "real",
+        "bubble": [bubble, bubble],
+        "bubble_mean": bubble,
+        "bubble_max": bubble,
+        "simulated_mean": theory,
+        "theory": theory,
+        "peak_saved_bytes": [10240 * 1024, 10240 * 1024],
+    }
 
 
 def write_pipeline(scripts, path: Path) -> None:
     rows = [pipeline_row("1f1b", 0.21, 0.2), pipeline_row("zb-h1", 0.05, 0.077)]
     scripts.bench_pipeline.judge(rows)
-    compare = {"ranks": 2, "layers": 8, "width": 2048, "batch": 64, "micro_batches": 8, "rounds": 1,
-               "step_s": {}, "step_s_median": {"pipeline": 0.7, "data-parallel": 0.28}, "ratio": 2.5}
-    path.write_text(json.dumps({"date": "2026-11-21T10:00:00", "host": "testhost", "cpus": 2, "wall_s": 1.0,
-                                "args": {"real_stages": "2", "sleep_ms": 5.0, "rounds": 1}, "rows": rows,
-                                "compare": compare}))
+    compare = {
+        "ranks": 2,
+        "layers": 8,
+        "width": 2048,
+        "batch": 64,
+        "micro_batches": 8,
+        "rounds": 1,
+        "step_s": {},
+        "step_s_median": {"pipeline": 0.7, "data-parallel": 0.28},
+        "ratio": 2.5,
+    }
+    path.write_text(
+        json.dumps(
+            {
+                "date": "2026-11-21T10:00:00",
+                "host": "testhost",
+                "cpus": 2,
+                "wall_s": 1.0,
+                "args": {"real_stages": "2", "sleep_ms": 5.0, "rounds": 1},
+                "rows": rows,
+                "compare": compare,
+            }
+        )
+    )
 
 
 def run_report(scripts, results: Path, tmp_path: Path) -> str:
@@ -156,10 +285,16 @@ def assert_png(path: Path) -> None:
 def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    for name, write in (("bench_collectives", write_collectives), ("bench_training", write_training),
-                        ("bench_training_keras", write_training_keras), ("bench_multihost", write_multihost),
-                        ("bench_zero", write_zero), ("bench_zero3", write_zero3), ("bench_pipeline", write_pipeline),
-                        ("bench_elastic", write_elastic)):
+    for name, write in (
+        ("bench_collectives", write_collectives),
+        ("bench_training", write_training),
+        ("bench_training_keras", write_training_keras),
+        ("bench_multihost", write_multihost),
+        ("bench_zero", write_zero),
+        ("bench_zero3", write_zero3),
+        ("bench_pipeline", write_pipeline),
+        ("bench_elastic", write_elastic),
+    ):
         write(scripts, results / f"{name}.json")
     text = run_report(scripts, results, tmp_path)
 
@@ -181,17 +316,23 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     assert "| hier=1 fusion=4MiB cycle=2.5ms | 5.00 |" in text
     assert "Measured 2026-11-20 on simulated hosts, 1gbit link." in text
     # ZeRO: the README's table; its JSON has no date or machine
-    assert ("| 2 | ZeroOptimizer | 192 MiB (0.500x; target <= 0.510x) | 1000 MiB (-200 MiB; target -154 MiB) | "
-            "660 ms (1.10x; target <= 1.10x) |") in text
+    assert (
+        "| 2 | ZeroOptimizer | 192 MiB (0.500x; target <= 0.510x) | 1000 MiB (-200 MiB; target -154 MiB) | "
+        "660 ms (1.10x; target <= 1.10x) |"
+    ) in text
     assert "(file time); the JSON records no machine." in text
     # ZeRO-3: the four configurations with stage 3's ratios, the model-state verdict and the memory-limit run
-    assert ("| stage 3 (hvd.shard_parameters) | 2300 MiB | 336 MiB | 336 MiB | 672 MiB | 929 MiB | 5.50 s (0.58x "
-            "FSDP2's, target <= 0.6; 0.98x stage 2's, target <= 1.25) |") in text
+    assert (
+        "| stage 3 (hvd.shard_parameters) | 2300 MiB | 336 MiB | 336 MiB | 672 MiB | 929 MiB | 5.50 s (0.58x "
+        "FSDP2's, target <= 0.6; 0.98x stage 2's, target <= 1.25) |"
+    ) in text
     assert "| FSDP2 (fully_shard, Gloo) | 2500 MiB | 336 MiB | 336 MiB | 672 MiB | 1249 MiB | 9.50 s |" in text
     assert "Stage 3's resident model state is 0.500x DistributedOptimizer's" in text
     assert ": met); its peak RSS is below FSDP2's." in text
-    assert ("one process training the model with plain AdamW is killed by the OOM killer; stage 3 at 2 ranks trains "
-            "(peak RSS 2300, 2310 MiB, step 5.60 s)") in text
+    assert (
+        "one process training the model with plain AdamW is killed by the OOM killer; stage 3 at 2 ranks trains "
+        "(peak RSS 2300, 2310 MiB, step 5.60 s)"
+    ) in text
     # pipeline: measured / theory, stage 0's activations, the verdicts; the step-time comparison
     assert "| 1F1B | 2 | 0.210 / 0.200 | 10240 | M=4 PASS 1.0 pp |" in text
     assert "| ZB-H1 | 2 | 0.050 / 0.077 | 10240 | M=4 PASS 0.24x, mem 1.00x |" in text
@@ -202,8 +343,16 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     assert "| TorchState.save() / torch copy | 1.02x (target <= 1.5) |" in text
     assert "| imports (torch, hvdplus.torch): -> new workers imported (the old ones train on) | 3.500 |" in text
 
-    images = ("collectives_busbw", "collectives_per_tensor", "multihost", "training", "training_keras", "zero",
-              "zero3", "pipeline")
+    images = (
+        "collectives_busbw",
+        "collectives_per_tensor",
+        "multihost",
+        "training",
+        "training_keras",
+        "zero",
+        "zero3",
+        "pipeline",
+    )
     for name in images:
         assert f"](img/{name}.png)" in text
         assert_png(tmp_path / "docs" / "img" / f"{name}.png")

@@ -15,8 +15,15 @@ torch = pytest.importorskip("torch")
 from hvdplus.torch.device_plane import TorchBufferOps  # noqa: E402
 
 TORCH_OPS = TorchBufferOps("cpu")
-_TORCH = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "int32": torch.int32,
-          "int64": torch.int64, "int16": torch.int16, "uint8": torch.uint8}
+_TORCH = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "int16": torch.int16,
+    "uint8": torch.uint8,
+}
 
 
 def both(values, dtype: str):
@@ -67,8 +74,10 @@ def test_nan_positions_and_restore(dtype):
     host_positions, device_positions = NUMPY_OPS.nan_positions(host, dtype), TORCH_OPS.nan_positions(device, dtype)
     assert as_numpy(device_positions).tolist() == host_positions.tolist() == [0, 1, 0, 1]
     assert device_positions.dtype == torch.uint8
-    for ops, buf, positions in ((NUMPY_OPS, *both([5, 6, 7, 8], dtype)[:1], host_positions[::-1].copy()),
-                                (TORCH_OPS, both([5, 6, 7, 8], dtype)[1], device_positions.flip(0))):
+    for ops, buf, positions in (
+        (NUMPY_OPS, *both([5, 6, 7, 8], dtype)[:1], host_positions[::-1].copy()),
+        (TORCH_OPS, both([5, 6, 7, 8], dtype)[1], device_positions.flip(0)),
+    ):
         ops.restore_nan(buf, dtype, positions)
         assert np.isnan(as_numpy(buf).astype(np.float64)).tolist() == [True, False, True, False]
 

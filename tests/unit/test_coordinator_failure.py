@@ -30,8 +30,9 @@ def test_a_failing_engine_call_fails_its_handles_instead_of_hanging():
         handles = []
         for k in range(3):  # several in one cycle: a fused batch, and work queued behind it
             data = np.ones(4, dtype=np.float32)
-            handles.append(coordinator.submit(Request(f"t{k}", OpKind.ALLREDUCE, 0, "float32", (4,), op=ReduceOp.SUM),
-                                              data, data))
+            handles.append(
+                coordinator.submit(Request(f"t{k}", OpKind.ALLREDUCE, 0, "float32", (4,), op=ReduceOp.SUM), data, data)
+            )
         for handle in handles:
             with pytest.raises(HorovodInternalError, match="Invalid scalar type"):
                 handle.wait(timeout=10)

@@ -37,11 +37,25 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-CORE = ["hvdplus.common", "hvdplus.common.coordinator", "hvdplus.common.engines", "hvdplus.common.engines.local",
-        "hvdplus.common.grouping", "hvdplus.common.naming", "hvdplus.common.optimizer_options",
-        "hvdplus.common.schedules"]
-RUNNER = ["hvdplus.runner", "hvdplus.runner.launch", "hvdplus.runner.api", "hvdplus.runner.task",
-          "hvdplus.runner.agent", "hvdplus.runner.horovod_alias.horovod", "hvdplus.runner.alias"]
+CORE = [
+    "hvdplus.common",
+    "hvdplus.common.coordinator",
+    "hvdplus.common.engines",
+    "hvdplus.common.engines.local",
+    "hvdplus.common.grouping",
+    "hvdplus.common.naming",
+    "hvdplus.common.optimizer_options",
+    "hvdplus.common.schedules",
+]
+RUNNER = [
+    "hvdplus.runner",
+    "hvdplus.runner.launch",
+    "hvdplus.runner.api",
+    "hvdplus.runner.task",
+    "hvdplus.runner.agent",
+    "hvdplus.runner.horovod_alias.horovod",
+    "hvdplus.runner.alias",
+]
 
 
 def _import_with_blocked(modules: list[str], blocked: tuple[str, ...]) -> subprocess.CompletedProcess:

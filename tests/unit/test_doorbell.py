@@ -42,8 +42,9 @@ def _request(name: str) -> Request:
 @pytest.fixture(params=[3, 5])
 def coordinators(request):
     world = ThreadWorld(request.param)
-    ranks = [Coordinator(engine, Settings(), Topology.single_host(engine.rank, engine.size))
-             for engine in world.engines]
+    ranks = [
+        Coordinator(engine, Settings(), Topology.single_host(engine.rank, engine.size)) for engine in world.engines
+    ]
     yield ranks
     for coordinator in ranks:
         coordinator.shutdown()

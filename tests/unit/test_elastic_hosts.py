@@ -55,7 +55,7 @@ def test_the_cooldown_doubles_with_each_failure_within_the_range(monkeypatch):
         assert hosts.usable() == [("b", 1), ("a", 1)]  # back, as a new host: last
     # Horovod's delay: MIN * 2**failures + up to MIN, within MIN..MAX (here 2-3, 4-5, 8-9, then 10)
     for failures, cooldown in enumerate(cooldowns, start=1):
-        low = min(10.0, 2 ** failures)
+        low = min(10.0, 2**failures)
         assert low <= cooldown <= min(10.0, low + 1.0) + 0.25, cooldowns
 
 
@@ -73,8 +73,21 @@ def _options(*argv: str, environ: dict[str, str] | None = None):
 
 def test_elastic_flags_make_the_options_as_horovodrun_does():
     assert _options("-np", "2") is None
-    fixed = _options("-np", "4", "--min-np", "2", "--max-np", "8", "-H", "a:2,b:2", "--reset-limit", "3",
-                     "--blacklist-cooldown-range", "5", "60")
+    fixed = _options(
+        "-np",
+        "4",
+        "--min-np",
+        "2",
+        "--max-np",
+        "8",
+        "-H",
+        "a:2,b:2",
+        "--reset-limit",
+        "3",
+        "--blacklist-cooldown-range",
+        "5",
+        "60",
+    )
     assert (fixed.np, fixed.min_np, fixed.max_np, fixed.reset_limit, fixed.cooldown_range) == (4, 2, 8, 3, (5, 60))
     assert fixed.discover() == {"a": 2, "b": 2} and fixed.timeout == 600.0
     assert _options("-np", "2", "--min-np", "1", environ={"HOROVOD_ELASTIC_TIMEOUT": "30"}).timeout == 30.0
@@ -88,5 +101,4 @@ def test_the_discovery_script_must_be_executable(tmp_path):
     with pytest.raises(ValueError, match="not an executable file"):
         _options("-np", "2", "--host-discovery-script", str(script))
     script.chmod(0o755)
-    assert _options("-np", "2", "--slots-per-host", "3", "--host-discovery-script", str(script)).discover() == \
-        {"a": 2}
+    assert _options("-np", "2", "--slots-per-host", "3", "--host-discovery-script", str(script)).discover() == {"a": 2}

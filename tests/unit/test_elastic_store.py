@@ -20,8 +20,14 @@ from hvdplus.common.settings import LaunchEnv  # noqa: E402
 
 
 def _store(server: RendezvousServer, secret: str, **elastic: object):
-    launch = LaunchEnv(rank=0, size=2, rendezvous_addr="127.0.0.1", rendezvous_port=server.port("127.0.0.1"),
-                       secret_key=secret, **elastic)
+    launch = LaunchEnv(
+        rank=0,
+        size=2,
+        rendezvous_addr="127.0.0.1",
+        rendezvous_port=server.port("127.0.0.1"),
+        secret_key=secret,
+        **elastic,
+    )
     return _authenticated_store(dist, launch, timeout_seconds=20)
 
 
@@ -49,8 +55,9 @@ def test_outside_elastic_jobs_a_read_waits_for_the_whole_timeout():
     secret = new_secret()
     server = RendezvousServer(["127.0.0.1"], secret)
     try:
-        launch = LaunchEnv(rank=0, size=2, rendezvous_addr="127.0.0.1", rendezvous_port=server.port("127.0.0.1"),
-                           secret_key=secret)
+        launch = LaunchEnv(
+            rank=0, size=2, rendezvous_addr="127.0.0.1", rendezvous_port=server.port("127.0.0.1"), secret_key=secret
+        )
         store = _authenticated_store(dist, launch, timeout_seconds=1)
         start = time.monotonic()
         with pytest.raises(RendezvousTimeout):

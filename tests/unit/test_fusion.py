@@ -47,8 +47,7 @@ def test_large_responses_run_alone_below_the_threshold():
     large = resp("large", ALONE_BYTES // 4)
     assert names(plan_batches([resp("a"), large, resp("b")], 128 << 20, ALONE_BYTES)) == [["a", "b"], ["large"]]
     just_below = resp("just below", ALONE_BYTES // 4 - 1)
-    assert names(plan_batches([resp("a"), just_below], 128 << 20, ALONE_BYTES)) == \
-        [["a", "just below"]]
+    assert names(plan_batches([resp("a"), just_below], 128 << 20, ALONE_BYTES)) == [["a", "just below"]]
 
 
 def test_without_an_alone_limit_large_responses_fuse():
@@ -64,16 +63,35 @@ def test_zero_threshold_disables_fusion():
 
 
 def test_incompatible_allreduces_are_not_fused():
-    responses = [resp("a"), resp("dt", dtype="float64"), resp("dev", device="cuda:0"),
-                 resp("op", op=ReduceOp.MAX), resp("pre", prescale=2.0), resp("post", postscale=0.5),
-                 resp("set", set_id=1), resp("b")]
-    assert names(plan_batches(responses, 1 << 20, ALONE_BYTES)) == [["a", "b"], ["dt"], ["dev"], ["op"], ["pre"],
-                                                                    ["post"], ["set"]]
+    responses = [
+        resp("a"),
+        resp("dt", dtype="float64"),
+        resp("dev", device="cuda:0"),
+        resp("op", op=ReduceOp.MAX),
+        resp("pre", prescale=2.0),
+        resp("post", postscale=0.5),
+        resp("set", set_id=1),
+        resp("b"),
+    ]
+    assert names(plan_batches(responses, 1 << 20, ALONE_BYTES)) == [
+        ["a", "b"],
+        ["dt"],
+        ["dev"],
+        ["op"],
+        ["pre"],
+        ["post"],
+        ["set"],
+    ]
 
 
 def test_other_kinds_and_errors_run_alone():
-    responses = [resp("a"), resp("g", kind=OpKind.ALLGATHER), resp("bad", error="mismatch"),
-                 resp("br", kind=OpKind.BROADCAST), resp("b")]
+    responses = [
+        resp("a"),
+        resp("g", kind=OpKind.ALLGATHER),
+        resp("bad", error="mismatch"),
+        resp("br", kind=OpKind.BROADCAST),
+        resp("b"),
+    ]
     assert names(plan_batches(responses, 1 << 20, ALONE_BYTES)) == [["a", "b"], ["g"], ["bad"], ["br"]]
 
 

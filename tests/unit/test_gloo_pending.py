@@ -3,6 +3,7 @@
 c10d's timed `Work.wait` raises "Operation timed out!" when the time is up; the work can complete before
 `is_completed()` is asked. CI hit that window on a loaded 2-core machine and the background thread died.
 The race cannot be produced on demand with real Gloo, so a work object replays c10d's sequence."""
+
 import numpy as np
 import pytest
 

@@ -9,8 +9,13 @@ from hvdplus.common.ops import ReduceOp
 
 
 def _torch_bf16_bits(x: np.ndarray) -> np.ndarray:
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)).to(torch.bfloat16) \
-        .view(torch.int16).numpy().view(np.uint16)
+    return (
+        torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32))
+        .to(torch.bfloat16)
+        .view(torch.int16)
+        .numpy()
+        .view(np.uint16)
+    )
 
 
 def _bf16(values) -> np.ndarray:
@@ -33,8 +38,10 @@ def test_random_normal_values_match_torch():
 
 def test_ties_round_to_even_like_torch():
     # low 16 bits exactly 0x8000: halfway between two bfloat16 values, both parities of bit 16
-    bits = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x00008000, 0x00018000,
-                     0x7F7F8000, 0x7F7E8000], dtype=np.uint32)
+    bits = np.array(
+        [0x3F808000, 0x3F818000, 0xBF808000, 0xBF818000, 0x00008000, 0x00018000, 0x7F7F8000, 0x7F7E8000],
+        dtype=np.uint32,
+    )
     x = bits.view(np.float32)
     np.testing.assert_array_equal(float32_to_bfloat16(x), _torch_bf16_bits(x))
     assert float32_to_bfloat16(x)[0] == 0x3F80 and float32_to_bfloat16(x)[1] == 0x3F82
@@ -117,8 +124,10 @@ def test_scale_by_one_is_a_no_op():
     np.testing.assert_array_equal(buf.view(np.uint32), before.view(np.uint32))
 
 
-@pytest.mark.parametrize("op,combine", [(ReduceOp.SUM, np.add), (ReduceOp.MIN, np.minimum),
-                                        (ReduceOp.MAX, np.maximum), (ReduceOp.PRODUCT, np.multiply)])
+@pytest.mark.parametrize(
+    "op,combine",
+    [(ReduceOp.SUM, np.add), (ReduceOp.MIN, np.minimum), (ReduceOp.MAX, np.maximum), (ReduceOp.PRODUCT, np.multiply)],
+)
 def test_bfloat16_reducer(op, combine):
     a = np.array([1.0, -2.0, 3.5, 0.5], dtype=np.float32)
     b = np.array([2.0, 5.0, -1.0, 0.25], dtype=np.float32)
@@ -129,6 +138,6 @@ def test_bfloat16_reducer(op, combine):
 
 
 def test_bfloat16_reducer_rounds_the_sum():
-    a, b = _bf16([1.0]), _bf16([2.0 ** -9])  # 1 + 2^-9 is not representable; rounds to even (1.0)
+    a, b = _bf16([1.0]), _bf16([2.0**-9])  # 1 + 2^-9 is not representable; rounds to even (1.0)
     bfloat16_reducer(ReduceOp.SUM)(memoryview(a), memoryview(b), None)
     assert b[0] == _bf16([1.0])[0]

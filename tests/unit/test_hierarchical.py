@@ -34,8 +34,12 @@ def test_cross_allreduce_equals_a_flat_reduction(algorithm, sizes, dtype, op):
                 continue  # that falls back to the engine's own call, and the thread engine has no bfloat16 sum
             buffers, values = _inputs(size, max(count, 0), dtype)
             world = ThreadWorld(size)
-            ran = run_ranks(size, lambda rank: cross_allreduce(world.engines[rank], "world", rank, size,
-                                                               buffers[rank], dtype, op, algorithm))
+            ran = run_ranks(
+                size,
+                lambda rank: cross_allreduce(
+                    world.engines[rank], "world", rank, size, buffers[rank], dtype, op, algorithm
+                ),
+            )
             expected = NUMPY_OPS[op].reduce(np.stack(values), axis=0)
             for rank in range(size):
                 got = bfloat16_to_float32(buffers[rank]) if dtype == "bfloat16" else buffers[rank]
@@ -61,12 +65,15 @@ def test_auto_picks_by_host_count_and_size():
     assert resolve_algorithm("ring", 2, 1 << 20, "gloo") == "ring"
 
 
-@pytest.mark.parametrize("hosts,ranks,reason", [
-    (("a", "a", "a"), (0, 1, 2), "all its ranks are on one host"),
-    (("a", "a", "b"), (0, 1, 2), "different numbers of ranks (a: 2, b: 1)"),
-    (("a", "b", "c"), (0, 1, 2), "each host runs one rank"),
-    (("a", "a", "b", "b"), (0, 2), "each host runs one rank"),
-])
+@pytest.mark.parametrize(
+    "hosts,ranks,reason",
+    [
+        (("a", "a", "a"), (0, 1, 2), "all its ranks are on one host"),
+        (("a", "a", "b"), (0, 1, 2), "different numbers of ranks (a: 2, b: 1)"),
+        (("a", "b", "c"), (0, 1, 2), "each host runs one rank"),
+        (("a", "a", "b", "b"), (0, 2), "each host runs one rank"),
+    ],
+)
 def test_layouts_that_fall_back_to_flat_say_why(hosts, ranks, reason):
     groups, why = hierarchical_groups(world_engine(), Topology(0, hosts), ranks)
     assert groups is None and reason in why
@@ -81,9 +88,15 @@ def test_p2p_reducescatter_leaves_each_rank_its_reduced_part_for_uneven_counts(a
     counts = [3, 0, 5, 1, 2][:size]
     buffers, values = _inputs(size, sum(counts), "float32")
     world = ThreadWorld(size)
-    run_ranks(size, lambda rank: p2p_reducescatter(world.engines[rank], "world", rank, size, buffers[rank], counts,
-                                                   "float32", ReduceOp.SUM, algorithm))
+    run_ranks(
+        size,
+        lambda rank: p2p_reducescatter(
+            world.engines[rank], "world", rank, size, buffers[rank], counts, "float32", ReduceOp.SUM, algorithm
+        ),
+    )
     expected = np.sum(values, axis=0)
     for rank in range(size):
         start = sum(counts[:rank])
-        np.testing.assert_array_equal(buffers[rank][start:start + counts[rank]], expected[start:start + counts[rank]])
+        np.testing.assert_array_equal(
+            buffers[rank][start : start + counts[rank]], expected[start : start + counts[rank]]
+        )

@@ -165,8 +165,9 @@ def test_valid_broadcast():
 
 
 def test_allgather_allows_different_first_dimension():
-    assert _error_for({0: req(kind=OpKind.ALLGATHER, shape=(2, 3)),
-                       1: req(kind=OpKind.ALLGATHER, shape=(5, 3))}) is None
+    assert (
+        _error_for({0: req(kind=OpKind.ALLGATHER, shape=(2, 3)), 1: req(kind=OpKind.ALLGATHER, shape=(5, 3))}) is None
+    )
 
 
 def test_allgather_rejects_different_trailing_dimensions():

@@ -7,8 +7,13 @@ import pytest
 from hvdplus.common.grouping import group_indices
 from hvdplus.common.naming import member_names, normalize_name
 from hvdplus.common.ops import ReduceOp
-from hvdplus.common.optimizer_options import (check_compression, check_passes, check_predivide, merge_num_groups,
-                                              predivide_scales)
+from hvdplus.common.optimizer_options import (
+    check_compression,
+    check_passes,
+    check_predivide,
+    merge_num_groups,
+    predivide_scales,
+)
 
 
 class Unhashable:

@@ -8,7 +8,15 @@ import random
 import pytest
 
 from hvdplus.common.pipeline import (
-    SCHEDULES, Action, DeadlockError, Op, balanced_split, build_schedule, check_sizes, chunk_stages, simulate,
+    SCHEDULES,
+    Action,
+    DeadlockError,
+    Op,
+    balanced_split,
+    build_schedule,
+    check_sizes,
+    chunk_stages,
+    simulate,
     theoretical_bubble,
 )
 
@@ -17,7 +25,10 @@ TIMES = ("forward", "backward_input", "backward_weight")
 CHUNKS_PER_STAGE = {"gpipe": (1,), "1f1b": (1,), "interleaved": (2, 3), "zero-bubble": (1, 2)}
 CASES = [
     pytest.param(name, stages, micro, v, id=f"{name}-S{stages}-M{micro}-v{v}")
-    for name in SCHEDULES for stages in (1, 2, 3, 4) for micro in (1, 2, 3, 4, 8) for v in CHUNKS_PER_STAGE[name]
+    for name in SCHEDULES
+    for stages in (1, 2, 3, 4)
+    for micro in (1, 2, 3, 4, 8)
+    for v in CHUNKS_PER_STAGE[name]
     if name != "interleaved" or micro % stages == 0
 ]
 
@@ -79,7 +90,7 @@ def test_messages_wrap_their_pass_and_match_one_to_one(name, stages, micro, v):
                 recvs[Op.SEND_GRAD, a.micro_batch, a.chunk + 1, a.peer, stage] += 1
     assert sends == recvs
     assert set(sends.values()) <= {1}
-    for op, m, c, sender, receiver in sends:
+    for op, _micro_batch, c, sender, receiver in sends:
         assert 0 <= c <= last and sender == owner[c] != receiver
         assert receiver == owner[c + 1] if op is Op.SEND_ACTIVATION else receiver == owner[c - 1]
 
@@ -99,8 +110,10 @@ def _remote(owner, stage, chunk):
 
 
 def test_a_schedule_where_both_stages_receive_first_deadlocks():
-    schedule = [[Action(Op.RECV_GRAD, 0, 0, 1), Action(BW, 0, 0)],
-                [Action(Op.RECV_ACTIVATION, 0, 1, 0), Action(F, 0, 1), Action(BW, 0, 1)]]
+    schedule = [
+        [Action(Op.RECV_GRAD, 0, 0, 1), Action(BW, 0, 0)],
+        [Action(Op.RECV_ACTIVATION, 0, 1, 0), Action(F, 0, 1), Action(BW, 0, 1)],
+    ]
     with pytest.raises(DeadlockError, match=r"stage 0 waits at RECV_B\(m=0, c=0, peer=1\); stage 1 waits at RECV_F"):
         simulate(schedule, [0, 1])
 
@@ -176,17 +189,20 @@ def test_chunk_placement():
     assert chunk_stages("zero-bubble", 3, 2) == [0, 1, 2, 2, 1, 0]
 
 
-@pytest.mark.parametrize("args, error, message", [
-    (("pipedream", 2, 2), ValueError, "unknown pipeline schedule 'pipedream'; choose one of gpipe"),
-    (("1f1b", 0, 2), ValueError, "stages must be at least 1, got 0"),
-    (("1f1b", 2, 0), ValueError, "micro_batches must be at least 1"),
-    (("interleaved", 2, 2, 0), ValueError, "virtual_stages must be at least 1"),
-    (("1f1b", 2.0, 2), TypeError, "stages must be an int"),
-    (("gpipe", 2, 2, 2), ValueError, "'gpipe' runs one chunk per stage"),
-    (("interleaved", 2, 2, 1), ValueError, "'interleaved' needs virtual_stages >= 2"),
-    (("interleaved", 4, 6, 2), ValueError, "multiple of stages \\(Megatron-LM's rule\\), got 6 .* use 8"),
-    (("zero-bubble", 2, 4, 3), ValueError, "virtual_stages=1 \\(ZB-H1\\) and virtual_stages=2 \\(ZB-V\\), got 3"),
-])
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (("pipedream", 2, 2), ValueError, "unknown pipeline schedule 'pipedream'; choose one of gpipe"),
+        (("1f1b", 0, 2), ValueError, "stages must be at least 1, got 0"),
+        (("1f1b", 2, 0), ValueError, "micro_batches must be at least 1"),
+        (("interleaved", 2, 2, 0), ValueError, "virtual_stages must be at least 1"),
+        (("1f1b", 2.0, 2), TypeError, "stages must be an int"),
+        (("gpipe", 2, 2, 2), ValueError, "'gpipe' runs one chunk per stage"),
+        (("interleaved", 2, 2, 1), ValueError, "'interleaved' needs virtual_stages >= 2"),
+        (("interleaved", 4, 6, 2), ValueError, "multiple of stages \\(Megatron-LM's rule\\), got 6 .* use 8"),
+        (("zero-bubble", 2, 4, 3), ValueError, "virtual_stages=1 \\(ZB-H1\\) and virtual_stages=2 \\(ZB-V\\), got 3"),
+    ],
+)
 def test_build_schedule_rejects_bad_arguments(args, error, message):
     with pytest.raises(error, match=message):
         build_schedule(*args)
@@ -201,7 +217,8 @@ def test_balanced_split_is_optimal():
         check_sizes(sizes, len(costs), parts)
         assert _largest(costs, sizes) == min(
             _largest(costs, [b - a for a, b in zip((0, *cuts), (*cuts, len(costs)))])
-            for cuts in itertools.combinations(range(1, len(costs)), parts - 1))
+            for cuts in itertools.combinations(range(1, len(costs)), parts - 1)
+        )
 
 
 def _largest(costs, sizes):

@@ -1,4 +1,5 @@
-"""The launcher blames the rank that failed first, not the peers whose errors are its consequence, and names it once\nin its report, with its host and exit status (real child processes under the real supervisor)."""
+"""The launcher blames the rank that failed first, not the peers whose errors are its consequence, and names it once
+in its report, with its host and exit status (real child processes under the real supervisor)."""
 
 import sys
 
@@ -70,12 +71,15 @@ def test_the_report_names_the_culprit_once_with_its_host_and_exit_status(capfd):
     for rank, argv in enumerate([_fail(PEER), _fail(CAUSE, delay=0.3), _rank()]):
         supervisor.start(f"rank {rank} on {supervisor.hosts[rank]}", argv, rank=rank, payload=b"{}\n")
     line = _report(capfd, supervisor)
-    assert line == ("hvdplusrun: rank 1 on hostB failed with exit code 1 (RuntimeError: rank 1 fails on purpose); "
-                    "then rank 0 failed as a consequence; stopping 1 other worker. Last output:"), line
+    assert line == (
+        "hvdplusrun: rank 1 on hostB failed with exit code 1 (RuntimeError: rank 1 fails on purpose); "
+        "then rank 0 failed as a consequence; stopping 1 other worker. Last output:"
+    ), line
 
 
-@pytest.mark.parametrize("size,stopped", [(2, "; stopping 1 other worker."), (3, "; stopping 2 other workers."),
-                                          (1, ".")])
+@pytest.mark.parametrize(
+    "size,stopped", [(2, "; stopping 1 other worker."), (3, "; stopping 2 other workers."), (1, ".")]
+)
 def test_a_killed_rank_and_how_many_workers_are_stopped(capfd, size, stopped):
     supervisor = Supervisor(hosts={rank: "localhost" for rank in range(size)})
     for rank in range(size):
@@ -91,8 +95,10 @@ def test_a_frozen_rank_is_stopped_and_named_once(capfd):
     for rank, argv in enumerate([_fail(frozen), _rank(), _rank()]):
         supervisor.start(f"rank {rank}", argv, rank=rank, payload=b"{}\n")
     line = _report(capfd, supervisor)
-    assert line == ("hvdplusrun: rank 1 on hostA failed (frozen or hung: no answer to the control rounds) and has "
-                    "not exited; then rank 0 failed as a consequence; stopping it and 1 other worker."), line
+    assert line == (
+        "hvdplusrun: rank 1 on hostA failed (frozen or hung: no answer to the control rounds) and has "
+        "not exited; then rank 0 failed as a consequence; stopping it and 1 other worker."
+    ), line
 
 
 def test_under_mpirun_the_rank_is_named_from_its_tagged_output_with_mpiruns_status(capfd):
@@ -100,5 +106,7 @@ def test_under_mpirun_the_rank_is_named_from_its_tagged_output_with_mpiruns_stat
     tagged = b"[1,1]<stderr>:" + CAUSE
     supervisor.start("mpirun", _rank(f"sys.stderr.write({tagged.decode()!r}); sys.stderr.flush()", "sys.exit(3)"))
     line = _report(capfd, supervisor)
-    assert line == ("hvdplusrun: rank 1 on hostB failed (RuntimeError: rank 1 fails on purpose); "
-                    "mpirun exited with exit code 3. Last output:"), line
+    assert line == (
+        "hvdplusrun: rank 1 on hostB failed (RuntimeError: rank 1 fails on purpose); "
+        "mpirun exited with exit code 3. Last output:"
+    ), line

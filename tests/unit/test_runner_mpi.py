@@ -14,8 +14,9 @@ def _spec(*flags):
 
 
 def test_open_mpi_command():
-    spec = _spec("-np", "3", "-H", "n1:2,n2:2", "-p", "2222", "--network-interfaces", "eth0",
-                 "--mpi-args", "--mca btl tcp,self")
+    spec = _spec(
+        "-np", "3", "-H", "n1:2,n2:2", "-p", "2222", "--network-interfaces", "eth0", "--mpi-args", "--mca btl tcp,self"
+    )
     command = mpirun_command("/opt/mpi/bin/mpirun", "openmpi", spec, ["A", "PATH"], as_root=True)
     assert command[:5] == ["/opt/mpi/bin/mpirun", "-np", "3", "-H", "n1:2,n2:1"]
     assert "--allow-run-as-root" in command and "--tag-output" in command
@@ -23,7 +24,7 @@ def test_open_mpi_command():
     assert "-p 2222" in rsh and "BatchMode=yes" in rsh
     assert command[command.index("btl_tcp_if_include") + 1] == "eth0"
     assert command[command.index("oob_tcp_if_include") + 1] == "eth0"
-    assert ["-x", "A", "-x", "PATH"] == command[command.index("-x"):command.index("-x") + 4]
+    assert ["-x", "A", "-x", "PATH"] == command[command.index("-x") : command.index("-x") + 4]
     assert command[-9:] == ["--mca", "btl", "tcp,self", "python", "-m", "mpi4py", "train.py", "--epochs", "1"]
 
 
@@ -51,8 +52,14 @@ def test_mpich_command():
 
 def test_mpich_ranks_run_python_line_buffered_under_mpi4pys_runner():
     spec = _spec("-np", "2")
-    assert mpirun_command("mpiexec", "mpich", spec, [], as_root=False)[-6:] == \
-        ["python", "-m", "hvdplus.runner.rank_main", "train.py", "--epochs", "1"]
+    assert mpirun_command("mpiexec", "mpich", spec, [], as_root=False)[-6:] == [
+        "python",
+        "-m",
+        "hvdplus.runner.rank_main",
+        "train.py",
+        "--epochs",
+        "1",
+    ]
 
 
 def test_hvdplus_mpirun_chooses_the_mpirun(monkeypatch, tmp_path):
@@ -84,11 +91,14 @@ def test_unknown_flavor_is_refused():
         mpirun_command("mpirun", "lam", _spec("-np", "1"), [], as_root=False)
 
 
-@pytest.mark.parametrize("command,wrapped", [
-    (["python", "t.py", "-x"], ["python", "-m", "mpi4py", "t.py", "-x"]),
-    (["/usr/bin/python3.11", "-m", "pkg"], ["/usr/bin/python3.11", "-m", "mpi4py", "-m", "pkg"]),
-    (["python", "-u", "t.py"], ["python", "-u", "t.py"]),
-    (["./train.sh"], ["./train.sh"]),
-])
+@pytest.mark.parametrize(
+    "command,wrapped",
+    [
+        (["python", "t.py", "-x"], ["python", "-m", "mpi4py", "t.py", "-x"]),
+        (["/usr/bin/python3.11", "-m", "pkg"], ["/usr/bin/python3.11", "-m", "mpi4py", "-m", "pkg"]),
+        (["python", "-u", "t.py"], ["python", "-u", "t.py"]),
+        (["./train.sh"], ["./train.sh"]),
+    ],
+)
 def test_python_programs_abort_the_job_on_an_exception(command, wrapped):
     assert abort_on_exception(command) == wrapped

@@ -27,8 +27,10 @@ def test_every_element_has_exactly_one_owner_and_ranks_differ_by_at_most_one(siz
 
 def test_one_partition_per_dtype_in_order_of_first_appearance():
     plans = partition([4, 2, 3, 5], ["f32", "f16", "f32", "f16"], 2)
-    assert [(p.kind, p.params, p.offsets, p.total) for p in plans] == [("f32", (0, 2), (0, 4), 7),
-                                                                       ("f16", (1, 3), (0, 2), 7)]
+    assert [(p.kind, p.params, p.offsets, p.total) for p in plans] == [
+        ("f32", (0, 2), (0, 4), 7),
+        ("f16", (1, 3), (0, 2), 7),
+    ]
     assert plans[0].bounds == (0, 4, 7)
 
 

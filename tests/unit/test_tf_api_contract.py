@@ -24,7 +24,7 @@ def _contract() -> list[tuple[str, str, list[str]]]:
 @pytest.mark.parametrize("module,name,params", _contract(), ids=[f"{m}.{n}" for m, n, _ in _contract()])
 def test_signature_starts_with_horovods(module, name, params):
     function = getattr(importlib.import_module(module), name)
-    assert list(inspect.signature(function).parameters)[:len(params)] == params
+    assert list(inspect.signature(function).parameters)[: len(params)] == params
 
 
 def test_keras_aliases_and_objects():
@@ -34,7 +34,14 @@ def test_keras_aliases_and_objects():
 
     assert hvdplus.tensorflow.keras is hvdplus.keras
     for module in (hvd, hvdplus.keras):
-        for attr in ("Average", "Sum", "Adasum", "Compression", "ProcessSet", "global_process_set",
-                     "HorovodInternalError"):
+        for attr in (
+            "Average",
+            "Sum",
+            "Adasum",
+            "Compression",
+            "ProcessSet",
+            "global_process_set",
+            "HorovodInternalError",
+        ):
             assert hasattr(module, attr), (module.__name__, attr)
     assert hvd.Compression.none and hvd.Compression.fp16 and hvd.Compression.bf16

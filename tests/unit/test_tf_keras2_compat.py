@@ -20,8 +20,9 @@ ALIAS = ROOT / "hvdplus" / "runner" / "horovod_alias"
 
 def _python(code: str, *path: Path) -> str:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (*path, ROOT)), "TF_CPP_MIN_LOG_LEVEL": "3"}
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
 
@@ -45,7 +46,8 @@ def test_hvdplus_imports_leave_keras_untouched():
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("module", ["horovod.tensorflow", "horovod.keras", "horovod.tensorflow.keras"])
 def test_horovod_alias_accepts_keras2_idioms_and_warns_once_each(module):
-    out = _python(f"""
+    out = _python(
+        f"""
         import warnings
         import keras, tensorflow as tf
         import {module} as hvd
@@ -69,11 +71,16 @@ def test_horovod_alias_accepts_keras2_idioms_and_warns_once_each(module):
         for warning in caught:
             if "Keras 2" in str(warning.message):
                 print(warning.category.__name__, warning.filename, str(warning.message))
-    """, ALIAS)
+    """,
+        ALIAS,
+    )
     lines = out.splitlines()
     assert len(lines) == 4, out  # one per idiom, however often it is used
     assert all(line.startswith("Keras2IdiomWarning <string> ") for line in lines), out  # pointing at the script
-    for idiom, keras3 in (("the optimizer argument lr=", "learning_rate="), ("optimizer.lr", "optimizer.learning_rate"),
-                          ("model.compile(experimental_run_tf_function=...)", "leave it out"),
-                          ("optimizer.variables()", "optimizer.variables (a list property)")):
+    for idiom, keras3 in (
+        ("the optimizer argument lr=", "learning_rate="),
+        ("optimizer.lr", "optimizer.learning_rate"),
+        ("model.compile(experimental_run_tf_function=...)", "leave it out"),
+        ("optimizer.variables()", "optimizer.variables (a list property)"),
+    ):
         assert any(f"{idiom} is Keras 2" in line and f"Keras 3: {keras3}" in line for line in lines), (idiom, out)

@@ -22,14 +22,16 @@ from hvdplus.common.topology import Topology
 
 def _coordinators(size: int) -> list[Coordinator]:
     world = ThreadWorld(size)
-    return [Coordinator(engine, Settings(), Topology.single_host(engine.rank, engine.size))
-            for engine in world.engines]
+    return [Coordinator(engine, Settings(), Topology.single_host(engine.rank, engine.size)) for engine in world.engines]
 
 
 def _allreduce(coordinator: Coordinator, name: str) -> tuple[object, np.ndarray]:
     output = np.empty(2, np.float32)
-    handle = coordinator.submit(Request(name, OpKind.ALLREDUCE, 0, "float32", (2,), op=ReduceOp.SUM),
-                                np.full(2, coordinator.rank + 1.0, np.float32), output)
+    handle = coordinator.submit(
+        Request(name, OpKind.ALLREDUCE, 0, "float32", (2,), op=ReduceOp.SUM),
+        np.full(2, coordinator.rank + 1.0, np.float32),
+        output,
+    )
     return handle, output
 
 
@@ -86,8 +88,9 @@ def test_timelines_started_and_stopped_while_every_rank_runs_collectives(tmp_pat
             for step in range(10_000):  # until rank 0 says the swaps are over (agreed: a sum)
                 pending = [_allreduce(coordinator, f"step{step}.{k}") for k in range(4)]
                 go = np.array([1.0 if coordinator.rank == 0 and toggling.is_set() else 0.0], np.float32)
-                handle = coordinator.submit(Request(f"go{step}", OpKind.ALLREDUCE, 0, "float32", (1,),
-                                                    op=ReduceOp.SUM), go, go)
+                handle = coordinator.submit(
+                    Request(f"go{step}", OpKind.ALLREDUCE, 0, "float32", (1,), op=ReduceOp.SUM), go, go
+                )
                 for done, output in pending:
                     done.wait(30)
                     assert (output == expected).all(), output
@@ -98,8 +101,7 @@ def test_timelines_started_and_stopped_while_every_rank_runs_collectives(tmp_pat
             errors.append(exc)
 
     toggling.set()
-    threads = [threading.Thread(target=toggle)] + [threading.Thread(target=run_rank, args=(c,))
-                                                   for c in coordinators]
+    threads = [threading.Thread(target=toggle)] + [threading.Thread(target=run_rank, args=(c,)) for c in coordinators]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -37,8 +37,11 @@ def _huge_kib_of_a_64_mib_tensor(env_value: str | None) -> int:
     return int(done.stdout.split()[-1])
 
 
-@pytest.mark.skipif(_thp_mode() != "madvise", reason="only where the kernel gives huge pages on request (madvise) does "
-                                                   "the setting decide; here it is " + _thp_mode())
+@pytest.mark.skipif(
+    _thp_mode() != "madvise",
+    reason="only where the kernel gives huge pages on request (madvise) does "
+    "the setting decide; here it is " + _thp_mode(),
+)
 def test_large_tensors_get_huge_pages_unless_the_user_says_no():
     assert _huge_kib_of_a_64_mib_tensor(None) >= 32 * 1024  # most of its 64 MiB
     assert _huge_kib_of_a_64_mib_tensor("0") == 0

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.settings import Settings
@@ -12,16 +13,19 @@ __all__ = ["Engine", "create_engine", "choose_engine_name", "ENGINE_FACTORIES"]
 
 def _mpi(settings: Settings, comm: Any) -> Engine:
     from hvdplus.common.engines.mpi import MPIEngine
+
     return MPIEngine(comm)
 
 
 def _gloo(settings: Settings, comm: Any) -> Engine:
     from hvdplus.common.engines.torch_dist import TorchDistEngine
+
     return TorchDistEngine(settings.launch, settings.timeout_seconds)
 
 
 def _local(settings: Settings, comm: Any) -> Engine:
     from hvdplus.common.engines.local import LocalEngine
+
     return LocalEngine()
 
 

@@ -7,7 +7,8 @@ framework's tensors. Ranks and roots are indices within `group`.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -98,8 +99,9 @@ class DataEngine(Protocol):
     def new_group(self, ranks: Sequence[int]) -> Group:
         """Collective over all ranks: a communicator of `ranks` (None on ranks outside it)."""
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Group,
-                  send: np.ndarray | None = None) -> None:
+    def allreduce(
+        self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Group, send: np.ndarray | None = None
+    ) -> None:
         """Reduce `send` (default: `buf` itself) across `group` into `buf` (op is SUM, MIN, MAX or PRODUCT)."""
 
     def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Group) -> None:
@@ -109,8 +111,9 @@ class DataEngine(Protocol):
     def broadcast(self, buf: np.ndarray, root: int, group: Group) -> None:
         """Copy root's `buf` into `buf` on every rank."""
 
-    def reducescatter(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str,
-                      op: ReduceOp, group: Group) -> None:
+    def reducescatter(
+        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Group
+    ) -> None:
         """Reduce `send` across `group`; rank r keeps the counts[r] elements of its slice in `recv`. In place when
         `send` is None: `recv` holds the whole input, and this rank's slice of the result lands at its own offset
         in `recv` (the rest of `recv` is left undefined)."""
@@ -132,12 +135,12 @@ class Engine(DataEngine, Protocol):
     alone_bytes: int | None
     bucket_bytes: int
 
-    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
-                 recv_counts: Sequence[int], group: Group) -> None:
+    def alltoall(
+        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Group
+    ) -> None:
         """Send send_counts[r] elements to rank r and receive recv_counts[r] from it."""
 
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group,
-                 source: int | None = None) -> None:
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group, source: int | None = None) -> None:
         """Point to point: send `send` to rank `peer` of `group` and receive into `recv` what rank `source`
         (default: `peer`) sends this rank in the same exchange (each message has the size its receiver expects)."""
 

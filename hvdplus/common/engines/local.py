@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -25,8 +25,7 @@ class LocalEngine:
     def new_group(self, ranks: Sequence[int]) -> str:
         return "world"
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: str,
-                  send: np.ndarray | None = None) -> None:
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: str, send: np.ndarray | None = None) -> None:
         if send is not None:
             np.copyto(buf, send)
 
@@ -36,12 +35,14 @@ class LocalEngine:
     def broadcast(self, buf: np.ndarray, root: int, group: str) -> None:
         return None
 
-    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
-                 recv_counts: Sequence[int], group: str) -> None:
+    def alltoall(
+        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: str
+    ) -> None:
         recv[...] = send
 
-    def reducescatter(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str,
-                      op: ReduceOp, group: str) -> None:
+    def reducescatter(
+        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: str
+    ) -> None:
         recv[...] = send
 
     def barrier(self, group: str) -> None:
@@ -68,10 +69,10 @@ class LocalEngine:
     def failures(self) -> dict[int, str]:
         return {}
 
-    def open_doorbell(self, on_ring: Callable[[], None]) -> "LocalDoorbell":
+    def open_doorbell(self, on_ring: Callable[[], None]) -> LocalDoorbell:
         return LocalDoorbell()
 
-    def open_channel(self) -> "LocalChannel":
+    def open_channel(self) -> LocalChannel:
         return LocalChannel()
 
     def shutdown(self) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +35,8 @@ def check_launcher_size(world_size: int, environ: Mapping[str, str], library: st
                 f"the MPI launcher started {declared} ranks ({var}={declared}) but MPI.COMM_WORLD has "
                 f"{world_size}: mpi4py is using {loaded!r}, not the MPI of the "
                 f"launcher. Start the job with that MPI's mpirun, or point mpi4py at the launcher's "
-                f"library (MPI4PY_LIBMPI=/path/to/its/lib/libmpi.so); hvdplusrun does this for you.")
+                f"library (MPI4PY_LIBMPI=/path/to/its/lib/libmpi.so); hvdplusrun does this for you."
+            )
 
 
 class MPIEngine:
@@ -60,8 +62,7 @@ class MPIEngine:
         self.world = comm.Dup()
         self.rank = self.world.Get_rank()
         self.size = self.world.Get_size()
-        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX,
-                     ReduceOp.PRODUCT: MPI.PROD}
+        self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
         self._half_ops: dict[tuple[str, ReduceOp], Any] = {}
         self._beacon_sends: list[tuple[Any, np.ndarray]] = []
         self._beacon_recvs: dict[int, tuple[Any, np.ndarray]] = {}
@@ -83,32 +84,41 @@ class MPIEngine:
             self._half_ops[(dtype, op)] = self._MPI.Op.Create(halfops.half_reducer(dtype, op), commute=True)
         return self._half_ops[(dtype, op)]
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any,
-                  send: np.ndarray | None = None) -> None:
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None) -> None:
         group.Allreduce(self._MPI.IN_PLACE if send is None else send, buf, op=self._op(dtype, op))
 
     def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
-        group.Allgatherv(self._MPI.IN_PLACE if send is None else send,
-                         [recv, list(counts), _displacements(counts), _mpi_type(self._MPI, recv)])
+        group.Allgatherv(
+            self._MPI.IN_PLACE if send is None else send,
+            [recv, list(counts), _displacements(counts), _mpi_type(self._MPI, recv)],
+        )
 
     def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
         group.Bcast(buf, root=root)
 
-    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
-                 recv_counts: Sequence[int], group: Any) -> None:
+    def alltoall(
+        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Any
+    ) -> None:
         mpi_type = _mpi_type(self._MPI, send)
-        group.Alltoallv([send, list(send_counts), _displacements(send_counts), mpi_type],
-                        [recv, list(recv_counts), _displacements(recv_counts), mpi_type])
+        group.Alltoallv(
+            [send, list(send_counts), _displacements(send_counts), mpi_type],
+            [recv, list(recv_counts), _displacements(recv_counts), mpi_type],
+        )
 
-    def reducescatter(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str,
-                      op: ReduceOp, group: Any) -> None:
-        group.Reduce_scatter(self._MPI.IN_PLACE if send is None else [send, _mpi_type(self._MPI, send)],
-                             [recv, _mpi_type(self._MPI, recv)], recvcounts=list(counts), op=self._op(dtype, op))
+    def reducescatter(
+        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
+    ) -> None:
+        group.Reduce_scatter(
+            self._MPI.IN_PLACE if send is None else [send, _mpi_type(self._MPI, send)],
+            [recv, _mpi_type(self._MPI, recv)],
+            recvcounts=list(counts),
+            op=self._op(dtype, op),
+        )
         if send is None:  # MPI leaves an in-place result at the start of the buffer: move it to this rank's offset
             index, count = group.Get_rank(), counts[group.Get_rank()]
             start = sum(counts[:index])
             if start and count:
-                recv[start:start + count] = recv[:count].copy()
+                recv[start : start + count] = recv[:count].copy()
 
     def barrier(self, group: Any) -> None:
         group.Barrier()
@@ -119,11 +129,13 @@ class MPIEngine:
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         sizes = np.array(group.allgather(len(data)), dtype=np.int64)
         recv = np.empty(int(sizes.sum()), dtype=np.uint8)
-        group.Allgatherv(np.frombuffer(data, dtype=np.uint8), [recv, sizes.tolist(), _displacements(sizes), self._MPI.BYTE])
+        group.Allgatherv(
+            np.frombuffer(data, dtype=np.uint8), [recv, sizes.tolist(), _displacements(sizes), self._MPI.BYTE]
+        )
         offsets = np.concatenate([[0], np.cumsum(sizes)])
-        return [recv[offsets[i]:offsets[i + 1]].tobytes() for i in range(len(sizes))]
+        return [recv[offsets[i] : offsets[i + 1]].tobytes() for i in range(len(sizes))]
 
-    def start_bitwise_and(self, words: np.ndarray, group: Any) -> "_MPIPending":
+    def start_bitwise_and(self, words: np.ndarray, group: Any) -> _MPIPending:
         out = np.empty_like(words)
         return _MPIPending(group.Iallreduce(words, out, op=self._MPI.BAND), words, out)
 
@@ -142,8 +154,9 @@ class MPIEngine:
 
     def announce_failure(self, message: str) -> None:
         buf = np.frombuffer(message.encode()[:_FAILURE_BYTES], dtype=np.uint8)
-        self._failure_sends = [(self.world.Isend(buf, dest=peer, tag=_FAILURE_TAG), buf)
-                               for peer in range(self.size) if peer != self.rank]
+        self._failure_sends = [
+            (self.world.Isend(buf, dest=peer, tag=_FAILURE_TAG), buf) for peer in range(self.size) if peer != self.rank
+        ]
 
     def failures(self) -> dict[int, str]:
         status = self._MPI.Status()
@@ -157,10 +170,10 @@ class MPIEngine:
         buf = np.empty(1, dtype=np.int64)
         return self.world.Irecv(buf, source=peer, tag=_BEACON_TAG), buf
 
-    def open_doorbell(self, on_ring: Callable[[], None]) -> "MPIDoorbell":
+    def open_doorbell(self, on_ring: Callable[[], None]) -> MPIDoorbell:
         return MPIDoorbell(self.world.Dup(), self._MPI.ANY_SOURCE)
 
-    def open_channel(self) -> "MPIChannel":
+    def open_channel(self) -> MPIChannel:
         return MPIChannel(self.world.Dup(), self._MPI)
 
     def shutdown(self) -> None:
@@ -191,8 +204,9 @@ class MPIDoorbell:
         self._recv = comm.Irecv(self._buf, source=self._any_source)
 
     def ring(self, round_number: int) -> None:
-        self._sends = _send_round(self._comm, round_number,
-                                  bell_targets(self._comm.Get_rank(), self._comm.Get_size()), self._sends)
+        self._sends = _send_round(
+            self._comm, round_number, bell_targets(self._comm.Get_rank(), self._comm.Get_size()), self._sends
+        )
 
     def rung(self, round_number: int) -> bool:
         while self._recv.Test():
@@ -209,13 +223,15 @@ class MPIDoorbell:
         self._sends.clear()
 
 
-def _send_round(comm: Any, round_number: int, peers: Sequence[int], in_flight: list[tuple[Any, np.ndarray]],
-                tag: int = 0) -> list[tuple[Any, np.ndarray]]:
+def _send_round(
+    comm: Any, round_number: int, peers: Sequence[int], in_flight: list[tuple[Any, np.ndarray]], tag: int = 0
+) -> list[tuple[Any, np.ndarray]]:
     """Start sending a round number (one int64) to each of `peers` without blocking. Returns the sends still in
     flight: those of `in_flight` not yet complete, then the new ones, each with the buffer it reads."""
     buf = np.array([round_number], dtype=np.int64)
-    return [(request, sent) for request, sent in in_flight if not request.Test()] + \
-        [(comm.Isend(buf, dest=peer, tag=tag), buf) for peer in peers]
+    return [(request, sent) for request, sent in in_flight if not request.Test()] + [
+        (comm.Isend(buf, dest=peer, tag=tag), buf) for peer in peers
+    ]
 
 
 class MPIChannel:
@@ -225,10 +241,10 @@ class MPIChannel:
         self._comm, self._MPI = comm, MPI
         self.max_tag = int(comm.Get_attr(MPI.TAG_UB))
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> "_MPITransfer":
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> _MPITransfer:
         return _MPITransfer(self._comm.Isend([buf, _mpi_type(self._MPI, buf)], dest=peer, tag=tag), buf)
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> "_MPITransfer":
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> _MPITransfer:
         return _MPITransfer(self._comm.Irecv([buf, _mpi_type(self._MPI, buf)], source=peer, tag=tag), buf)
 
     def close(self) -> None:

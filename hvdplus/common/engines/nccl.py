@@ -8,7 +8,8 @@ the rendezvous when torch.distributed is not initialised (a job started by mpiru
 from __future__ import annotations
 
 import datetime
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.engines.torch_dist import gather_bytes
@@ -35,18 +36,28 @@ class TorchTensorEngine:
         self._timeout = datetime.timedelta(seconds=timeout_seconds)
         self._owns_default = not dist.is_initialized()
         if self._owns_default:  # started by mpirun: no torch.distributed yet, so rendezvous over the host engine
-            dist.init_process_group(backend, store=self._store_over(host, address), rank=self.rank,
-                                    world_size=self.size, timeout=self._timeout)
+            dist.init_process_group(
+                backend,
+                store=self._store_over(host, address),
+                rank=self.rank,
+                world_size=self.size,
+                timeout=self._timeout,
+            )
         self.world = self.new_group(range(self.size))
-        self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
-                     ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
+        self._ops = {
+            ReduceOp.SUM: dist.ReduceOp.SUM,
+            ReduceOp.MIN: dist.ReduceOp.MIN,
+            ReduceOp.MAX: dist.ReduceOp.MAX,
+            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+        }
 
     def _store_over(self, host: Engine, address: str) -> Any:
         """A TCP store served by rank 0 on a free port; its address reaches the others over the host engine."""
         store = None
         if self.rank == 0:
-            store = self._dist.TCPStore("0.0.0.0", 0, self.size, is_master=True, timeout=self._timeout,
-                                        wait_for_workers=False)
+            store = self._dist.TCPStore(
+                "0.0.0.0", 0, self.size, is_master=True, timeout=self._timeout, wait_for_workers=False
+            )
             served = f"{address}:{store.port}".encode()
         else:
             served = b""
@@ -76,7 +87,7 @@ class TorchTensorEngine:
         if send is None:
             index = self._dist.get_group_rank(group, self.rank)
             start = int(sum(counts[:index])) * width
-            send_bytes = _bytes(recv)[start:start + counts[index] * width].clone()
+            send_bytes = _bytes(recv)[start : start + counts[index] * width].clone()
         else:
             send_bytes = _bytes(send)
         gather_bytes(self._dist, send_bytes, _bytes(recv), [c * width for c in counts], group)
@@ -84,17 +95,18 @@ class TorchTensorEngine:
     def broadcast(self, buf: Any, root: int, group: Any) -> None:
         self._dist.broadcast(_bytes(buf), group_src=root, group=group)
 
-    def reducescatter(self, send: Any | None, recv: Any, counts: Sequence[int], dtype: str, op: ReduceOp,
-                      group: Any) -> None:
+    def reducescatter(
+        self, send: Any | None, recv: Any, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
+    ) -> None:
         """NCCL's reduce-scatter for even slices of a type it reduces; otherwise an allreduce that keeps this
         rank's slice (Gloo's reduce-scatter measured 3x slower than its allreduce, engines/torch_dist.py)."""
         index = self._dist.get_group_rank(group, self.rank)
         start, count = int(sum(counts[:index])), counts[index]
         if self.backend == "nccl" and dtype not in _WIDENED and len(set(counts)) == 1:
             if send is None:  # in place: the output must not alias the input, so reduce into a copy of the slice
-                mine = recv[start:start + count].clone()
+                mine = recv[start : start + count].clone()
                 self._dist.reduce_scatter_single(mine, recv, op=self._ops[op], group=group)
-                recv[start:start + count] = mine
+                recv[start : start + count] = mine
             else:
                 self._dist.reduce_scatter_single(recv, send, op=self._ops[op], group=group)
             return
@@ -103,7 +115,7 @@ class TorchTensorEngine:
             return
         reduced = send.clone()
         self.allreduce(reduced, dtype, op, group)
-        recv.copy_(reduced[start:start + count])
+        recv.copy_(reduced[start : start + count])
 
     def barrier(self, group: Any) -> None:
         self._dist.barrier(group=group)

@@ -15,7 +15,8 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -25,7 +26,11 @@ from hvdplus.common.ops import ReduceOp
 __all__ = ["ThreadWorld", "ThreadEngine"]
 
 _REDUCERS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-    ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum, ReduceOp.PRODUCT: np.multiply}
+    ReduceOp.SUM: np.add,
+    ReduceOp.MIN: np.minimum,
+    ReduceOp.MAX: np.maximum,
+    ReduceOp.PRODUCT: np.multiply,
+}
 
 
 class _Round:
@@ -52,7 +57,7 @@ class ThreadWorld:
         self.doorbells: dict[int, ThreadDoorbell] = {}
         self.engines = [ThreadEngine(self, rank) for rank in range(size)]
 
-    def join(self, sequence: int, rank: int, part: Any, combine: Callable[[list[Any]], Any]) -> "_Round":
+    def join(self, sequence: int, rank: int, part: Any, combine: Callable[[list[Any]], Any]) -> _Round:
         """Add `rank`'s part to collective number `sequence`; the last rank to arrive combines the parts."""
         with self._lock:
             entry = self._rounds.get(sequence)
@@ -66,7 +71,7 @@ class ThreadWorld:
             entry.done.set()
         return entry
 
-    def leave(self, sequence: int, entry: "_Round") -> None:
+    def leave(self, sequence: int, entry: _Round) -> None:
         with self._lock:
             entry.readers += 1
             if entry.readers == self.size:
@@ -105,7 +110,7 @@ class ThreadDoorbell:
 
 
 class _ThreadPending:
-    def __init__(self, engine: "ThreadEngine", sequence: int, entry: _Round, nbytes: int) -> None:
+    def __init__(self, engine: ThreadEngine, sequence: int, entry: _Round, nbytes: int) -> None:
         self._engine, self._sequence, self._entry, self._nbytes = engine, sequence, entry, nbytes
 
     def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
@@ -160,8 +165,7 @@ class ThreadEngine:
     def new_group(self, ranks: Sequence[int]) -> Any:
         raise ValueError("the thread engine simulates the world group only; it has no process sets")
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any,
-                  send: np.ndarray | None = None) -> None:
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None) -> None:
         self._check(group)
         reduce = _REDUCERS[op]
         source = buf if send is None else send
@@ -171,30 +175,33 @@ class ThreadEngine:
     def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
         self._check(group)
         if send is None:
-            start = sum(counts[:self.rank])
-            send = recv[start:start + counts[self.rank]]
+            start = sum(counts[: self.rank])
+            send = recv[start : start + counts[self.rank]]
         recv[...] = self._collective(send.copy(), np.concatenate, recv.nbytes - send.nbytes)
 
     def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
         self._check(group)
         buf[...] = self._collective(buf.copy(), lambda parts: parts[root], buf.nbytes)
 
-    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
-                 recv_counts: Sequence[int], group: Any) -> None:
+    def alltoall(
+        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Any
+    ) -> None:
         self._check(group)
         offsets = np.concatenate([[0], np.cumsum(send_counts)])
-        pieces = [send[offsets[r]:offsets[r + 1]].copy() for r in range(self.size)]
+        pieces = [send[offsets[r] : offsets[r + 1]].copy() for r in range(self.size)]
         everyone = self._collective(pieces, lambda parts: parts, recv.nbytes)
         recv[...] = np.concatenate([everyone[source][self.rank] for source in range(self.size)])
 
-    def reducescatter(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str,
-                      op: ReduceOp, group: Any) -> None:
+    def reducescatter(
+        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
+    ) -> None:
         self._check(group)
-        start = sum(counts[:self.rank])
-        total = self._collective((recv if send is None else send).copy(), lambda parts: _fold(_REDUCERS[op], parts),
-                                 recv.nbytes)
-        target = recv[start:start + counts[self.rank]] if send is None else recv
-        target[...] = total[start:start + counts[self.rank]]
+        start = sum(counts[: self.rank])
+        total = self._collective(
+            (recv if send is None else send).copy(), lambda parts: _fold(_REDUCERS[op], parts), recv.nbytes
+        )
+        target = recv[start : start + counts[self.rank]] if send is None else recv
+        target[...] = total[start : start + counts[self.rank]]
 
     def barrier(self, group: Any) -> None:
         self._check(group)

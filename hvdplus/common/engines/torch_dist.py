@@ -10,7 +10,8 @@ import os
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -43,24 +44,31 @@ class TorchDistEngine:
             import torch
             import torch.distributed as dist
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise ImportError("the gloo engine needs PyTorch: pip install 'hvdplus[torch]' "
-                              "(or launch with mpirun and install 'hvdplus[mpi]')") from exc
+            raise ImportError(
+                "the gloo engine needs PyTorch: pip install 'hvdplus[torch]' "
+                "(or launch with mpirun and install 'hvdplus[mpi]')"
+            ) from exc
         self._torch, self._dist = torch, dist
         self._beacon_store: Any = None  # the rendezvous store, when hvdplus made it
         self._srun_server: Any = None  # rank 0 under plain srun serves the step's rendezvous (see _srun_secret)
         self._srun_secret_file = ""
         if launch.rank is None or launch.size is None:
-            raise RuntimeError("hvd.init() found no rank environment: start the job with hvdplusrun, mpirun or "
-                               "srun, or set HOROVOD_RANK, HOROVOD_SIZE and a rendezvous address")
+            raise RuntimeError(
+                "hvd.init() found no rank environment: start the job with hvdplusrun, mpirun or "
+                "srun, or set HOROVOD_RANK, HOROVOD_SIZE and a rendezvous address"
+            )
         self.rank, self.size = launch.rank, launch.size
         timeout = datetime.timedelta(seconds=timeout_seconds)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
-            dist.init_process_group("gloo", store=self._make_store(launch, timeout), rank=self.rank,
-                                    world_size=self.size, timeout=timeout)
+            dist.init_process_group(
+                "gloo", store=self._make_store(launch, timeout), rank=self.rank, world_size=self.size, timeout=timeout
+            )
         elif dist.get_world_size() != self.size:
-            raise RuntimeError(f"torch.distributed is already initialized with world size {dist.get_world_size()}, "
-                               f"but the launcher says {self.size}")
+            raise RuntimeError(
+                f"torch.distributed is already initialized with world size {dist.get_world_size()}, "
+                f"but the launcher says {self.size}"
+            )
         try:
             self.world = dist.new_group(list(range(self.size)), backend="gloo", timeout=timeout)
         except BaseException:
@@ -68,8 +76,12 @@ class TorchDistEngine:
                 dist.destroy_process_group()
             raise
         self._timeout = timeout
-        self._ops = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MIN: dist.ReduceOp.MIN,
-                     ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT}
+        self._ops = {
+            ReduceOp.SUM: dist.ReduceOp.SUM,
+            ReduceOp.MIN: dist.ReduceOp.MIN,
+            ReduceOp.MAX: dist.ReduceOp.MAX,
+            ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+        }
 
     def _make_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
         """The job's store (an elastic generation's namespace of it); also kept for stall beacons and failure
@@ -89,11 +101,18 @@ class TorchDistEngine:
             self._store = _authenticated_store(self._dist, launch, timeout.total_seconds())
             return self._store
         if launch.rendezvous_addr and launch.rendezvous_port:
-            return self._dist.TCPStore(launch.rendezvous_addr, launch.rendezvous_port, self.size,
-                                       is_master=self.rank == 0 and not launch.agent_store, timeout=timeout,
-                                       wait_for_workers=False)
-        raise RuntimeError("the gloo engine needs a rendezvous: set HVDPLUS_RENDEZVOUS_ADDR and "
-                           "HVDPLUS_RENDEZVOUS_PORT (rank 0 listens there) or HVDPLUS_RENDEZVOUS_FILE")
+            return self._dist.TCPStore(
+                launch.rendezvous_addr,
+                launch.rendezvous_port,
+                self.size,
+                is_master=self.rank == 0 and not launch.agent_store,
+                timeout=timeout,
+                wait_for_workers=False,
+            )
+        raise RuntimeError(
+            "the gloo engine needs a rendezvous: set HVDPLUS_RENDEZVOUS_ADDR and "
+            "HVDPLUS_RENDEZVOUS_PORT (rank 0 listens there) or HVDPLUS_RENDEZVOUS_FILE"
+        )
 
     def _srun_secret(self, launch: LaunchEnv, timeout_seconds: float) -> LaunchEnv:
         """Plain srun has no launcher to hand out a secret: rank 0 serves the authenticated store on the step's
@@ -120,8 +139,7 @@ class TorchDistEngine:
         group = self._dist.new_group(sorted(ranks), backend="gloo", timeout=self._timeout)
         return group if self.rank in ranks else None
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any,
-                  send: np.ndarray | None = None) -> None:
+    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None) -> None:
         if send is not None:  # Gloo reduces in place only
             np.copyto(buf, send)
         if dtype in _WIDENED:
@@ -135,22 +153,27 @@ class TorchDistEngine:
         if send is None:
             index = self._dist.get_group_rank(group, self.rank)
             start = int(sum(counts[:index]))
-            send = recv[start:start + counts[index]].copy()
-        gather_bytes(self._dist, self._bytes(send), self._bytes(recv), [c * send.dtype.itemsize for c in counts],
-                     group)
+            send = recv[start : start + counts[index]].copy()
+        gather_bytes(self._dist, self._bytes(send), self._bytes(recv), [c * send.dtype.itemsize for c in counts], group)
 
     def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
         self._dist.broadcast(self._bytes(buf), group_src=root, group=group)
 
-    def alltoall(self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray,
-                 recv_counts: Sequence[int], group: Any) -> None:
+    def alltoall(
+        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Any
+    ) -> None:
         itemsize = send.dtype.itemsize
-        self._dist.all_to_all_single(self._bytes(recv), self._bytes(send),
-                                     output_split_sizes=[c * itemsize for c in recv_counts],
-                                     input_split_sizes=[c * itemsize for c in send_counts], group=group)
+        self._dist.all_to_all_single(
+            self._bytes(recv),
+            self._bytes(send),
+            output_split_sizes=[c * itemsize for c in recv_counts],
+            input_split_sizes=[c * itemsize for c in send_counts],
+            group=group,
+        )
 
-    def reducescatter(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str,
-                      op: ReduceOp, group: Any) -> None:
+    def reducescatter(
+        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
+    ) -> None:
         # Gloo's own reduce_scatter exists but measured about 3x slower than its allreduce here (64 MiB, 2 ranks:
         # 254 ms against 82 ms; README), so reduce everything and keep this rank's slice.
         if send is None:  # in place: this rank's slice of the reduced buffer is already at its offset
@@ -160,7 +183,7 @@ class TorchDistEngine:
         self.allreduce(reduced, dtype, op, group)
         index = self._dist.get_group_rank(group, self.rank)
         start = int(sum(counts[:index]))
-        recv[...] = reduced[start:start + counts[index]]
+        recv[...] = reduced[start : start + counts[index]]
 
     def barrier(self, group: Any) -> None:
         self._dist.barrier(group=group)
@@ -178,12 +201,13 @@ class TorchDistEngine:
         recv = np.empty(sum(counts), dtype=np.uint8)
         self.allgather(np.frombuffer(data, dtype=np.uint8).copy(), recv, counts, group)
         offsets = np.concatenate([[0], np.cumsum(counts)])
-        return [recv[offsets[i]:offsets[i + 1]].tobytes() for i in range(n)]
+        return [recv[offsets[i] : offsets[i + 1]].tobytes() for i in range(n)]
 
-    def start_bitwise_and(self, words: np.ndarray, group: Any) -> "_GlooPending":
+    def start_bitwise_and(self, words: np.ndarray, group: Any) -> _GlooPending:
         out = words.copy()
-        work = self._dist.all_reduce(self._torch.from_numpy(out), op=self._dist.ReduceOp.BAND, group=group,
-                                     async_op=True)
+        work = self._dist.all_reduce(
+            self._torch.from_numpy(out), op=self._dist.ReduceOp.BAND, group=group, async_op=True
+        )
         return _GlooPending(work, out)
 
     def send_beacon(self, round_number: int) -> None:
@@ -194,8 +218,7 @@ class TorchDistEngine:
         if self._beacon_store is None:
             return {}
         keys = {peer: f"hvdplus/beacon/{peer}" for peer in range(self.size) if peer != self.rank}
-        return {peer: int(self._beacon_store.get(key)) for peer, key in keys.items()
-                if self._beacon_store.check([key])}
+        return {peer: int(self._beacon_store.get(key)) for peer, key in keys.items() if self._beacon_store.check([key])}
 
     def announce_failure(self, message: str) -> None:
         if self._beacon_store is not None:  # the store outlives this rank's process group
@@ -205,13 +228,16 @@ class TorchDistEngine:
         if self._beacon_store is None:
             return {}
         keys = {peer: failure_key(peer) for peer in range(self.size) if peer != self.rank}
-        return {peer: self._beacon_store.get(key).decode(errors="replace") for peer, key in keys.items()
-                if self._beacon_store.check([key])}
+        return {
+            peer: self._beacon_store.get(key).decode(errors="replace")
+            for peer, key in keys.items()
+            if self._beacon_store.check([key])
+        }
 
-    def open_doorbell(self, on_ring: Callable[[], None]) -> "GlooDoorbell":
+    def open_doorbell(self, on_ring: Callable[[], None]) -> GlooDoorbell:
         return GlooDoorbell(self._dist, self._torch, self.rank, self.size, on_ring)
 
-    def open_channel(self) -> "GlooChannel":
+    def open_channel(self) -> GlooChannel:
         return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
 
     def shutdown(self) -> None:
@@ -235,12 +261,12 @@ def gather_bytes(dist: Any, send: Any, recv: Any, byte_counts: Sequence[int], gr
         dist.all_gather_single(recv, send, group=group)
         return
     padded = recv.new_zeros(longest)
-    padded[:send.numel()] = send
+    padded[: send.numel()] = send
     gathered = recv.new_empty(len(byte_counts) * longest)
     dist.all_gather_single(gathered, padded, group=group)
     offset = 0
     for row, count in zip(gathered.view(len(byte_counts), longest), byte_counts):
-        recv[offset:offset + count] = row[:count]
+        recv[offset : offset + count] = row[:count]
         offset += count
 
 
@@ -268,8 +294,10 @@ def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -
                     return self._client.get(key, min(_SUPERSEDED_POLL_SECONDS, self._client.timeout))
                 except RendezvousTimeout:
                     if int(self._client.get(LATEST_KEY)) > launch.elastic_generation:
-                        raise GenerationReplaced(f"generation {launch.elastic_generation} of the elastic job was "
-                                                 f"replaced while its workers connected (waiting for {key})")
+                        raise GenerationReplaced(
+                            f"generation {launch.elastic_generation} of the elastic job was "
+                            f"replaced while its workers connected (waiting for {key})"
+                        ) from None
                     if time.monotonic() > deadline:
                         raise
 
@@ -292,13 +320,14 @@ def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -
         def num_keys(self) -> int:
             return self._client.num_keys()
 
-        def clone(self) -> "AuthenticatedStore":
+        def clone(self) -> AuthenticatedStore:
             clone = AuthenticatedStore(self._client.clone())
             self._clones.append(clone)
             return clone
 
-    return AuthenticatedStore(RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port,
-                                               launch.secret_key, timeout_seconds))
+    return AuthenticatedStore(
+        RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port, launch.secret_key, timeout_seconds)
+    )
 
 
 class GlooDoorbell:
@@ -317,8 +346,10 @@ class GlooDoorbell:
         self._group = dist.new_group(list(range(size)), backend="gloo", timeout=self._NEVER)
         self._heard = -1
         self._outbox: queue.SimpleQueue[int | None] = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=target, name=f"hvdplus-doorbell-{role}", daemon=True)
-                         for role, target in (("receive", self._receive), ("send", self._send))]
+        self._threads = [
+            threading.Thread(target=target, name=f"hvdplus-doorbell-{role}", daemon=True)
+            for role, target in (("receive", self._receive), ("send", self._send))
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -350,8 +381,10 @@ class GlooDoorbell:
         try:
             while (round_number := self._outbox.get()) is not None:
                 bell = self._torch.tensor([round_number])
-                for work in [self._dist.isend(bell, dst=peer, group=self._group, tag=self._TAG)
-                             for peer in bell_targets(self._rank, self._size)]:
+                for work in [
+                    self._dist.isend(bell, dst=peer, group=self._group, tag=self._TAG)
+                    for peer in bell_targets(self._rank, self._size)
+                ]:
                     work.wait()
         except Exception as exc:  # as above
             log.debug("doorbell sender stopped: %s", exc)
@@ -365,11 +398,11 @@ class GlooChannel:
     def __init__(self, dist: Any, torch: Any, group: Any) -> None:
         self._dist, self._torch, self._group = dist, torch, group
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> "_GlooTransfer":
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> _GlooTransfer:
         tensor = self._torch.from_numpy(buf.reshape(-1).view(np.uint8))
         return _GlooTransfer(self._dist.isend(tensor, dst=peer, group=self._group, tag=tag), tensor)
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> "_GlooTransfer":
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> _GlooTransfer:
         tensor = self._torch.from_numpy(buf.reshape(-1).view(np.uint8))
         return _GlooTransfer(self._dist.irecv(tensor, src=peer, group=self._group, tag=tag), tensor)
 
@@ -380,7 +413,6 @@ class GlooChannel:
 class _GlooTransfer:
     """A Gloo send or receive and the tensor it reads or writes. Gloo's send/recv works report completion only
     through `wait`, which sleeps on a condition (no core spent) up to the engine's timeout."""
-
 
     def __init__(self, work: Any, tensor: Any) -> None:
         self._work, self._tensor = work, tensor

@@ -8,4 +8,4 @@ import hvdplus.keras
 sys.modules[__name__] = hvdplus.keras
 for _name, _module in list(sys.modules.items()):
     if _name.startswith("hvdplus.keras."):
-        sys.modules[__name__ + _name[len("hvdplus.keras"):]] = _module
+        sys.modules[__name__ + _name[len("hvdplus.keras") :]] = _module

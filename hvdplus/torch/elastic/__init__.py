@@ -5,7 +5,8 @@ horovod.torch.elastic does not export them."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from hvdplus.common.elastic import ObjectState, State, run_fn
 from hvdplus.torch.elastic.sampler import ElasticSampler

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Iterator, Sized
+from collections.abc import Iterator, Sized
+from typing import Any
 
 import torch.utils.data
 
@@ -66,13 +67,13 @@ class ElasticSampler(torch.utils.data.Sampler):
         indices = list(range(len(self.dataset)))
         if self.shuffle:
             random.Random(self.seed + self.epoch).shuffle(indices)
-        self.remaining_indices = indices[self.processed_num:]
+        self.remaining_indices = indices[self.processed_num :]
         self.num_samples = math.ceil(len(self.remaining_indices) / self.num_replicas)
         self.total_size = self.num_samples * self.num_replicas
 
     def __iter__(self) -> Iterator[int]:
-        indices = self.remaining_indices + self.remaining_indices[:self.total_size - len(self.remaining_indices)]
-        return iter(indices[self.rank:self.total_size:self.num_replicas])
+        indices = self.remaining_indices + self.remaining_indices[: self.total_size - len(self.remaining_indices)]
+        return iter(indices[self.rank : self.total_size : self.num_replicas])
 
     def __len__(self) -> int:
         return self.num_samples

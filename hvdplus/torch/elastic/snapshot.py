@@ -18,8 +18,12 @@ __all__ = ["Snapshot"]
 
 def _buffer_for(value: torch.Tensor, old: Any) -> torch.Tensor:
     """`old` if it can hold `value`, else a new host buffer (pinned for a device tensor, to copy at full speed)."""
-    if (isinstance(old, torch.Tensor) and old.shape == value.shape and old.dtype == value.dtype
-            and old.layout == value.layout):
+    if (
+        isinstance(old, torch.Tensor)
+        and old.shape == value.shape
+        and old.dtype == value.dtype
+        and old.layout == value.layout
+    ):
         return old
     if value.is_sparse:
         return value.detach().to("cpu", copy=True)

@@ -69,9 +69,11 @@ def _handler(value: Any) -> StateHandler | None:
         return _ModelHandler(value)
     if isinstance(value, torch.optim.Optimizer):
         if getattr(value, "_zero", None) is not None:
-            raise TypeError("TorchState cannot keep a ZeroOptimizer yet: its state is sharded over the ranks of one "
-                            "generation of the job and is not resharded at an elastic reset. Use "
-                            "hvd.DistributedOptimizer in elastic jobs.")
+            raise TypeError(
+                "TorchState cannot keep a ZeroOptimizer yet: its state is sharded over the ranks of one "
+                "generation of the job and is not resharded at an elastic reset. Use "
+                "hvd.DistributedOptimizer in elastic jobs."
+            )
         return _OptimizerHandler(value)
     if isinstance(value, ElasticSampler):
         return _SamplerHandler(value)
@@ -82,7 +84,9 @@ class TorchState(HandledState):
     """State of a PyTorch job: `model`, `optimizer`, and keyword attributes; modules, optimizers and
     ElasticSamplers among them are committed as tensors (preallocated host copies), the rest as Python objects."""
 
-    def __init__(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(_handler, bcast_object=broadcast_object, get_rank=rank, model=model, optimizer=optimizer,
-                         **kwargs)
+    def __init__(
+        self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None, **kwargs: Any
+    ) -> None:
+        super().__init__(
+            _handler, bcast_object=broadcast_object, get_rank=rank, model=model, optimizer=optimizer, **kwargs
+        )

@@ -79,18 +79,35 @@ def main() -> None:
     inputs = np.arange(8 * 4, dtype=np.float32).reshape(8, 4) / 32
     data = tf.data.Dataset.from_tensors((inputs, np.ones((8, 1), np.float32))).repeat()
     report = Report(state)
-    callbacks = [hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state), report,
-                 hvd.elastic.CommitStateCallback(state), Act(state, report)]
+    callbacks = [
+        hvd.elastic.UpdateEpochStateCallback(state),
+        hvd.elastic.UpdateBatchStateCallback(state),
+        report,
+        hvd.elastic.CommitStateCallback(state),
+        Act(state, report),
+    ]
 
     @hvd.elastic.run
     def train(state):
-        state.model.fit(data, steps_per_epoch=STEPS, epochs=EPOCHS, initial_epoch=state.epoch, callbacks=callbacks,
-                        shuffle=False, verbose=0)
+        state.model.fit(
+            data,
+            steps_per_epoch=STEPS,
+            epochs=EPOCHS,
+            initial_epoch=state.epoch,
+            callbacks=callbacks,
+            shuffle=False,
+            verbose=0,
+        )
 
     train(state)
     weights = np.concatenate([v.numpy().ravel() for v in model.trainable_variables])
-    say(final=[float(w) for w in weights], iterations=int(model.optimizer.iterations.numpy()), rank=hvd.rank(),
-        size=hvd.size(), worker=WORKER)
+    say(
+        final=[float(w) for w in weights],
+        iterations=int(model.optimizer.iterations.numpy()),
+        rank=hvd.rank(),
+        size=hvd.size(),
+        worker=WORKER,
+    )
 
 
 if __name__ == "__main__":

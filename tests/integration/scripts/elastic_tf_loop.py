@@ -5,7 +5,8 @@ the weights equal a one-process run's, however many workers failed on the way.
 
 Environment: STEPS (default 12), RAISE="<worker id>:<step>" (the worker raises right after the commit of that step,
 in its first life), GROW="<hosts file>:<step>" (after that step's commit rank 0 adds 127.0.0.1:1 to the discovery
-script's hosts file and waits for the launcher to plan the bigger generation). Without hvdplusrun it runs as one process: the reference.
+script's hosts file and waits for the launcher to plan the bigger generation). Without hvdplusrun it runs as one
+process: the reference.
 Prints {"step", "rank", "size", "worker"} per committed step and {"final": weights, "rank", "size"} at the end.
 """
 
@@ -62,5 +63,9 @@ def train(state):
 
 
 train(state)
-say(final=[float(v) for v in tf.concat([tf.reshape(weight, [-1]), bias], 0).numpy()], rank=hvd.rank(),
-    size=hvd.size(), worker=WORKER)
+say(
+    final=[float(v) for v in tf.concat([tf.reshape(weight, [-1]), bias], 0).numpy()],
+    rank=hvd.rank(),
+    size=hvd.size(),
+    worker=WORKER,
+)

@@ -154,9 +154,10 @@ def keras_state_reset_empties_a_distributed_optimizers_gradient_accumulation():
 def keras_state_refuses_an_unbuilt_model_no_optimizer_or_a_zero_optimizer():
     built = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     for model, optimizer, error, words in [
-            (keras.Sequential([keras.layers.Dense(1)]), keras.optimizers.SGD(), ValueError, "Model must be built"),
-            (built, None, ValueError, "needs an optimizer"),
-            (built, hvd_keras.ZeroOptimizer(keras.optimizers.SGD(0.1)), TypeError, "cannot keep a ZeroOptimizer")]:
+        (keras.Sequential([keras.layers.Dense(1)]), keras.optimizers.SGD(), ValueError, "Model must be built"),
+        (built, None, ValueError, "needs an optimizer"),
+        (built, hvd_keras.ZeroOptimizer(keras.optimizers.SGD(0.1)), TypeError, "cannot keep a ZeroOptimizer"),
+    ]:
         try:
             hvd.elastic.TensorFlowKerasState(model, optimizer)
         except error as exc:
@@ -176,9 +177,13 @@ def run_restores_the_commit_after_a_collective_failed_in_a_graph():
         calls.append(float(w.numpy()[0]))
         w.assign([2.0])
         if len(calls) == 1:  # what a tf.function reports when a peer dies in its allreduce
-            raise tf.errors.UnknownError(None, None, "Graph execution error:\n\nDetected at node HorovodWait ...\n"
-                                         "hvdplus.tensorflow._graph.HorovodInternalError: collective failed\n"
-                                         "\t [[{{node DistributedOptimizer/HorovodWait_3}}]] [Op:__inference_f]")
+            raise tf.errors.UnknownError(
+                None,
+                None,
+                "Graph execution error:\n\nDetected at node HorovodWait ...\n"
+                "hvdplus.tensorflow._graph.HorovodInternalError: collective failed\n"
+                "\t [[{{node DistributedOptimizer/HorovodWait_3}}]] [Op:__inference_f]",
+            )
         return "done"
 
     assert train(state) == "done" and calls == [1.0, 1.0], calls
@@ -214,8 +219,12 @@ def fit_with_callbacks(state, steps, **fit_args):
         def on_epoch_end(self, epoch, logs=None):
             seen.append(("end", state.epoch))
 
-    callbacks = [hvd_keras.elastic.UpdateEpochStateCallback(state), hvd_keras.elastic.UpdateBatchStateCallback(state),
-                 hvd_keras.elastic.CommitStateCallback(state), Record()]
+    callbacks = [
+        hvd_keras.elastic.UpdateEpochStateCallback(state),
+        hvd_keras.elastic.UpdateBatchStateCallback(state),
+        hvd_keras.elastic.CommitStateCallback(state),
+        Record(),
+    ]
     data = tf.data.Dataset.from_tensors(DATA).repeat()
     state.model.fit(data, steps_per_epoch=steps, callbacks=callbacks, verbose=0, shuffle=False, **fit_args)
     return seen
@@ -247,8 +256,14 @@ def commit_state_callback_commits_every_few_batches_and_at_epoch_ends():
     state = hvd_keras.elastic.KerasState(model, batch=0)
     commits = []
     state.check_host_updates = lambda: commits.append(int(model.optimizer.iterations.numpy()))
-    model.fit(tf.data.Dataset.from_tensors(DATA).repeat(), steps_per_epoch=5, epochs=1, verbose=0, shuffle=False,
-              callbacks=[hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=2)])
+    model.fit(
+        tf.data.Dataset.from_tensors(DATA).repeat(),
+        steps_per_epoch=5,
+        epochs=1,
+        verbose=0,
+        shuffle=False,
+        callbacks=[hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=2)],
+    )
     assert commits == [2, 4, 5], commits
     try:
         hvd_keras.elastic.CommitStateCallback(state, batches_per_commit=0)

@@ -29,18 +29,24 @@ STOP_FILE = os.environ.get("STOP_FILE")
 WAIT_AT_STEP = int(os.environ.get("WAIT_AT_STEP", "0"))
 WORKER = os.environ["HVDPLUS_ELASTIC_WORKER"]
 FIRST_LIFE = os.environ["HVDPLUS_ELASTIC_GENERATION"] == "0" or os.environ.get("FAIL_LATE") == "1"
-FAILURES = {int(step): how for wid, step, how in (f.split(":") for f in os.environ.get("FAIL", "").split(",") if f)
-            if wid == WORKER}
+FAILURES = {
+    int(step): how
+    for wid, step, how in (f.split(":") for f in os.environ.get("FAIL", "").split(",") if f)
+    if wid == WORKER
+}
 
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
-optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
-                                     named_parameters=model.named_parameters())
+optimizer = hvd.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9), named_parameters=model.named_parameters()
+)
 if os.environ.get("ZERO"):
     try:
-        hvd.elastic.TorchState(model, hvd.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                                                        named_parameters=model.named_parameters()))
+        hvd.elastic.TorchState(
+            model,
+            hvd.ZeroOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()),
+        )
     except TypeError as exc:
         print(json.dumps({"zero_error": str(exc)}), flush=True)
     sys.exit(0)
@@ -89,8 +95,15 @@ def train_epochs(state) -> None:
             sampler.record_batch(start // 4, 4)
             state.step += 1
             state.commit()
-            say(step=state.step, rank=hvd.rank(), size=hvd.size(), worker=WORKER, epoch=state.epoch,
-                generation=elastic_worker().plan.generation, indices=indices[start:start + 4])
+            say(
+                step=state.step,
+                rank=hvd.rank(),
+                size=hvd.size(),
+                worker=WORKER,
+                epoch=state.epoch,
+                generation=elastic_worker().plan.generation,
+                indices=indices[start : start + 4],
+            )
             fail_if_asked(state.step)
             time.sleep(SLEEP)
         state.epoch += 1
@@ -111,8 +124,14 @@ def train(state):
         train_step()
         state.step += 1
         state.commit()
-        say(step=state.step, rank=hvd.rank(), size=hvd.size(), worker=WORKER,
-            generation=elastic_worker().plan.generation, t=time.time())
+        say(
+            step=state.step,
+            rank=hvd.rank(),
+            size=hvd.size(),
+            worker=WORKER,
+            generation=elastic_worker().plan.generation,
+            t=time.time(),
+        )
         if state.step == WAIT_AT_STEP:
             say(waiting=True, rank=hvd.rank())
             say(waited=state.wait_for_host_updates(60), rank=hvd.rank())
@@ -121,5 +140,10 @@ def train(state):
 
 
 train(state)
-say(final=[round(v, 7) for v in model.weight.flatten().tolist() + model.bias.tolist()], rank=hvd.rank(),
-    size=hvd.size(), worker=WORKER, steps=state.step)
+say(
+    final=[round(v, 7) for v in model.weight.flatten().tolist() + model.bias.tolist()],
+    rank=hvd.rank(),
+    size=hvd.size(),
+    worker=WORKER,
+    steps=state.step,
+)

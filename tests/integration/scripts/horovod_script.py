@@ -1,8 +1,7 @@
 """An unmodified Horovod script: only `import horovod.torch as hvd`, as users have them today."""
 
-import torch
-
 import horovod.torch as hvd
+import torch
 
 hvd.init()
 tensor = hvd.allreduce(torch.ones(2) * (hvd.rank() + 1), op=hvd.Sum)

@@ -16,9 +16,21 @@ if hvd.mpi_enabled():
 
     library = MPI.Get_library_version().split(",")[0].strip()
 total = hvd.allreduce(torch.tensor([float(hvd.rank())]), op=hvd.Sum, name="report").item()
-print(json.dumps({"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
-                  "cross_rank": hvd.cross_rank(), "host": socket.gethostname(), "sum": total,
-                  "engine": "mpi" if hvd.mpi_enabled() else "gloo", "mpi_library": library,
-                  "pid": os.getpid()}), flush=True)
+print(
+    json.dumps(
+        {
+            "rank": hvd.rank(),
+            "size": hvd.size(),
+            "local_rank": hvd.local_rank(),
+            "cross_rank": hvd.cross_rank(),
+            "host": socket.gethostname(),
+            "sum": total,
+            "engine": "mpi" if hvd.mpi_enabled() else "gloo",
+            "mpi_library": library,
+            "pid": os.getpid(),
+        }
+    ),
+    flush=True,
+)
 hvd.shutdown()
 sys.exit(0)

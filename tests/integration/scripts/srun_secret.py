@@ -22,8 +22,13 @@ try:
 except (OSError, RuntimeError, ValueError):
     pass
 try:
-    store = dist.TCPStore(launch.rendezvous_addr, launch.rendezvous_port, is_master=False,
-                          timeout=datetime.timedelta(seconds=3), wait_for_workers=False)
+    store = dist.TCPStore(
+        launch.rendezvous_addr,
+        launch.rendezvous_port,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=3),
+        wait_for_workers=False,
+    )
     store.set("intruder", "x")
     raise SystemExit("torch's plain TCPStore client was admitted")
 except (RuntimeError, OSError, dist.DistStoreError):

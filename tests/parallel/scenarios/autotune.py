@@ -13,8 +13,10 @@ SIZES = (1, 10, 1000, 5000, 300_000)  # up to 1.2 MB: the fusion thresholds trie
 
 hvd.init()
 for step in range(STEPS):
-    handles = [hvd.allreduce_async(torch.full((n,), float(hvd.rank() + step)), op=hvd.Sum, name=f"grad{i}")
-               for i, n in enumerate(SIZES)]
+    handles = [
+        hvd.allreduce_async(torch.full((n,), float(hvd.rank() + step)), op=hvd.Sum, name=f"grad{i}")
+        for i, n in enumerate(SIZES)
+    ]
     expected = float(sum(rank + step for rank in range(hvd.size())))
     for n, handle in zip(SIZES, handles):
         result = hvd.synchronize(handle)

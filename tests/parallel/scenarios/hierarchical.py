@@ -12,7 +12,7 @@ import torch
 rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", os.environ.get("HOROVOD_RANK", "0"))))
 slots = [int(n) for n in os.environ["HOSTS"].split(",")]
 if not os.environ.get("REAL_HOSTS"):  # simulated: name this rank's host; on real hosts they have their names
-    os.environ["HOROVOD_HOSTNAME"] = f"host{sum(rank >= sum(slots[:h + 1]) for h in range(len(slots)))}"
+    os.environ["HOROVOD_HOSTNAME"] = f"host{sum(rank >= sum(slots[: h + 1]) for h in range(len(slots)))}"
 
 import hvdplus.torch as hvd  # noqa: E402
 from hvdplus.common.basics import runtime  # noqa: E402
@@ -30,14 +30,16 @@ def check_allreduce(process_set, tag):
     for count in (1, 7, 1000, (1 << 18) + 3):  # the last is large enough for the composed cross-host step
         x = torch.arange(count, dtype=torch.float32) * (hvd.rank() + 1)
         total = torch.arange(count, dtype=torch.float32) * sum(r + 1 for r in members)
-        torch.testing.assert_close(hvd.allreduce(x, op=hvd.Sum, name=f"{tag}.h{count}", process_set=process_set),
-                                   total)
-        torch.testing.assert_close(hvd.allreduce(x, name=f"{tag}.avg{count}", process_set=process_set),
-                                   total / len(members))
+        torch.testing.assert_close(hvd.allreduce(x, op=hvd.Sum, name=f"{tag}.h{count}", process_set=process_set), total)
+        torch.testing.assert_close(
+            hvd.allreduce(x, name=f"{tag}.avg{count}", process_set=process_set), total / len(members)
+        )
         half = hvd.allreduce(x.to(torch.bfloat16), op=hvd.Sum, name=f"{tag}.bf{count}", process_set=process_set)
         torch.testing.assert_close(half.float(), total, rtol=2e-2, atol=1.0)
-    handles = [hvd.allreduce_async(torch.full((5,), float(i)), op=hvd.Sum, name=f"{tag}.fused{i}",
-                                   process_set=process_set) for i in range(20)]
+    handles = [
+        hvd.allreduce_async(torch.full((5,), float(i)), op=hvd.Sum, name=f"{tag}.fused{i}", process_set=process_set)
+        for i in range(20)
+    ]
     for i, handle in enumerate(handles):
         assert torch.all(hvd.synchronize(handle) == i * len(members))
 

@@ -23,8 +23,10 @@ hvd.init(process_sets=[pair])
 rank, size = hvd.rank(), hvd.size()
 names = [f"grad.{i}" for i in range(20)]
 order = names[rank:] + names[:rank]  # each rank submits in its own order
-handles = {name: hvd.allreduce_async(torch.full((3,), float(int(name.split(".")[1]) + rank)), op=hvd.Sum, name=name)
-           for name in order}
+handles = {
+    name: hvd.allreduce_async(torch.full((3,), float(int(name.split(".")[1]) + rank)), op=hvd.Sum, name=name)
+    for name in order
+}
 for name, handle in handles.items():
     index = int(name.split(".")[1])
     assert hvd.synchronize(handle).tolist() == [float(size * index + sum(range(size)))] * 3, name

@@ -21,5 +21,8 @@ with tf.compat.v1.Session() as session:
         print(f"rank {hvd.rank()}: no error", flush=True)
     except tf.errors.OpError as exc:
         why = re.search(r"HorovodInternalError: (.*?) Traceback", " ".join(exc.message.split()))
-        print(f"rank {hvd.rank()}: raised {type(exc).__name__} after {time.monotonic() - start:.0f} s: "
-              f"{why.group(1) if why else exc.message}", flush=True)
+        print(
+            f"rank {hvd.rank()}: raised {type(exc).__name__} after {time.monotonic() - start:.0f} s: "
+            f"{why.group(1) if why else exc.message}",
+            flush=True,
+        )

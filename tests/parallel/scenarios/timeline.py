@@ -11,7 +11,7 @@ import torch
 import hvdplus.torch as hvd
 
 hvd.init()
-for step in range(3):
+for _ in range(3):
     hvd.allreduce(torch.ones(4), name="grad.w")
     hvd.allgather(torch.ones(1), name="gathered")
     handles = [hvd.allreduce_async(torch.ones(3), name=f"fused.{i}") for i in range(3)]

@@ -32,8 +32,9 @@ if rank == 0:
     toggler.start()
 steps = 0
 while True:  # until rank 0's swaps are over: the ranks agree through the last allreduce of each step
-    reduced = [hvd.allreduce_async(torch.full((3,), float(rank + k)), op=hvd.Sum, name=f"r{steps}.{k}")
-               for k in range(3)]
+    reduced = [
+        hvd.allreduce_async(torch.full((3,), float(rank + k)), op=hvd.Sum, name=f"r{steps}.{k}") for k in range(3)
+    ]
     gathered = hvd.allgather_async(torch.full((rank + 1, 2), float(rank)), name=f"g{steps}")
     go = hvd.allreduce(torch.tensor([float(rank == 0 and toggling.is_set())]), op=hvd.Sum, name=f"go{steps}")
     for k, handle in enumerate(reduced):
@@ -46,7 +47,9 @@ while True:  # until rank 0's swaps are over: the ranks agree through the last a
 if rank == 0:
     toggler.join()
     events = [json.load(open(os.path.join(folder, f"timeline{i}.json"))) for i in range(SWAPS)]
-    print(f"{SWAPS} timelines valid over {steps} steps, "
-          f"{sum(e.get('ph') == 'B' for trace in events for e in trace)} spans")
+    print(
+        f"{SWAPS} timelines valid over {steps} steps, "
+        f"{sum(e.get('ph') == 'B' for trace in events for e in trace)} spans"
+    )
 hvd.shutdown()
 print(f"rank {rank}: timeline swaps done")

@@ -60,8 +60,9 @@ def train(model, optimizer, batches, rows) -> None:
 
 def sharded(meta: bool):
     model = hvd.shard_parameters(build(meta), units=[Block])
-    return model, hvd.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
-                                    named_parameters=model.named_parameters())
+    return model, hvd.ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-3), named_parameters=model.named_parameters()
+    )
 
 
 def main(phase: str, path: str, directory: str) -> None:
@@ -85,8 +86,10 @@ def main(phase: str, path: str, directory: str) -> None:
         expected = build()
         expected_optimizer = torch.optim.AdamW(expected.parameters(), lr=1e-3)
         train(expected, expected_optimizer, data(), slice(None))
-        for kind, load in (("consolidated", lambda m, o: hvd.load_full_checkpoint(path, m, o)),
-                           ("sharded", lambda m, o: hvd.load_sharded_checkpoint(directory, m, o))):
+        for kind, load in (
+            ("consolidated", lambda m, o: hvd.load_full_checkpoint(path, m, o)),
+            ("sharded", lambda m, o: hvd.load_sharded_checkpoint(directory, m, o)),
+        ):
             model, optimizer = sharded(meta=True)
             load(model, optimizer)
             train(model, optimizer, data()[SAVED_AT:], rows)
@@ -99,8 +102,10 @@ def main(phase: str, path: str, directory: str) -> None:
                 for index, state in plain_state.items():
                     torch.testing.assert_close(full["state"][index]["exp_avg"], state["exp_avg"], rtol=0, atol=1e-6)
                     assert float(full["state"][index]["step"]) == float(state["step"]) == STEPS
-            print(f"rank {hvd.rank()} of {hvd.size()}: resumed from the {kind} checkpoint as one process trains",
-                  flush=True)
+            print(
+                f"rank {hvd.rank()} of {hvd.size()}: resumed from the {kind} checkpoint as one process trains",
+                flush=True,
+            )
     hvd.shutdown()
 
 

@@ -15,8 +15,9 @@ def model_and_data():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 2))
     generator = torch.Generator().manual_seed(7)
-    data = [(torch.randn(BATCH, 5, generator=generator), torch.randn(BATCH, 2, generator=generator))
-            for _ in range(STEPS)]
+    data = [
+        (torch.randn(BATCH, 5, generator=generator), torch.randn(BATCH, 2, generator=generator)) for _ in range(STEPS)
+    ]
     return model, data
 
 
@@ -35,8 +36,9 @@ def main(phase: str, path: str) -> None:
     if phase == "resume":
         saved = torch.load(path, weights_only=False)
         model.load_state_dict(saved["model"])
-    optimizer = hvd.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                  named_parameters=model.named_parameters())
+    optimizer = hvd.ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), named_parameters=model.named_parameters()
+    )
     if phase == "save":
         steps(model, optimizer, data[:SAVED_AT], rows)
         full = optimizer.consolidated_state_dict(to=0)

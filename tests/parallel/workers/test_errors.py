@@ -57,8 +57,9 @@ def test_grouped_calls_with_different_numbers_of_tensors(hvd, packed):
     with pytest.raises(CollectiveMismatchError, match=expected):
         hvd.grouped_allgather(tensors, name=f"count.mismatch.gather.{packed}")
     with pytest.raises(CollectiveMismatchError, match=expected):
-        hvd.synchronize(hvd.grouped_reducescatter_async([t.repeat(6) for t in tensors],
-                                                        name=f"count.mismatch.rs.{packed}"))
+        hvd.synchronize(
+            hvd.grouped_reducescatter_async([t.repeat(6) for t in tensors], name=f"count.mismatch.rs.{packed}")
+        )
     _after_error_job_still_works(hvd)
 
 

@@ -39,15 +39,30 @@ def test_reducescatter_with_counts_into_a_given_output_and_in_place(hvd, pset):
     total = sum(member_input(r, 11) for r in ranks)
     start = sum(counts[:me])
     out = np.full(counts[me], -1, dtype=np.float32)
-    core.submit_reducescatter(member_input(hvd.rank(), 11), "float32", "flat.rs.out", ReduceOp.SUM,
-                              process_set=pset, counts=counts, output=out).wait()
-    np.testing.assert_allclose(out, total[start:start + counts[me]])
+    core.submit_reducescatter(
+        member_input(hvd.rank(), 11),
+        "float32",
+        "flat.rs.out",
+        ReduceOp.SUM,
+        process_set=pset,
+        counts=counts,
+        output=out,
+    ).wait()
+    np.testing.assert_allclose(out, total[start : start + counts[me]])
     buffer = member_input(hvd.rank(), 11)
-    result = core.submit_reducescatter(buffer, "float32", "flat.rs.inplace", ReduceOp.AVERAGE, process_set=pset,
-                                       counts=counts, output=buffer[start:start + counts[me]]).wait()
+    result = core.submit_reducescatter(
+        buffer,
+        "float32",
+        "flat.rs.inplace",
+        ReduceOp.AVERAGE,
+        process_set=pset,
+        counts=counts,
+        output=buffer[start : start + counts[me]],
+    ).wait()
     assert result.size == 0 or np.shares_memory(result, buffer)
-    np.testing.assert_allclose(buffer[start:start + counts[me]], total[start:start + counts[me]] / len(ranks),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        buffer[start : start + counts[me]], total[start : start + counts[me]] / len(ranks), rtol=1e-6
+    )
 
 
 def test_allgather_with_counts_into_a_given_output_and_in_place(hvd, pset):
@@ -58,14 +73,16 @@ def test_allgather_with_counts_into_a_given_output_and_in_place(hvd, pset):
     counts = uneven_counts(len(ranks), 9)
     expected = np.concatenate([member_input(r, counts[i]) for i, r in enumerate(ranks)])
     out = np.zeros(9, dtype=np.float32)
-    core.submit_allgather(member_input(hvd.rank(), counts[me]), "float32", "flat.ag.out", process_set=pset,
-                          counts=counts, output=out).wait()
+    core.submit_allgather(
+        member_input(hvd.rank(), counts[me]), "float32", "flat.ag.out", process_set=pset, counts=counts, output=out
+    ).wait()
     np.testing.assert_array_equal(out, expected)
     buffer = np.zeros(9, dtype=np.float32)
     start = sum(counts[:me])
-    buffer[start:start + counts[me]] = member_input(hvd.rank(), counts[me])
-    core.submit_allgather(buffer[start:start + counts[me]], "float32", "flat.ag.inplace", process_set=pset,
-                          counts=counts, output=buffer).wait()
+    buffer[start : start + counts[me]] = member_input(hvd.rank(), counts[me])
+    core.submit_allgather(
+        buffer[start : start + counts[me]], "float32", "flat.ag.inplace", process_set=pset, counts=counts, output=buffer
+    ).wait()
     np.testing.assert_array_equal(buffer, expected)
 
 
@@ -74,17 +91,21 @@ def test_many_small_reducescatters_and_allgathers_fuse(hvd):
     n, me = hvd.size(), hvd.rank()
     counts = [3 + r for r in range(n)]
     size = sum(counts)
-    handles = [core.submit_reducescatter(member_input(me, size, float(i)), "float32", f"fuse.rs.{i}", ReduceOp.SUM,
-                                         counts=counts) for i in range(60)]
+    handles = [
+        core.submit_reducescatter(
+            member_input(me, size, float(i)), "float32", f"fuse.rs.{i}", ReduceOp.SUM, counts=counts
+        )
+        for i in range(60)
+    ]
     start = sum(counts[:me])
     for i, handle in enumerate(handles):
         total = sum(member_input(r, size, float(i)) for r in range(n))
-        np.testing.assert_allclose(handle.wait(), total[start:start + counts[me]])
-    gathers = [core.submit_allgather(member_input(me, me + 1, float(i)), "float32", f"fuse.ag.{i}")
-               for i in range(60)]
+        np.testing.assert_allclose(handle.wait(), total[start : start + counts[me]])
+    gathers = [core.submit_allgather(member_input(me, me + 1, float(i)), "float32", f"fuse.ag.{i}") for i in range(60)]
     for i, handle in enumerate(gathers):
-        np.testing.assert_array_equal(handle.wait(), np.concatenate([member_input(r, r + 1, float(i))
-                                                                     for r in range(n)]))
+        np.testing.assert_array_equal(
+            handle.wait(), np.concatenate([member_input(r, r + 1, float(i)) for r in range(n)])
+        )
     largest = runtime().coordinator.largest_batch
     assert largest.get(OpKind.REDUCESCATTER, 0) >= 2 and largest.get(OpKind.ALLGATHER, 0) >= 2, largest
 

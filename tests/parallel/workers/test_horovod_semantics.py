@@ -77,13 +77,16 @@ def test_a_root_outside_the_set_raises_on_every_member(hvd, rest):
     """A root that is not a member raises ValueError naming the set's global ranks, on every member, before
     anything is submitted: the job goes on (no member waits for a peer that raised)."""
     if rest.included():
-        for call in (lambda: hvd.broadcast(torch.ones(2), root_rank=0, process_set=rest),
-                     lambda: hvd.broadcast_(torch.ones(2), root_rank=0, process_set=rest),
-                     lambda: hvd.broadcast_async(torch.ones(2), root_rank=0, process_set=rest),
-                     lambda: hvd.broadcast_object("x", root_rank=0, process_set=rest),
-                     lambda: hvd.broadcast_parameters([torch.ones(1)], root_rank=0, process_set=rest),
-                     lambda: hvd.broadcast_optimizer_state(torch.optim.SGD([torch.ones(1, requires_grad=True)],
-                                                                           lr=1), root_rank=0, process_set=rest)):
+        for call in (
+            lambda: hvd.broadcast(torch.ones(2), root_rank=0, process_set=rest),
+            lambda: hvd.broadcast_(torch.ones(2), root_rank=0, process_set=rest),
+            lambda: hvd.broadcast_async(torch.ones(2), root_rank=0, process_set=rest),
+            lambda: hvd.broadcast_object("x", root_rank=0, process_set=rest),
+            lambda: hvd.broadcast_parameters([torch.ones(1)], root_rank=0, process_set=rest),
+            lambda: hvd.broadcast_optimizer_state(
+                torch.optim.SGD([torch.ones(1, requires_grad=True)], lr=1), root_rank=0, process_set=rest
+            ),
+        ):
             with pytest.raises(ValueError, match=r"global .*ranks are \[" + ", ".join(map(str, rest.ranks))):
                 call()
         assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=rest).item() == len(rest.ranks)
@@ -113,8 +116,9 @@ def test_broadcast_optimizer_state_with_a_parameter_without_gradient(hvd, wrap):
     model = _ModelNoGrad()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.001)
     if wrap:
-        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=[(f"nograd.{n}", p) for n, p in
-                                                                          model.named_parameters()])
+        optimizer = hvd.DistributedOptimizer(
+            optimizer, named_parameters=[(f"nograd.{n}", p) for n, p in model.named_parameters()]
+        )
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     frozen, trained = optimizer.param_groups[0]["params"]
     assert frozen.grad is None and frozen not in optimizer.state
@@ -147,8 +151,9 @@ def test_lbfgs_state_cannot_be_broadcast(hvd):
 
 
 # ----------------------------------------------------------------------------- 3. reducescatter gradients
-@pytest.mark.parametrize("op_name,prescale,postscale", [("Sum", 1.0, 1.0), ("Average", 1.0, 1.0),
-                                                        ("Sum", 0.5, 3.0), ("Average", 2.0, 0.25)])
+@pytest.mark.parametrize(
+    "op_name,prescale,postscale", [("Sum", 1.0, 1.0), ("Average", 1.0, 1.0), ("Sum", 0.5, 3.0), ("Average", 2.0, 0.25)]
+)
 def test_reducescatter_gradient_follows_horovod(hvd, pset, op_name, prescale, postscale):
     """HorovodReducescatter.backward: grad *= size for Sum; *= prescale; *= postscale; then allgather."""
     if not pset.included():
@@ -161,8 +166,9 @@ def test_reducescatter_gradient_follows_horovod(hvd, pset, op_name, prescale, po
     assert torch.allclose(x.grad, torch.full_like(x, expected)), (x.grad, expected)
 
     xs = [torch.ones(n, 3, requires_grad=True), torch.ones(n + 2, requires_grad=True)]
-    shards = hvd.grouped_reducescatter(xs, op=op, process_set=pset, prescale_factor=prescale,
-                                       postscale_factor=postscale)
+    shards = hvd.grouped_reducescatter(
+        xs, op=op, process_set=pset, prescale_factor=prescale, postscale_factor=postscale
+    )
     sum(s.sum() for s in shards).backward()
     for tensor in xs:
         assert torch.allclose(tensor.grad, torch.full_like(tensor, expected))
@@ -185,10 +191,12 @@ def test_reducescatter_gradient_is_this_ranks_rows_of_the_allgather(hvd, pset):
 def test_reducescatter_adasum_raises_horovods_error(hvd):
     """Horovod's enqueue returns Aborted("Reducescatter currently only supports AVERAGE and SUM"), which
     horovod.torch raises as HorovodInternalError. Raised at the call on every rank; the job goes on."""
-    for call in (lambda: hvd.reducescatter(torch.ones(4), op=hvd.Adasum),
-                 lambda: hvd.reducescatter_async(torch.ones(4), op=hvd.Adasum),
-                 lambda: hvd.grouped_reducescatter([torch.ones(4)], op=hvd.Adasum),
-                 lambda: hvd.grouped_reducescatter_async([torch.ones(4)], op=hvd.Adasum)):
+    for call in (
+        lambda: hvd.reducescatter(torch.ones(4), op=hvd.Adasum),
+        lambda: hvd.reducescatter_async(torch.ones(4), op=hvd.Adasum),
+        lambda: hvd.grouped_reducescatter([torch.ones(4)], op=hvd.Adasum),
+        lambda: hvd.grouped_reducescatter_async([torch.ones(4)], op=hvd.Adasum),
+    ):
         with pytest.raises(HorovodInternalError, match="Adasum"):
             call()
     _job_still_works(hvd)
@@ -201,9 +209,11 @@ def _embedding_reference_step(hvd, sparse_as_dense: bool, steps: int = 3):
     torch.manual_seed(3)
     distributed, reference = torch.nn.Embedding(7, 3, sparse=True), torch.nn.Embedding(7, 3, sparse=True)
     reference.load_state_dict(distributed.state_dict())
-    optimizer = hvd.DistributedOptimizer(torch.optim.SparseAdam(distributed.parameters(), lr=0.1),
-                                         named_parameters=[(f"sparse.{sparse_as_dense}.w", distributed.weight)],
-                                         sparse_as_dense=sparse_as_dense)
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SparseAdam(distributed.parameters(), lr=0.1),
+        named_parameters=[(f"sparse.{sparse_as_dense}.w", distributed.weight)],
+        sparse_as_dense=sparse_as_dense,
+    )
     reference_optimizer = torch.optim.SparseAdam(reference.parameters(), lr=0.1)
     indices = [torch.tensor([r % 7, (r + step) % 7, 6]) for r in range(hvd.size()) for step in range(steps)]
     for step in range(steps):
@@ -269,8 +279,13 @@ def test_allreduce_family_on_every_set(hvd, pset, op_name):
         return
     members, op = global_ranks(hvd, pset), getattr(hvd, op_name)
     stacked = torch.stack([_values(hvd, r) * 0.5 for r in members])  # prescale 0.5 applied per rank
-    expected = {"Average": stacked.mean(0), "Sum": stacked.sum(0), "Min": stacked.min(0).values,
-                "Max": stacked.max(0).values, "Product": stacked.prod(0)}[op_name] * 3.0
+    expected = {
+        "Average": stacked.mean(0),
+        "Sum": stacked.sum(0),
+        "Min": stacked.min(0).values,
+        "Max": stacked.max(0).values,
+        "Product": stacked.prod(0),
+    }[op_name] * 3.0
     kwargs = dict(op=op, prescale_factor=0.5, postscale_factor=3.0, process_set=pset)
     mine = _values(hvd, hvd.rank())
     torch.testing.assert_close(hvd.allreduce(mine, **kwargs), expected)
@@ -281,8 +296,10 @@ def test_allreduce_family_on_every_set(hvd, pset, op_name):
     inplace = mine.clone()
     hvd.synchronize(hvd.allreduce_async_(inplace, **kwargs))
     torch.testing.assert_close(inplace, expected)
-    for result in (hvd.grouped_allreduce([mine, mine * 0 + 1], **kwargs),
-                   hvd.synchronize(hvd.grouped_allreduce_async([mine, mine * 0 + 1], **kwargs))):
+    for result in (
+        hvd.grouped_allreduce([mine, mine * 0 + 1], **kwargs),
+        hvd.synchronize(hvd.grouped_allreduce_async([mine, mine * 0 + 1], **kwargs)),
+    ):
         torch.testing.assert_close(result[0], expected)
     pair = [mine.clone(), mine.clone()]
     hvd.grouped_allreduce_(pair, **kwargs)
@@ -344,8 +361,7 @@ def test_alltoall_returns_received_splits_only_when_given_splits(hvd, pset):
     assert output.tolist() == [float(r) for r in members for _ in range(me + 1)]
     (output * (hvd.rank() + 1)).sum().backward()
     assert rows.grad.tolist() == [float(r + 1) for i, r in enumerate(members) for _ in range(splits[i])]
-    output, received = hvd.synchronize(hvd.alltoall_async(rows.detach(), splits=torch.tensor(splits),
-                                                          process_set=pset))
+    output, received = hvd.synchronize(hvd.alltoall_async(rows.detach(), splits=torch.tensor(splits), process_set=pset))
     assert received.tolist() == [me + 1] * n
 
 

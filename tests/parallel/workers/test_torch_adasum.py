@@ -29,8 +29,7 @@ def reference(tensors: list[torch.Tensor]) -> torch.Tensor:
 
 def rank_tensor(hvd, shape: tuple[int, ...], seed: int, dtype=torch.float32) -> tuple[torch.Tensor, list]:
     """This rank's random tensor and every rank's (generated locally from the rank's seed)."""
-    every = [torch.randn(shape, generator=torch.Generator().manual_seed(seed + r)).to(dtype)
-             for r in range(hvd.size())]
+    every = [torch.randn(shape, generator=torch.Generator().manual_seed(seed + r)).to(dtype) for r in range(hvd.size())]
     return every[hvd.rank()], every
 
 
@@ -65,13 +64,15 @@ def test_fp16_adasum(hvd, adasum_ok):
 def test_non_power_of_two_raises_on_every_rank(hvd):
     if power_of_two(hvd.size()):
         pytest.skip("needs a rank count that is not a power of two")
-    for call in (lambda: hvd.allreduce(torch.ones(3), op=hvd.Adasum, name="adasum.bad"),
-                 lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1),
-                                                  op=hvd.Adasum)):
+    for call in (
+        lambda: hvd.allreduce(torch.ones(3), op=hvd.Adasum, name="adasum.bad"),
+        lambda: hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1), op=hvd.Adasum),
+    ):
         with pytest.raises(ValueError, match=f"power-of-two number of ranks in the process set, got {hvd.size()}"):
             call()
-    torch.testing.assert_close(hvd.allreduce(torch.ones(3), op=hvd.Sum, name="adasum.after"),
-                               torch.full((3,), float(hvd.size())))
+    torch.testing.assert_close(
+        hvd.allreduce(torch.ones(3), op=hvd.Sum, name="adasum.after"), torch.full((3,), float(hvd.size()))
+    )
 
 
 def test_distributed_optimizer_applies_the_adasum_of_local_updates(hvd, adasum_ok):
@@ -90,8 +91,11 @@ def test_distributed_optimizer_applies_the_adasum_of_local_updates(hvd, adasum_o
         return [p.grad.clone() for p in probe.parameters()]
 
     every = [local_grads(x) for x in inputs]
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), op=hvd.Adasum,
-                                         named_parameters=[(f"adasum.opt.{n}", p) for n, p in model.named_parameters()])
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=lr),
+        op=hvd.Adasum,
+        named_parameters=[(f"adasum.opt.{n}", p) for n, p in model.named_parameters()],
+    )
     assert isinstance(optimizer, torch.optim.SGD)
     optimizer.zero_grad()
     model(inputs[hvd.rank()]).pow(2).mean().backward()

@@ -12,15 +12,18 @@ import torch
 
 from hvdplus.common.basics import runtime
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
-                                reason="needs a CUDA device and torch with NCCL")
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.distributed.is_nccl_available()),
+    reason="needs a CUDA device and torch with NCCL",
+)
 
 
 @pytest.fixture
 def cuda(hvd):
     if torch.cuda.device_count() < hvd.local_size():
-        pytest.skip(f"NCCL needs a GPU per rank: {hvd.local_size()} ranks on this host, "
-                    f"{torch.cuda.device_count()} GPU(s)")
+        pytest.skip(
+            f"NCCL needs a GPU per rank: {hvd.local_size()} ranks on this host, {torch.cuda.device_count()} GPU(s)"
+        )
     torch.cuda.set_device(hvd.local_rank())
     return torch.device("cuda", torch.cuda.current_device())
 
@@ -51,8 +54,9 @@ def test_fused_input_written_on_a_side_stream_is_waited_for(hvd, cuda):
     assert [s.item() for s in sums] == [float((1 << 16) * sum(k + r for r in ranks)) for k in range(8)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32,
-                                   torch.int64, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8]
+)
 def test_allreduce_stays_on_the_gpu(hvd, cuda, dtype):
     before = nccl_runs()
     x = (torch.arange(6, device=cuda) % 3 + hvd.rank() + 1).to(dtype)
@@ -66,8 +70,10 @@ def test_allreduce_stays_on_the_gpu(hvd, cuda, dtype):
 def test_fused_allreduces_and_grouped_on_the_gpu(hvd, cuda):
     coordinator = runtime().coordinator
     runs, tensors = nccl_runs(), coordinator.plane_tensors.get("nccl", 0)
-    handles = [hvd.allreduce_async(torch.full((1000,), float(k), device=cuda), name=f"cuda.fuse.{k}",
-                                   op=hvd.Average) for k in range(16)]
+    handles = [
+        hvd.allreduce_async(torch.full((1000,), float(k), device=cuda), name=f"cuda.fuse.{k}", op=hvd.Average)
+        for k in range(16)
+    ]
     for k, handle in enumerate(handles):
         assert torch.equal(hvd.synchronize(handle).cpu(), torch.full((1000,), float(k)))
     assert coordinator.plane_tensors["nccl"] - tensors == 16 and nccl_runs() - runs < 16  # fused on the GPU
@@ -95,8 +101,10 @@ def test_allgather_broadcast_reducescatter_on_the_gpu(hvd, cuda):
     gathered = hvd.allgather(torch.full((hvd.rank() + 1, 2), float(hvd.rank()), device=cuda))
     assert gathered.device == cuda and gathered.shape[0] == sum(r + 1 for r in range(hvd.size()))
     root = hvd.size() - 1
-    assert hvd.broadcast(torch.full((3,), float(hvd.rank()), device=cuda), root_rank=root).cpu().tolist() == \
-        [float(root)] * 3
+    assert (
+        hvd.broadcast(torch.full((3,), float(hvd.rank()), device=cuda), root_rank=root).cpu().tolist()
+        == [float(root)] * 3
+    )
     shard = hvd.reducescatter(torch.ones(4 * hvd.size(), device=cuda), op=hvd.Sum)
     assert shard.device == cuda and shard.cpu().tolist() == [float(hvd.size())] * 4
     assert nccl_runs() == before + 3
@@ -107,8 +115,9 @@ def test_distributed_optimizer_on_the_gpu_matches_the_cpu(hvd, cuda):
     reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(cuda)
     model.load_state_dict(reference.state_dict())
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=model.named_parameters())
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
     plain = torch.optim.SGD(reference.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):

@@ -15,8 +15,9 @@ import torch
 
 from hvdplus.common.basics import runtime
 
-pytestmark = pytest.mark.skipif(os.environ.get("HVDPLUS_DEVICE_PATH_ON_CPU") != "1",
-                                reason="the device-plane job sets HVDPLUS_DEVICE_PATH_ON_CPU=1")
+pytestmark = pytest.mark.skipif(
+    os.environ.get("HVDPLUS_DEVICE_PATH_ON_CPU") != "1", reason="the device-plane job sets HVDPLUS_DEVICE_PATH_ON_CPU=1"
+)
 
 
 def plane_runs() -> int:
@@ -58,8 +59,9 @@ def test_grouped_allreduce_is_one_fused_call_on_the_plane(hvd):
 
 def test_async_allreduces_fuse_on_the_plane(hvd):
     runs, tensors = plane_runs(), plane_tensors()
-    handles = [hvd.allreduce_async(torch.full((3,), float(i)), name=f"plane.fuse.{i}", op=hvd.Average)
-               for i in range(16)]
+    handles = [
+        hvd.allreduce_async(torch.full((3,), float(i)), name=f"plane.fuse.{i}", op=hvd.Average) for i in range(16)
+    ]
     assert [hvd.synchronize(h).tolist() for h in handles] == [[float(i)] * 3 for i in range(16)]
     assert plane_tensors() - tensors == 16
     assert plane_runs() - runs < 16  # some engine call on the plane carried several of them
@@ -71,8 +73,9 @@ def test_uneven_allgather_and_fused_allgathers(hvd):
     out = hvd.allgather(torch.full((rows, 2), float(hvd.rank())), name="plane.gather")
     expected = np.concatenate([np.full((r + 1, 2), float(r)) for r in range(hvd.size())])
     np.testing.assert_array_equal(out.numpy(), expected)
-    gathered = hvd.grouped_allgather([torch.full((rows,), float(hvd.rank())), torch.arange(2) + hvd.rank()],
-                                     name="plane.gathers")
+    gathered = hvd.grouped_allgather(
+        [torch.full((rows,), float(hvd.rank())), torch.arange(2) + hvd.rank()], name="plane.gathers"
+    )
     np.testing.assert_array_equal(gathered[1].numpy(), np.concatenate([np.arange(2) + r for r in range(hvd.size())]))
     assert plane_runs() >= before + 2
 
@@ -83,11 +86,11 @@ def test_reducescatter_alone_and_fused(hvd):
     x = torch.arange(2 * n + 1, dtype=torch.float32) + hvd.rank()
     full = sum(torch.arange(2 * n + 1, dtype=torch.float32) + r for r in range(n))
     counts = [len(part) for part in np.array_split(np.arange(2 * n + 1), n)]
-    start = sum(counts[:hvd.rank()])
+    start = sum(counts[: hvd.rank()])
     mine = hvd.reducescatter(x, op=hvd.Sum, name="plane.rs")
-    torch.testing.assert_close(mine, full[start:start + counts[hvd.rank()]])
+    torch.testing.assert_close(mine, full[start : start + counts[hvd.rank()]])
     pair = hvd.grouped_reducescatter([x, x * 2], op=hvd.Average, name="plane.rs.group")
-    torch.testing.assert_close(pair[1], 2 * full[start:start + counts[hvd.rank()]] / n)
+    torch.testing.assert_close(pair[1], 2 * full[start : start + counts[hvd.rank()]] / n)
     assert plane_runs() >= before + 2
 
 
@@ -147,7 +150,6 @@ def test_join_contributes_zeros_on_the_plane(hvd):
     assert hvd.join() in range(hvd.size())
 
 
-
 def test_a_process_set_without_rank_0_on_the_plane(hvd):
     """The plane's groups exist for every process set: one of ranks 1.. (rank 0 outside) reduces, gathers,
     broadcasts and reduce-scatters on it."""
@@ -155,17 +157,22 @@ def test_a_process_set_without_rank_0_on_the_plane(hvd):
     try:
         if rest.included():
             before, members = plane_runs(), rest.ranks
-            out = hvd.allreduce(torch.full((3,), float(hvd.rank())), op=hvd.Sum, name="plane.rest.sum",
-                                process_set=rest)
+            out = hvd.allreduce(
+                torch.full((3,), float(hvd.rank())), op=hvd.Sum, name="plane.rest.sum", process_set=rest
+            )
             assert out.tolist() == [float(sum(members))] * 3
-            gathered = hvd.allgather(torch.full((hvd.rank(),), float(hvd.rank())), name="plane.rest.gather",
-                                     process_set=rest)
+            gathered = hvd.allgather(
+                torch.full((hvd.rank(),), float(hvd.rank())), name="plane.rest.gather", process_set=rest
+            )
             assert gathered.tolist() == [float(r) for r in members for _ in range(r)]
             root = members[-1]
-            assert hvd.broadcast(torch.full((2,), float(hvd.rank())), root_rank=root, name="plane.rest.bcast",
-                                 process_set=rest).tolist() == [float(root)] * 2
-            shard = hvd.reducescatter(torch.ones(2 * len(members)), op=hvd.Sum, name="plane.rest.rs",
-                                      process_set=rest)
+            assert (
+                hvd.broadcast(
+                    torch.full((2,), float(hvd.rank())), root_rank=root, name="plane.rest.bcast", process_set=rest
+                ).tolist()
+                == [float(root)] * 2
+            )
+            shard = hvd.reducescatter(torch.ones(2 * len(members)), op=hvd.Sum, name="plane.rest.rs", process_set=rest)
             assert shard.tolist() == [float(len(members))] * 2
             assert plane_runs() == before + 4
         total = hvd.allreduce(torch.ones(1), op=hvd.Sum, name="plane.rest.after")  # the global set still works

@@ -8,8 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16, torch.bfloat16,
-          torch.float32, torch.float64]
+DTYPES = [
+    torch.uint8,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+]
 
 
 def rank_tensor(rank: int, shape=(3, 4), dtype=torch.float32) -> torch.Tensor:
@@ -28,8 +37,13 @@ def test_allreduce_ops_and_dtypes(hvd, dtype, op_name):
     op = getattr(hvd, op_name)
     inputs = [t.double() for t in all_inputs(hvd, dtype=dtype)]
     stacked = torch.stack(inputs)
-    expected = {"Sum": stacked.sum(0), "Min": stacked.min(0).values, "Max": stacked.max(0).values,
-                "Product": stacked.prod(0), "Average": stacked.mean(0)}[op_name]
+    expected = {
+        "Sum": stacked.sum(0),
+        "Min": stacked.min(0).values,
+        "Max": stacked.max(0).values,
+        "Product": stacked.prod(0),
+        "Average": stacked.mean(0),
+    }[op_name]
     if not dtype.is_floating_point and op_name == "Average":
         expected = expected.trunc()
     result = hvd.allreduce(rank_tensor(hvd.rank(), dtype=dtype), op=op, name=f"ar.{op_name}.{dtype}")
@@ -114,7 +128,7 @@ def test_min_and_max_propagate_nan_on_every_engine(hvd, dtype, op_name):
     for result in [alone, *fused]:
         torch.testing.assert_close(result.double(), expected, equal_nan=True)
     shard = hvd.reducescatter(values, op=op, name=f"nan.rs.{op_name}.{dtype}")
-    torch.testing.assert_close(shard.double(), expected[2 * hvd.rank():2 * hvd.rank() + 2], equal_nan=True)
+    torch.testing.assert_close(shard.double(), expected[2 * hvd.rank() : 2 * hvd.rank() + 2], equal_nan=True)
 
 
 def test_allreduce_non_contiguous_inplace(hvd):
@@ -125,8 +139,10 @@ def test_allreduce_non_contiguous_inplace(hvd):
 
 
 def test_many_small_tensors_fuse(hvd):
-    handles = [hvd.allreduce_async(torch.full((1024,), float(i + hvd.rank())), op=hvd.Sum, name=f"small.{i}")
-               for i in range(100)]
+    handles = [
+        hvd.allreduce_async(torch.full((1024,), float(i + hvd.rank())), op=hvd.Sum, name=f"small.{i}")
+        for i in range(100)
+    ]
     for i, handle in enumerate(handles):
         expected = sum(i + r for r in range(hvd.size()))
         assert torch.all(hvd.synchronize(handle) == expected)
@@ -179,7 +195,7 @@ def test_alltoall_uneven_splits(hvd):
         src_rows = sum(src_splits)
         src_x = torch.arange(src_rows * 2, dtype=torch.float32).reshape(src_rows, 2) + 100 * src
         start = sum(src_splits[:me])
-        expected_parts.append(src_x[start:start + src_splits[me]])
+        expected_parts.append(src_x[start : start + src_splits[me]])
         expected_splits.append(src_splits[me])
     assert received.tolist() == expected_splits
     assert torch.equal(out, torch.cat(expected_parts))
@@ -188,8 +204,9 @@ def test_alltoall_uneven_splits(hvd):
 def test_alltoall_even_without_splits(hvd):
     x = torch.arange(hvd.size() * 3) + 10 * hvd.rank()
     out = hvd.alltoall(x)
-    assert out.tolist() == [v for src in range(hvd.size()) for v in range(3 * hvd.rank() + 10 * src,
-                                                                          3 * hvd.rank() + 10 * src + 3)]
+    assert out.tolist() == [
+        v for src in range(hvd.size()) for v in range(3 * hvd.rank() + 10 * src, 3 * hvd.rank() + 10 * src + 3)
+    ]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 7])
@@ -200,11 +217,11 @@ def test_reducescatter_uneven(hvd, rows):
     sizes = [rows // n + (1 if r < rows % n else 0) for r in range(n)]
     start = sum(sizes[:me])
     shard = hvd.reducescatter(inputs[me], op=hvd.Sum, name=f"rs.{rows}")
-    torch.testing.assert_close(shard, total[start:start + sizes[me]])
+    torch.testing.assert_close(shard, total[start : start + sizes[me]])
     average = hvd.reducescatter(inputs[me], name=f"rs.avg.{rows}")
-    torch.testing.assert_close(average, total[start:start + sizes[me]] / n)
+    torch.testing.assert_close(average, total[start : start + sizes[me]] / n)
     shards = hvd.grouped_reducescatter([inputs[me], inputs[me]], op=hvd.Sum)
-    torch.testing.assert_close(shards[1], total[start:start + sizes[me]])
+    torch.testing.assert_close(shards[1], total[start : start + sizes[me]])
 
 
 def test_autograd(hvd):

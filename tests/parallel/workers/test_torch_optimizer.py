@@ -22,8 +22,10 @@ def make_model(seed: int = 0) -> torch.nn.Module:
 def global_batches(size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same STEPS batches of size * PER_RANK samples on every rank."""
     generator = torch.Generator().manual_seed(1234)
-    return [(torch.randn(size * PER_RANK, 4, generator=generator), torch.randn(size * PER_RANK, 2, generator=generator))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(size * PER_RANK, 4, generator=generator), torch.randn(size * PER_RANK, 2, generator=generator))
+        for _ in range(STEPS)
+    ]
 
 
 def named(model: torch.nn.Module, prefix: str) -> list[tuple[str, torch.Tensor]]:
@@ -46,8 +48,9 @@ def train_distributed(hvd, prefix: str, passes: int = 1, **kwargs) -> list[torch
     model = make_model(seed=hvd.rank())  # different start on each rank: broadcast_parameters must fix it
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=named(model, prefix),
-                                         backward_passes_per_step=passes, **kwargs)
+    optimizer = hvd.DistributedOptimizer(
+        optimizer, named_parameters=named(model, prefix), backward_passes_per_step=passes, **kwargs
+    )
     rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
     for x, y in global_batches(hvd.size()):
         optimizer.zero_grad()
@@ -80,14 +83,17 @@ def test_fp16_compression(hvd):
     # plus one fp16 rounding per addition across ranks. Gradients here are O(1), lr 0.1, momentum 0.9 over
     # 5 steps sums to at most ~4 gradients' worth of movement: ~4 * 0.1 * 3 * 4.9e-4 ~ 6e-4 of error.
     # 2e-3 covers it, while an unreduced or wrongly scaled gradient moves the parameters by ~1e-2 or more.
-    for got, want in zip(train_distributed(hvd, "opt.c", compression=hvd.Compression.fp16),
-                         reference_params(hvd.size())):
+    for got, want in zip(
+        train_distributed(hvd, "opt.c", compression=hvd.Compression.fp16), reference_params(hvd.size())
+    ):
         torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 
 def test_gradient_predivide_factor_gives_the_same_average(hvd):
-    for got, want in zip(train_distributed(hvd, "opt.predivide", gradient_predivide_factor=float(hvd.size())),
-                         reference_params(hvd.size())):
+    for got, want in zip(
+        train_distributed(hvd, "opt.predivide", gradient_predivide_factor=float(hvd.size())),
+        reference_params(hvd.size()),
+    ):
         torch.testing.assert_close(got, want, **EXACT)
 
 
@@ -124,8 +130,9 @@ def test_broadcast_parameters_and_adam_state(hvd):
         optimizer.zero_grad()
         model(torch.randn(3, 4)).pow(2).mean().backward()
         optimizer.step()
-    root_params = hvd.broadcast_object([p.detach().clone() for p in model.parameters()], root_rank=0,
-                                       name="opt.d.params")
+    root_params = hvd.broadcast_object(
+        [p.detach().clone() for p in model.parameters()], root_rank=0, name="opt.d.params"
+    )
     root_state = hvd.broadcast_object(_adam_state(optimizer), root_rank=0, name="opt.d.state")
     hvd.broadcast_parameters(list(model.named_parameters()), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
@@ -139,8 +146,9 @@ def test_broadcast_parameters_and_adam_state(hvd):
 
 def test_broadcast_state_of_a_distributed_optimizer_then_train(hvd):
     model = make_model(seed=hvd.rank())
-    optimizer = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
-                                         named_parameters=named(model, "opt.d2"))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.Adam(model.parameters(), lr=0.01), named_parameters=named(model, "opt.d2")
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     torch.manual_seed(hvd.rank())
@@ -149,8 +157,9 @@ def test_broadcast_state_of_a_distributed_optimizer_then_train(hvd):
         model(torch.randn(3, 4)).pow(2).mean().backward()
         optimizer.step()
     # Same start, same averaged gradients: every rank holds the same params and state.
-    gathered = hvd.allgather_object((_adam_state(optimizer), [p.detach() for p in model.parameters()]),
-                                    name="opt.d2.check")
+    gathered = hvd.allgather_object(
+        (_adam_state(optimizer), [p.detach() for p in model.parameters()]), name="opt.d2.check"
+    )
     for state, params in gathered[1:]:
         _assert_same_state(state, gathered[0][0])
         for got, want in zip(params, gathered[0][1]):
@@ -174,11 +183,9 @@ def test_duplicate_and_missing_names_raise(hvd):
     model = make_model()
     params = list(model.parameters())
     with pytest.raises(ValueError, match="Found duplicates: opt.f.same"):
-        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
-                                 named_parameters=[("opt.f.same", p) for p in params])
+        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), named_parameters=[("opt.f.same", p) for p in params])
     with pytest.raises(ValueError, match="were not named"):
-        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
-                                 named_parameters=named(model, "opt.f")[:1])
+        hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), named_parameters=named(model, "opt.f")[:1])
     with pytest.raises(ValueError, match="backward_passes_per_step"):
         hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), backward_passes_per_step=0)
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
@@ -187,8 +194,9 @@ def test_duplicate_and_missing_names_raise(hvd):
 
 def test_zero_grad_during_allreduce_raises(hvd):
     model = make_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=named(model, "opt.g"))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "opt.g")
+    )
     model(torch.ones(2, 4)).sum().backward()
     with pytest.raises(RuntimeError, match="zero_grad\\(\\) was called after loss.backward\\(\\)"):
         optimizer.zero_grad()
@@ -215,8 +223,9 @@ def test_unused_parameter_is_reduced_with_zeros(hvd):
 
 def test_set_backward_passes_per_step_and_too_many_passes(hvd):
     model = make_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=named(model, "opt.i"))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "opt.i")
+    )
     optimizer.set_backward_passes_per_step(2)
     for _ in range(2):
         model(torch.ones(2, 4)).sum().backward()
@@ -232,8 +241,9 @@ def test_buckets_follow_the_engine_unless_set(hvd):
     from hvdplus.common.basics import runtime
 
     model = torch.nn.Sequential(torch.nn.Linear(640, 640), torch.nn.ReLU(), torch.nn.Linear(640, 3))
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=named(model, "policy"))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "policy")
+    )
     buckets = {frozenset(bucket) for bucket in optimizer._p_to_group.values()}
     large = model[0].weight
     assert large.numel() * 4 > 1 << 20
@@ -259,14 +269,16 @@ def test_gradients_travel_in_packed_buckets(hvd):
     from hvdplus.common.handles import Completion
 
     model = make_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=named(model, "bucket"))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "bucket")
+    )
     params = list(model.parameters())
     model(torch.randn(3, 4)).sum().backward()
     if runtime().bucket_bytes == 0:
         assert optimizer._p_to_group == {}
-        assert all(isinstance(handle, Completion) and handle.collectives == 1
-                   for handle, _ in optimizer._handles.values())
+        assert all(
+            isinstance(handle, Completion) and handle.collectives == 1 for handle, _ in optimizer._handles.values()
+        )
     else:
         assert set(optimizer._p_to_group) == set(params) and len(set(optimizer._p_to_group.values())) == 1
         [result] = {id(handle[0]): handle[0] for handle, _ in optimizer._handles.values()}.values()

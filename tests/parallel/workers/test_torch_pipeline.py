@@ -30,8 +30,10 @@ def depths(size: int) -> list[int]:
 
 def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(7)
-    return [(torch.randn(replicas * ROWS, 5, generator=generator), torch.randn(replicas * ROWS, 3, generator=generator))
-            for _ in range(STEPS)]
+    return [
+        (torch.randn(replicas * ROWS, 5, generator=generator), torch.randn(replicas * ROWS, 3, generator=generator))
+        for _ in range(STEPS)
+    ]
 
 
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -83,13 +85,19 @@ def assert_matches(pipe, model) -> None:
 @pytest.mark.parametrize("schedule,virtual", SETUPS)
 def test_schedule_matches_single_process_training(hvd, schedule, virtual):
     for stages in depths(hvd.size()):
-        pipe = hvd.pipeline.Pipeline(make_model(seed=hvd.rank()), num_stages=stages,
-                                     micro_batches=micro_batches_for(stages, schedule), schedule=schedule,
-                                     virtual_stages=virtual)
+        pipe = hvd.pipeline.Pipeline(
+            make_model(seed=hvd.rank()),
+            num_stages=stages,
+            micro_batches=micro_batches_for(stages, schedule),
+            schedule=schedule,
+            virtual_stages=virtual,
+        )
         _load_reference_start(pipe)
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(pipe.parameters(), lr=LR),
-                                             named_parameters=pipe.named_parameters(),
-                                             process_set=pipe.data_parallel_set)
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(pipe.parameters(), lr=LR),
+            named_parameters=pipe.named_parameters(),
+            process_set=pipe.data_parallel_set,
+        )
         losses = train(hvd, pipe, optimizer, pipe.replicas)
         model, expected_losses = reference(pipe.replicas)
         assert_matches(pipe, model)
@@ -118,11 +126,16 @@ def test_zero_optimizer_and_accumulation_compose(hvd, wrap):
         pipe = hvd.pipeline.Pipeline(make_model(), num_stages=stages, micro_batches=2, schedule="1f1b")
         base = torch.optim.SGD(pipe.parameters(), lr=LR)
         if wrap == "zero":
-            optimizer = hvd.ZeroOptimizer(base, named_parameters=pipe.named_parameters(),
-                                          process_set=pipe.data_parallel_set)
+            optimizer = hvd.ZeroOptimizer(
+                base, named_parameters=pipe.named_parameters(), process_set=pipe.data_parallel_set
+            )
         else:
-            optimizer = hvd.DistributedOptimizer(base, named_parameters=pipe.named_parameters(),
-                                                 process_set=pipe.data_parallel_set, backward_passes_per_step=2)
+            optimizer = hvd.DistributedOptimizer(
+                base,
+                named_parameters=pipe.named_parameters(),
+                process_set=pipe.data_parallel_set,
+                backward_passes_per_step=2,
+            )
         losses = train(hvd, pipe, optimizer, pipe.replicas, passes=passes)
         model, expected = reference(pipe.replicas, passes=passes)
         assert_matches(pipe, model)
@@ -149,17 +162,25 @@ class Merge(torch.nn.Module):
 
 def tuple_model() -> torch.nn.Sequential:
     torch.manual_seed(3)
-    return torch.nn.Sequential(torch.nn.Linear(5, 12), Pair(), Merge(), torch.nn.Linear(12, 12), Pair(), Merge(),
-                               torch.nn.Linear(12, 3))
+    return torch.nn.Sequential(
+        torch.nn.Linear(5, 12), Pair(), Merge(), torch.nn.Linear(12, 12), Pair(), Merge(), torch.nn.Linear(12, 3)
+    )
 
 
 def test_tuples_of_tensors_and_micro_batches_of_different_sizes(hvd):
     for stages in depths(hvd.size()):
-        pipe = hvd.pipeline.Pipeline(tuple_model(), num_stages=stages, micro_batches=5,
-                                     balance=[2, 5] if stages == 2 else "parameters", schedule="1f1b")
-        optimizer = hvd.DistributedOptimizer(torch.optim.SGD(pipe.parameters(), lr=LR),
-                                             named_parameters=pipe.named_parameters(),
-                                             process_set=pipe.data_parallel_set)
+        pipe = hvd.pipeline.Pipeline(
+            tuple_model(),
+            num_stages=stages,
+            micro_batches=5,
+            balance=[2, 5] if stages == 2 else "parameters",
+            schedule="1f1b",
+        )
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(pipe.parameters(), lr=LR),
+            named_parameters=pipe.named_parameters(),
+            process_set=pipe.data_parallel_set,
+        )
         losses = train(hvd, pipe, optimizer, pipe.replicas)
         model, expected = reference(pipe.replicas, build=tuple_model)
         assert_matches(pipe, model)
@@ -169,8 +190,9 @@ def test_tuples_of_tensors_and_micro_batches_of_different_sizes(hvd):
 def test_eval_step_returns_the_output_on_the_last_stage_only(hvd):
     for stages in depths(hvd.size()):
         for schedule, virtual in (("1f1b", 1), ("zero-bubble", 2)):
-            pipe = hvd.pipeline.Pipeline(make_model(), num_stages=stages, micro_batches=4, schedule=schedule,
-                                         virtual_stages=virtual)
+            pipe = hvd.pipeline.Pipeline(
+                make_model(), num_stages=stages, micro_batches=4, schedule=schedule, virtual_stages=virtual
+            )
             x = torch.randn(10, 5, generator=torch.Generator().manual_seed(1))
             out = pipe.eval_step(x if pipe.is_first_stage else None)
             if pipe.is_last_stage:
@@ -201,23 +223,28 @@ def test_a_failing_stage_makes_every_rank_of_the_pipeline_raise_naming_it(hvd, w
         layers.insert(0 if where == "first" else len(layers), FailOnCall(at=2))  # fails on micro-batch 2
         pipe = hvd.pipeline.Pipeline(layers, num_stages=stages, micro_batches=4, schedule="1f1b")
         failing = 0 if where == "first" else stages - 1
-        with pytest.raises(hvd.pipeline.PipelineError, match=rf"stage {failing} \(rank \d+\) failed on micro-batch "
-                                                             r"2 .*shape error on purpose"):
+        with pytest.raises(
+            hvd.pipeline.PipelineError,
+            match=rf"stage {failing} \(rank \d+\) failed on micro-batch "
+            r"2 .*shape error on purpose",
+        ):
             pipe.train_step(torch.randn(8, 5), torch.randn(8, 3), mse)
 
 
 def test_bad_arguments_are_refused_before_any_communication(hvd):
     Pipeline = hvd.pipeline.Pipeline
     with pytest.raises(ValueError, match=f"cannot cut 3 layers into {2 * hvd.size()} chunks"):
-        Pipeline(make_model()[:3], num_stages=hvd.size(), micro_batches=hvd.size(), virtual_stages=2,
-                 schedule="interleaved")
+        Pipeline(
+            make_model()[:3], num_stages=hvd.size(), micro_batches=hvd.size(), virtual_stages=2, schedule="interleaved"
+        )
     with pytest.raises(ValueError, match="add up to"):
         Pipeline(make_model(), num_stages=hvd.size(), micro_batches=2, balance=[1] * (hvd.size() - 1) + [2])
     with pytest.raises(ValueError, match="must divide"):
         Pipeline(make_model(), num_stages=hvd.size() + 1, micro_batches=2)
     with pytest.raises(ValueError, match="multiple"):
-        Pipeline(make_model(), num_stages=hvd.size(), micro_batches=hvd.size() + 1, schedule="interleaved",
-                 virtual_stages=2)
+        Pipeline(
+            make_model(), num_stages=hvd.size(), micro_batches=hvd.size() + 1, schedule="interleaved", virtual_stages=2
+        )
     with pytest.raises(ValueError, match="sample_input"):
         Pipeline(make_model(), num_stages=hvd.size(), micro_batches=2, balance="time")
     with pytest.raises(ValueError, match="schedule"):
@@ -231,8 +258,9 @@ def test_balance_by_parameters_and_by_measured_time(hvd):
     bounds = by_parameters.chunk_bounds
     assert bounds[0] == (0, 1)  # the first Linear alone holds half the parameters
     assert sum(end - start for start, end in bounds) == len(wide)
-    by_time = hvd.pipeline.Pipeline(wide, num_stages=stages, micro_batches=2, balance="time",
-                                    sample_input=torch.randn(64, 5))
+    by_time = hvd.pipeline.Pipeline(
+        wide, num_stages=stages, micro_batches=2, balance="time", sample_input=torch.randn(64, 5)
+    )
     assert sum(end - start for start, end in by_time.chunk_bounds) == len(wide)
     everyone = hvd.allgather_object(by_time.chunk_bounds)
     assert all(b == everyone[0] for b in everyone)  # measured on every rank, agreed by all
@@ -241,9 +269,12 @@ def test_balance_by_parameters_and_by_measured_time(hvd):
 def test_parameters_keep_the_names_of_the_unpartitioned_model(hvd):
     import collections
 
-    named = torch.nn.Sequential(collections.OrderedDict(
-        [("embed", torch.nn.Linear(5, 12)), ("act", torch.nn.Tanh())]
-        + [(f"block{i}", torch.nn.Linear(12, 12)) for i in range(2 * hvd.size())]))
+    named = torch.nn.Sequential(
+        collections.OrderedDict(
+            [("embed", torch.nn.Linear(5, 12)), ("act", torch.nn.Tanh())]
+            + [(f"block{i}", torch.nn.Linear(12, 12)) for i in range(2 * hvd.size())]
+        )
+    )
     pipe = hvd.pipeline.Pipeline(named, num_stages=hvd.size(), micro_batches=2)
     mine = [name for name, _ in pipe.named_parameters()]
     everyone = [name for names in hvd.allgather_object(mine) for name in names]

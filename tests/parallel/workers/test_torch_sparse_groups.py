@@ -25,8 +25,13 @@ def forward(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 def token_batches(size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The same batches on every rank: size * PER_RANK rows of 5 tokens (repeats included) and targets."""
     generator = torch.Generator().manual_seed(99)
-    return [(torch.randint(0, VOCAB, (size * PER_RANK, 5), generator=generator),
-             torch.randn(size * PER_RANK, 2, generator=generator)) for _ in range(STEPS)]
+    return [
+        (
+            torch.randint(0, VOCAB, (size * PER_RANK, 5), generator=generator),
+            torch.randn(size * PER_RANK, 2, generator=generator),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def train_embedding(hvd, prefix: str | None, **kwargs) -> list[torch.Tensor]:
@@ -54,8 +59,9 @@ def test_sparse_embedding_matches_single_process(hvd, sparse_as_dense):
 
 def test_sparse_path_keeps_the_gradient_sparse(hvd):
     model = make_embedding_model()
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                         named_parameters=named(model, "sparse.kept"))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "sparse.kept")
+    )
     forward(model, torch.tensor([[hvd.rank() % VOCAB, 1]])).sum().backward()
     with optimizer.skip_synchronize():
         optimizer.synchronize()
@@ -100,8 +106,11 @@ def test_listed_groups_and_an_unused_member(hvd):
     extra = torch.nn.Parameter(torch.ones(3))
     first, second = model[0], model[2]
     params = named(model, "groups.list") + [("groups.list.extra", extra)]
-    optimizer = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.1), named_parameters=params,
-                                         groups=[[first.weight, extra], [second.weight, second.bias]])
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD([p for _, p in params], lr=0.1),
+        named_parameters=params,
+        groups=[[first.weight, extra], [second.weight, second.bias]],
+    )
     x = torch.full((2, 4), float(hvd.rank() + 1))
     model(x).sum().backward()  # `extra` is unused: its group starts in synchronize, with zeros for it
     grads = {}
@@ -120,8 +129,11 @@ def test_listed_groups_and_an_unused_member(hvd):
 def test_bad_groups_raise(hvd):
     model = make_model()
     params = list(model.parameters())
-    for groups, message in ((0, "positive integer"), ("two", "positive integer"),
-                            ([[params[0], params[0]]], "only appear once"), ([params[0]], "list of lists")):
+    for groups, message in (
+        (0, "positive integer"),
+        ("two", "positive integer"),
+        ([[params[0], params[0]]], "only appear once"),
+        ([params[0]], "list of lists"),
+    ):
         with pytest.raises(ValueError, match=message):
             hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), groups=groups)
-

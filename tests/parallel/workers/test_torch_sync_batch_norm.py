@@ -27,8 +27,10 @@ def full_batch(size: int, shape: tuple[int, ...], seed: int) -> tuple[torch.Tens
     return x, torch.randn((total,) + shape, generator=generator)
 
 
-@pytest.mark.parametrize("shape,reference_class", [((3,), torch.nn.BatchNorm1d), ((3, 4), torch.nn.BatchNorm1d),
-                                                   ((3, 2, 2), torch.nn.BatchNorm2d)])
+@pytest.mark.parametrize(
+    "shape,reference_class",
+    [((3,), torch.nn.BatchNorm1d), ((3, 4), torch.nn.BatchNorm1d), ((3, 2, 2), torch.nn.BatchNorm2d)],
+)
 def test_matches_batch_norm_on_the_concatenated_batch(hvd, shape, reference_class):
     x, w = full_batch(hvd.size(), shape, seed=len(shape))
     reference, synced = reference_class(3, momentum=0.3), hvd.SyncBatchNorm(3, momentum=0.3)

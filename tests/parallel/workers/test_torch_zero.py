@@ -27,15 +27,20 @@ def make_model(seed: int = 0, frozen: bool = False) -> torch.nn.Module:
 
 def batches(size: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(99)
-    return [(torch.randn(size * PER_RANK, 6, generator=generator), torch.randn(size * PER_RANK, 3, generator=generator))
-            for _ in range(steps)]
+    return [
+        (torch.randn(size * PER_RANK, 6, generator=generator), torch.randn(size * PER_RANK, 3, generator=generator))
+        for _ in range(steps)
+    ]
 
 
 def make_optimizer(model: torch.nn.Module, groups: bool) -> torch.optim.Optimizer:
     if not groups:
         return torch.optim.AdamW([p for p in model.parameters()], lr=1e-2, weight_decay=0.1)
-    return torch.optim.AdamW([{"params": list(model[0].parameters()), "lr": 3e-2},
-                              {"params": list(model[2].parameters())}], lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(
+        [{"params": list(model[0].parameters()), "lr": 3e-2}, {"params": list(model[2].parameters())}],
+        lr=1e-2,
+        weight_decay=0.1,
+    )
 
 
 def reference(size: int, steps: int = STEPS, groups: bool = False, frozen: bool = False, clip: float | None = None):
@@ -52,14 +57,28 @@ def reference(size: int, steps: int = STEPS, groups: bool = False, frozen: bool 
     return model, optimizer, norms
 
 
-def train(hvd, steps: int = STEPS, passes: int = 1, groups: bool = False, frozen: bool = False,
-          clip: float | None = None, model=None, optimizer=None, first_step: int = 0, **kwargs):
+def train(
+    hvd,
+    steps: int = STEPS,
+    passes: int = 1,
+    groups: bool = False,
+    frozen: bool = False,
+    clip: float | None = None,
+    model=None,
+    optimizer=None,
+    first_step: int = 0,
+    **kwargs,
+):
     """Rank r trains on its rows of each global batch, in `passes` micro-batches."""
     if model is None:
         model = make_model(seed=hvd.rank(), frozen=frozen)
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        optimizer = hvd.ZeroOptimizer(make_optimizer(model, groups), named_parameters=model.named_parameters(),
-                                      backward_passes_per_step=passes, **kwargs)
+        optimizer = hvd.ZeroOptimizer(
+            make_optimizer(model, groups),
+            named_parameters=model.named_parameters(),
+            backward_passes_per_step=passes,
+            **kwargs,
+        )
     rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
     norms = []
     for x, y in batches(hvd.size(), steps)[first_step:]:
@@ -112,8 +131,9 @@ class WithScale(torch.nn.Module):
 def test_the_wrapped_optimizer_sees_whole_parameters_with_their_shapes_and_a_0d_one_trains(hvd):
     model = WithScale(seed=hvd.rank())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    optimizer = hvd.ZeroOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2),
-                                  named_parameters=model.named_parameters())
+    optimizer = hvd.ZeroOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=1e-2), named_parameters=model.named_parameters()
+    )
     shapes = {tuple(p.shape) for p in model.parameters() if p.dim() > 0}
     stepped = [p for group in optimizer.param_groups for p in group["params"]]
     assert sum(tuple(p.shape) in shapes for p in stepped) >= len(stepped) - 2  # whole, shaped like the model's
@@ -144,8 +164,10 @@ def test_lr_scheduler_steps_the_wrapped_optimizer(hvd):
     reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, step_size=2, gamma=0.5)
     rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
     for x, y in batches(hvd.size()):
-        for m, opt, sched, data in ((model, optimizer, scheduler, (x[rows], y[rows])),
-                                    (reference_model, reference_optimizer, reference_scheduler, (x, y))):
+        for m, opt, sched, data in (
+            (model, optimizer, scheduler, (x[rows], y[rows])),
+            (reference_model, reference_optimizer, reference_scheduler, (x, y)),
+        ):
             opt.zero_grad()
             torch.nn.functional.mse_loss(m(data[0]), data[1]).backward()
             opt.step()
@@ -240,8 +262,9 @@ def test_shards_over_a_process_set_without_rank_0(hvd, rest):
             hvd.ZeroOptimizer(make_optimizer(model, False), process_set=rest)
         return
     members = list(rest.ranks)
-    optimizer = hvd.ZeroOptimizer(make_optimizer(model, False), named_parameters=model.named_parameters(),
-                                  process_set=rest)
+    optimizer = hvd.ZeroOptimizer(
+        make_optimizer(model, False), named_parameters=model.named_parameters(), process_set=rest
+    )
     rows = slice(members.index(hvd.rank()) * PER_RANK, (members.index(hvd.rank()) + 1) * PER_RANK)
     for x, y in batches(len(members)):
         optimizer.zero_grad()

@@ -107,8 +107,12 @@ def sharded(hvd, model=None, kind="adamw", passes=1, **options):
     model = model if model is not None else build()
     hvd.shard_parameters(model, units=options.pop("units", [Block]), **options)
     process_set = options.get("process_set", hvd.global_process_set)
-    optimizer = hvd.ZeroOptimizer(optimizer_for(kind, model.parameters()), named_parameters=model.named_parameters(),
-                                  backward_passes_per_step=passes, process_set=process_set)
+    optimizer = hvd.ZeroOptimizer(
+        optimizer_for(kind, model.parameters()),
+        named_parameters=model.named_parameters(),
+        backward_passes_per_step=passes,
+        process_set=process_set,
+    )
     return model, optimizer
 
 
@@ -129,8 +133,11 @@ def test_stage3_trains_as_distributed_optimizer_and_one_process_do(hvd, kind):
     train(hvd, model, optimizer)
     positions = model._hvdplus_zero3.position
     dense = build()
-    train(hvd, dense, hvd.DistributedOptimizer(optimizer_for(kind, dense.parameters()),
-                                               named_parameters=dense.named_parameters()))
+    train(
+        hvd,
+        dense,
+        hvd.DistributedOptimizer(optimizer_for(kind, dense.parameters()), named_parameters=dense.named_parameters()),
+    )
     assert_close_to(hvd, model, dense, **EXACT)
     assert_close_to(hvd, model, reference(hvd.size(), kind)[0], **ONE_PROCESS)
     assert isinstance(optimizer, type(optimizer_for(kind, [torch.zeros(1, requires_grad=True)])))
@@ -208,8 +215,7 @@ def test_a_model_built_on_the_meta_device_gets_the_slices_of_a_normally_built_on
     units = model._hvdplus_zero3.units
     for unit in units:  # this rank's shard is its slice of the normally built values
         for k, part in enumerate(unit.plan):
-            flat = torch.cat([dict(normal.named_parameters())[unit.names[i]].detach().reshape(-1)
-                              for i in part.params])
+            flat = torch.cat([dict(normal.named_parameters())[unit.names[i]].detach().reshape(-1) for i in part.params])
             torch.testing.assert_close(unit.shards[k], flat[slice(*part.shard(unit.index))], rtol=0, atol=0)
     assert all(not p.is_meta for p in model.parameters())
     optimizer = hvd.ZeroOptimizer(optimizer_for("adamw", model.parameters()), named_parameters=model.named_parameters())
@@ -340,8 +346,10 @@ def test_units_with_frozen_parameters_are_released_right_after_their_own_backwar
     expected = torch.nn.Sequential(*[Adapted() for _ in range(5)])
     expected.load_state_dict(model.state_dict())
     hvd.shard_parameters(model, units=[Adapted])
-    optimizer = hvd.ZeroOptimizer(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
-                                  named_parameters=[(n, p) for n, p in model.named_parameters() if p.requires_grad])
+    optimizer = hvd.ZeroOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        named_parameters=[(n, p) for n, p in model.named_parameters() if p.requires_grad],
+    )
     live, runtime_ = [], model._hvdplus_zero3
     gather_for_backward = runtime_.before_backward
 
@@ -354,7 +362,7 @@ def test_units_with_frozen_parameters_are_released_right_after_their_own_backwar
     generator = torch.Generator().manual_seed(3)
     for _ in range(2):
         x = torch.randn(hvd.size() * ROWS, WIDTH, generator=generator, requires_grad=True)
-        mine = x[hvd.rank() * ROWS:(hvd.rank() + 1) * ROWS]
+        mine = x[hvd.rank() * ROWS : (hvd.rank() + 1) * ROWS]
         optimizer.zero_grad()
         model(mine).pow(2).mean().backward()
         optimizer.step()
@@ -414,8 +422,11 @@ def test_pipeline_stages_sharded_over_their_data_parallel_set(hvd, schedule):
     stages = hvd.size() // (2 if hvd.size() % 4 == 0 else 1)
     pipe = hvd.pipeline.Pipeline(make_model(), num_stages=stages, micro_batches=2 * stages, schedule=schedule)
     hvd.shard_parameters(pipe.stage_module, units=[torch.nn.Linear], process_set=pipe.data_parallel_set)
-    optimizer = hvd.ZeroOptimizer(torch.optim.SGD(pipe.parameters(), lr=0.1), named_parameters=pipe.named_parameters(),
-                                  process_set=pipe.data_parallel_set)
+    optimizer = hvd.ZeroOptimizer(
+        torch.optim.SGD(pipe.parameters(), lr=0.1),
+        named_parameters=pipe.named_parameters(),
+        process_set=pipe.data_parallel_set,
+    )
     rows = slice(pipe.replica * 12, (pipe.replica + 1) * 12)
     for x, y in batches(pipe.replicas):
         optimizer.zero_grad()

@@ -26,8 +26,10 @@ def make_model(seed: int) -> keras.Model:
 
 def data(samples: int) -> tuple[np.ndarray, np.ndarray]:
     generator = np.random.default_rng(1234)
-    return (generator.normal(size=(samples, 4)).astype(np.float32),
-            generator.normal(size=(samples, 2)).astype(np.float32))
+    return (
+        generator.normal(size=(samples, 4)).astype(np.float32),
+        generator.normal(size=(samples, 2)).astype(np.float32),
+    )
 
 
 def reference_weights(size: int, passes: int) -> list[np.ndarray]:
@@ -47,13 +49,20 @@ def rank_rows(hvd, passes: int) -> np.ndarray:
 
 def fit_distributed(hvd, passes: int = 1, run_eagerly: bool = False, callbacks=(), **kwargs) -> keras.Model:
     model = make_model(seed=hvd.rank())  # different start on each rank: the broadcast callback must fix it
-    optimizer = hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                               backward_passes_per_step=passes, **kwargs)
+    optimizer = hvd_keras.DistributedOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=passes, **kwargs
+    )
     model.compile(optimizer=optimizer, loss="mse", run_eagerly=run_eagerly)
     x, y = data(STEPS * hvd.size() * passes * PER_RANK)
     rows = rank_rows(hvd, passes)
-    model.fit(x[rows], y[rows], batch_size=PER_RANK, shuffle=False, verbose=0,
-              callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), *callbacks])
+    model.fit(
+        x[rows],
+        y[rows],
+        batch_size=PER_RANK,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0), *callbacks],
+    )
     return model
 
 
@@ -78,8 +87,12 @@ def test_two_accumulating_optimizers_in_one_tf_function_step(hvd):
     import tensorflow as tf
 
     models = [make_model(seed=0), make_model(seed=0)]  # the same start on every rank: no broadcast needed
-    optimizers = [hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2,
-                                                 average_aggregated_gradients=True) for _ in models]
+    optimizers = [
+        hvd_keras.DistributedOptimizer(
+            keras.optimizers.SGD(0.1, momentum=0.9), backward_passes_per_step=2, average_aggregated_gradients=True
+        )
+        for _ in models
+    ]
     for model, optimizer in zip(models, optimizers):
         optimizer.build(model.trainable_variables)
 
@@ -126,7 +139,7 @@ def test_mixed_precision_wraps_the_loss_scale_optimizer_and_skips_overflow_on_ev
         model.compile(optimizer=optimizer, loss="mse")
         assert model.optimizer is optimizer  # compile keeps it: it already is a LossScaleOptimizer
         x, y = data(2 * PER_RANK * hvd.size())
-        model.fit(x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()], batch_size=PER_RANK, verbose=0)
+        model.fit(x[hvd.rank() :: hvd.size()], y[hvd.rank() :: hvd.size()], batch_size=PER_RANK, verbose=0)
         scale = float(optimizer.dynamic_scale)
         before = model.get_weights()
         grads = [tf.zeros_like(v) for v in model.trainable_variables]
@@ -166,10 +179,13 @@ class Recorder(keras.callbacks.Callback):
 def test_metric_average_and_learning_rate_callbacks(hvd):
     before, after = Recorder(), Recorder()
     initial = 0.1 * hvd.size()
-    callbacks = [before, hvd_keras.callbacks.MetricAverageCallback(),
-                 hvd_keras.callbacks.LearningRateWarmupCallback(initial, warmup_epochs=1, momentum_correction=False),
-                 hvd_keras.callbacks.LearningRateScheduleCallback(initial, 0.5, start_epoch=1,
-                                                                  momentum_correction=False), after]
+    callbacks = [
+        before,
+        hvd_keras.callbacks.MetricAverageCallback(),
+        hvd_keras.callbacks.LearningRateWarmupCallback(initial, warmup_epochs=1, momentum_correction=False),
+        hvd_keras.callbacks.LearningRateScheduleCallback(initial, 0.5, start_epoch=1, momentum_correction=False),
+        after,
+    ]
     model = make_model(seed=hvd.rank())
     model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", metrics=["mae"])
     x, y = data(STEPS * PER_RANK)
@@ -209,9 +225,18 @@ def test_best_model_checkpoint_writes_on_rank_zero_only(hvd, tmp_path_factory):
     x, y = data(STEPS * PER_RANK)
     model = make_model(seed=0)
     model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
-    model.fit(x, y, batch_size=PER_RANK, epochs=2, verbose=0, validation_data=(x, y),
-              callbacks=[hvd_keras.callbacks.MetricAverageCallback(),
-                         hvd_keras.callbacks.BestModelCheckpoint(monitor="val_loss", filepath=str(path))])
+    model.fit(
+        x,
+        y,
+        batch_size=PER_RANK,
+        epochs=2,
+        verbose=0,
+        validation_data=(x, y),
+        callbacks=[
+            hvd_keras.callbacks.MetricAverageCallback(),
+            hvd_keras.callbacks.BestModelCheckpoint(monitor="val_loss", filepath=str(path)),
+        ],
+    )
     assert path.exists() == (hvd.rank() == 0)
     with pytest.raises(ValueError, match="filepath"):
         hvd_keras.callbacks.BestModelCheckpoint()
@@ -261,8 +286,14 @@ def test_broadcast_callback_waits_for_a_model_that_builds_on_first_call(hvd):
     model = Unbuilt()
     model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
     x, y = data(2 * PER_RANK)
-    model.fit(x, y, batch_size=PER_RANK, shuffle=False, verbose=0,
-              callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+    model.fit(
+        x,
+        y,
+        batch_size=PER_RANK,
+        shuffle=False,
+        verbose=0,
+        callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)],
+    )
     everyone = hvd.allgather_object([w.tolist() for w in model.get_weights()])
     assert all(weights == everyone[0] for weights in everyone)  # broadcast after batch 0, then equal updates
 
@@ -271,6 +302,7 @@ def test_value_collectives_return_numpy(hvd):
     total = hvd_keras.allreduce(np.array([hvd.rank(), 1.0]), name="keras.value.allreduce", op=hvd_keras.Sum)
     assert isinstance(total, np.ndarray) and total.tolist() == [sum(range(hvd.size())), hvd.size()]
     assert hvd_keras.allreduce([2.0], average=True, name="keras.value.average").tolist() == [2.0]
-    assert hvd_keras.allgather(np.full((1, 2), hvd.rank()), name="keras.value.allgather")[:, 0].tolist() == \
-        list(range(hvd.size()))
+    assert hvd_keras.allgather(np.full((1, 2), hvd.rank()), name="keras.value.allgather")[:, 0].tolist() == list(
+        range(hvd.size())
+    )
     assert hvd_keras.broadcast(np.array([hvd.rank()]), 0, name="keras.value.broadcast").tolist() == [0]

@@ -38,8 +38,10 @@ def make_model(seed: int = 0, units: int = 8, extra: bool = False) -> keras.Mode
 
 def data(samples: int) -> tuple[np.ndarray, np.ndarray]:
     generator = np.random.default_rng(1234)
-    return (generator.normal(size=(samples, 4)).astype(np.float32),
-            generator.normal(size=(samples, 2)).astype(np.float32))
+    return (
+        generator.normal(size=(samples, 4)).astype(np.float32),
+        generator.normal(size=(samples, 2)).astype(np.float32),
+    )
 
 
 def adam():
@@ -50,7 +52,7 @@ def sgd():
     return keras.optimizers.SGD(0.1, momentum=0.9)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(size: int, make_optimizer, passes: int = 1) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Plain Keras, one process: STEPS updates on batches of size * passes * PER_RANK samples; returns the
     weights and the optimizer's variables (computed once per job: Keras' fit costs seconds)."""
@@ -135,8 +137,9 @@ def loop_reference(make_model_fn, make_optimizer, batches) -> list[np.ndarray]:
 def mixed_model() -> keras.Model:
     # a float64 layer (4*8 + 8 = 40 elements) and a float32 one (8*2 + 2 = 18): two flat sequences, cut separately
     keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh", dtype="float64"),
-                             keras.layers.Dense(2)])
+    return keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(8, activation="tanh", dtype="float64"), keras.layers.Dense(2)]
+    )
 
 
 def test_variables_of_two_dtypes_are_sharded_per_dtype(hvd):
@@ -152,7 +155,7 @@ def test_variables_of_two_dtypes_are_sharded_per_dtype(hvd):
     shards = {str(v.dtype): int(np.prod(v.shape)) for v in optimizer.sharded_variables[-2:]}
     assert sum(hvd.allgather_object(shards["float64"])) == 40 and sum(hvd.allgather_object(shards["float32"])) == 18
     rows = hvd.size() * PER_RANK
-    want = loop_reference(mixed_model, adam, [(x[s:s + rows], y[s:s + rows]) for s in range(0, len(x), rows)])
+    want = loop_reference(mixed_model, adam, [(x[s : s + rows], y[s : s + rows]) for s in range(0, len(x), rows)])
     assert_weights(model, want)
 
 
@@ -198,8 +201,9 @@ def test_slots_hold_only_this_ranks_shard(hvd):
     optimizer = ZeroOptimizer(adam())
     optimizer.build(model.trainable_variables)
     total = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    counts = [math.ceil(total / hvd.size()) if r < total % hvd.size() else total // hvd.size()
-              for r in range(hvd.size())]
+    counts = [
+        math.ceil(total / hvd.size()) if r < total % hvd.size() else total // hvd.size() for r in range(hvd.size())
+    ]
     assert sharded_sizes(optimizer) == 2 * counts[hvd.rank()] <= 2 * math.ceil(total / hvd.size())
     assert sum(hvd.allgather_object(sharded_sizes(optimizer))) == 2 * total  # every element has one owner
     assert len(optimizer.replicated_variables) == 2 and all(len(v.shape) == 0 for v in optimizer.replicated_variables)

@@ -19,7 +19,8 @@ others on the global set (their process-set gradients: test_tf_horovod_semantics
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -81,8 +82,14 @@ def test_allreduce_gradient_alone(hvd, how, dtype, op_name):
         grad = _gradient_alone(hvd, how, lambda t: hvd.allreduce(t, op=op, process_set=pset), x)
         np.testing.assert_allclose(grad, np.full(shape, reduced, dtype))
         # grouped: d/dt of sum(allreduce(t)) + sum(allreduce(2t)), upstream r + 1 on that scalar
-        grad = _gradient_alone(hvd, how, lambda t: tf.add_n([
-            tf.reduce_sum(g) for g in hvd.grouped_allreduce([t, t * 2.0], op=op, process_set=pset)]), x)
+        grad = _gradient_alone(
+            hvd,
+            how,
+            lambda t: tf.add_n(
+                [tf.reduce_sum(g) for g in hvd.grouped_allreduce([t, t * 2.0], op=op, process_set=pset)]
+            ),
+            x,
+        )
         np.testing.assert_allclose(grad, np.full(shape, 3.0 * reduced, dtype))
 
 
@@ -95,8 +102,9 @@ def test_allgather_gradient_alone(hvd, how, dtype):
         x = np.full(rows, hvd.rank(), dtype)
         grad = _gradient_alone(hvd, how, lambda t: hvd.allgather(t, process_set=pset), x)
         np.testing.assert_allclose(grad, np.full(rows, average, dtype))
-        grad = _gradient_alone(hvd, how, lambda t: tf.concat(
-            hvd.grouped_allgather([t, t * 3.0], process_set=pset), axis=0), x)
+        grad = _gradient_alone(
+            hvd, how, lambda t: tf.concat(hvd.grouped_allgather([t, t * 3.0], process_set=pset), axis=0), x
+        )
         np.testing.assert_allclose(grad, np.full(rows, 4.0 * average, dtype))
 
 
@@ -122,10 +130,10 @@ def test_reducescatter_gradient_alone(hvd, how, dtype, op_name):
         rows = (2 * n + 1,) + shape[1:]  # uneven shards: the first members get one row more
         counts = [rows[0] // n + (1 if i < rows[0] % n else 0) for i in range(n)]
         x = np.full(rows, hvd.rank(), dtype)
-        grad = _gradient_alone(hvd, how, lambda t: hvd.reducescatter(t, op=getattr(hvd, op_name),
-                                                                     process_set=pset), x)
-        expected = np.concatenate([np.full((counts[i],) + shape[1:], (r + 1) * scale, dtype)
-                                   for i, r in enumerate(members)])
+        grad = _gradient_alone(hvd, how, lambda t: hvd.reducescatter(t, op=getattr(hvd, op_name), process_set=pset), x)
+        expected = np.concatenate(
+            [np.full((counts[i],) + shape[1:], (r + 1) * scale, dtype) for i, r in enumerate(members)]
+        )
         np.testing.assert_allclose(grad, expected)
 
 

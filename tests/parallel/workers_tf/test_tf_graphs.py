@@ -30,8 +30,10 @@ def gathered(hvd, i: int) -> list[list[float]]:
 def test_one_session_run_of_many_independent_collectives(hvd, threads):
     graph = tf.Graph()
     with graph.as_default():
-        outputs = [hvd.allgather(tf.fill([hvd.rank() + 1, 2], tf.cast(hvd.rank() + i, dtype)))
-                   for i, dtype in enumerate(DTYPES * 5)]
+        outputs = [
+            hvd.allgather(tf.fill([hvd.rank() + 1, 2], tf.cast(hvd.rank() + i, dtype)))
+            for i, dtype in enumerate(DTYPES * 5)
+        ]
         outputs += [hvd.allreduce(tf.fill([3], float(i)), op=hvd.Sum) for i in range(5)]
         outputs += [hvd.broadcast(tf.fill([2], hvd.rank()), root_rank=i % hvd.size()) for i in range(5)]
     with tf.compat.v1.Session(graph=graph, config=session_config(threads)) as session:
@@ -72,8 +74,10 @@ def test_tf_function_with_many_independent_collectives(hvd):
 
     @tf.function
     def many():
-        return [hvd.allgather(tf.fill([hvd.rank() + 1, 2], tf.cast(hvd.rank() + i, dtype)))
-                for i, dtype in enumerate(DTYPES * 5)]
+        return [
+            hvd.allgather(tf.fill([hvd.rank() + 1, 2], tf.cast(hvd.rank() + i, dtype)))
+            for i, dtype in enumerate(DTYPES * 5)
+        ]
 
     for _ in range(2):
         assert [r.numpy().tolist() for r in many()] == [gathered(hvd, i) for i in range(30)]

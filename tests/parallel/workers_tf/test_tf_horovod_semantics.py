@@ -72,8 +72,9 @@ def test_keras_broadcasts_take_a_global_root(hvd, pset):
     members = global_ranks(hvd, pset)
     keras.utils.set_random_seed(hvd.rank())
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-    model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                                           process_set=pset), loss="mse")
+    model.compile(
+        optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), process_set=pset), loss="mse"
+    )
     before = [w.tolist() for w in model.get_weights()]
     hvd_keras.broadcast_model(model, root_rank=members[-1], process_set=pset)
     everyone = hvd.allgather_object(([w.tolist() for w in model.get_weights()], before), process_set=pset)
@@ -86,8 +87,13 @@ def test_broadcast_callback_takes_a_global_root(hvd):
     model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.0)), loss="mse")
     before = [w.tolist() for w in model.get_weights()]
     root = hvd.size() - 1
-    model.fit(np.zeros((2, 3), np.float32), np.zeros((2, 2), np.float32), batch_size=2, verbose=0,
-              callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(root)])
+    model.fit(
+        np.zeros((2, 3), np.float32),
+        np.zeros((2, 2), np.float32),
+        batch_size=2,
+        verbose=0,
+        callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(root)],
+    )
     everyone = hvd.allgather_object(([w.tolist() for w in model.get_weights()], before))
     assert all(weights == everyone[root][1] for weights, _ in everyone)  # lr 0: the root's initial weights
 
@@ -98,12 +104,14 @@ def test_a_root_outside_the_set_raises_on_every_member(hvd, rest):
     if rest.included():
         variables = [tf.Variable(tf.ones([2]))]
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        for call in (lambda: hvd.broadcast(tf.ones([2]), root_rank=0, process_set=rest),
-                     lambda: tf.function(lambda: hvd.broadcast(tf.ones([2]), 0, process_set=rest))(),
-                     lambda: hvd.broadcast_variables(variables, root_rank=0, process_set=rest),
-                     lambda: hvd.broadcast_(variables, root_rank=0, process_set=rest),
-                     lambda: hvd.broadcast_object("x", root_rank=0, process_set=rest),
-                     lambda: hvd_keras.broadcast_model(model, root_rank=0, process_set=rest)):
+        for call in (
+            lambda: hvd.broadcast(tf.ones([2]), root_rank=0, process_set=rest),
+            lambda: tf.function(lambda: hvd.broadcast(tf.ones([2]), 0, process_set=rest))(),
+            lambda: hvd.broadcast_variables(variables, root_rank=0, process_set=rest),
+            lambda: hvd.broadcast_(variables, root_rank=0, process_set=rest),
+            lambda: hvd.broadcast_object("x", root_rank=0, process_set=rest),
+            lambda: hvd_keras.broadcast_model(model, root_rank=0, process_set=rest),
+        ):
             with pytest.raises(ValueError, match=r"global .*ranks are \[" + ", ".join(map(str, rest.ranks))):
                 call()
         assert hvd.allreduce(tf.ones([1]), op=hvd.Sum, process_set=rest).numpy().tolist() == [len(rest.ranks)]
@@ -113,8 +121,10 @@ def test_a_root_outside_the_set_raises_on_every_member(hvd, rest):
 
 
 # ----------------------------------------------------------------------------- reducescatter gradients
-@pytest.mark.parametrize("extra,op_name,prescale,postscale", [(0, "Sum", 1.0, 1.0), (1, "Average", 1.0, 1.0),
-                                                              (2, "Sum", 0.5, 3.0), (3, "Average", 2.0, 0.25)])
+@pytest.mark.parametrize(
+    "extra,op_name,prescale,postscale",
+    [(0, "Sum", 1.0, 1.0), (1, "Average", 1.0, 1.0), (2, "Sum", 0.5, 3.0), (3, "Average", 2.0, 0.25)],
+)
 def test_reducescatter_gradient_follows_horovod(hvd, pset, mode, extra, op_name, prescale, postscale):
     """horovod/tensorflow/mpi_ops.py _reducescatter_grad and _grouped_reducescatter_grad: grad *= size for Sum;
     *= prescale; *= postscale; then allgather. (`extra` rows vary the shapes from one case to the next.)"""
@@ -139,8 +149,10 @@ def test_reducescatter_gradient_follows_horovod(hvd, pset, mode, extra, op_name,
 def test_reducescatter_adasum_raises_horovods_error(hvd, mode):
     """Horovod's enqueue returns Aborted("Reducescatter currently only supports AVERAGE and SUM"), which a
     TF op raises as tf.errors.AbortedError. Raised at the call (or trace) on every rank; the job goes on."""
-    for call in (lambda t: hvd.reducescatter(t, op=hvd.Adasum),
-                 lambda t: hvd.grouped_reducescatter([t], op=hvd.Adasum)):
+    for call in (
+        lambda t: hvd.reducescatter(t, op=hvd.Adasum),
+        lambda t: hvd.grouped_reducescatter([t], op=hvd.Adasum),
+    ):
         with pytest.raises(tf.errors.AbortedError, match="only supports AVERAGE and SUM"):
             mode(call)(tf.ones([2 * hvd.size()]))
     shard = hvd.reducescatter(tf.ones([hvd.size()]) * (hvd.rank() + 1), op=hvd.Max)  # hvdplus's addition stays
@@ -153,8 +165,9 @@ def test_uint16_collectives(hvd, mode):
     """horovod/tensorflow/mpi_ops.cc registers uint16 for allreduce, allgather and broadcast (among others)."""
     x = tf.constant([1, 2], tf.uint16) + tf.cast(hvd.rank(), tf.uint16)
     n = hvd.size()
-    total, gathered, root = mode(lambda t: (hvd.allreduce(t, op=hvd.Sum), hvd.allgather(t),
-                                            hvd.broadcast(t, root_rank=n - 1)))(x)
+    total, gathered, root = mode(
+        lambda t: (hvd.allreduce(t, op=hvd.Sum), hvd.allgather(t), hvd.broadcast(t, root_rank=n - 1))
+    )(x)
     assert total.dtype == gathered.dtype == root.dtype == tf.uint16
     assert total.numpy().tolist() == [n + n * (n - 1) // 2, 2 * n + n * (n - 1) // 2]
     assert gathered.numpy().tolist() == [v + r for r in range(n) for v in (1, 2)]

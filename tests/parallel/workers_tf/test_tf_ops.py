@@ -36,8 +36,13 @@ def test_allreduce_dtypes_and_ops(hvd, mode, dtype):
 
 def test_allreduce_average_scaling_and_compression(hvd, mode):
     x = rank_tensor(hvd)
-    fn = mode(lambda t: (hvd.allreduce(t), hvd.allreduce(t, average=False, prescale_factor=2.0, postscale_factor=0.5),
-                         hvd.allreduce(t, compression=hvd.Compression.fp16)))
+    fn = mode(
+        lambda t: (
+            hvd.allreduce(t),
+            hvd.allreduce(t, average=False, prescale_factor=2.0, postscale_factor=0.5),
+            hvd.allreduce(t, compression=hvd.Compression.fp16),
+        )
+    )
     average, scaled_sum, compressed = fn(x)
     np.testing.assert_allclose(average.numpy(), expected_sum(hvd) / hvd.size(), rtol=1e-6)
     np.testing.assert_allclose(scaled_sum.numpy(), expected_sum(hvd), rtol=1e-6)
@@ -47,10 +52,11 @@ def test_allreduce_average_scaling_and_compression(hvd, mode):
 
 def test_fp16_compression_really_rounds_to_half_precision(hvd, mode):
     # 1 + 2**-12 is exact in float32 but rounds to 1.0 in float16 (10-bit mantissa): a no-op codec keeps it.
-    x = tf.fill([4], 1.0 + 2.0 ** -12)
-    plain, compressed = mode(lambda t: (hvd.allreduce(t, op=hvd.Sum),
-                                        hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16)))(x)
-    np.testing.assert_array_equal(plain.numpy(), np.full(4, hvd.size() * (1.0 + 2.0 ** -12), np.float32))
+    x = tf.fill([4], 1.0 + 2.0**-12)
+    plain, compressed = mode(
+        lambda t: (hvd.allreduce(t, op=hvd.Sum), hvd.allreduce(t, op=hvd.Sum, compression=hvd.Compression.fp16))
+    )(x)
+    np.testing.assert_array_equal(plain.numpy(), np.full(4, hvd.size() * (1.0 + 2.0**-12), np.float32))
     np.testing.assert_array_equal(compressed.numpy(), np.full(4, float(hvd.size()), np.float32))
 
 
@@ -62,11 +68,17 @@ def test_static_shapes_inside_tf_function(hvd):
         assert reduced.shape.as_list() == [None, 3] and gathered.shape.as_list() == [None, 3]
         return reduced, gathered, hvd.broadcast(t, 0)
 
-    fixed = tf.function(lambda t: (hvd.allreduce(t), hvd.allgather(t), hvd.broadcast(t, 0),
-                                   hvd.reducescatter(t), hvd.alltoall(t)))
+    fixed = tf.function(
+        lambda t: (hvd.allreduce(t), hvd.allgather(t), hvd.broadcast(t, 0), hvd.reducescatter(t), hvd.alltoall(t))
+    )
     graph = fixed.get_concrete_function(tf.TensorSpec([hvd.size() * 2, 3], tf.float32)).structured_outputs
-    assert [o.shape.as_list() for o in graph] == [[hvd.size() * 2, 3], [None, 3], [hvd.size() * 2, 3], [None, 3],
-                                                  [None, 3]]
+    assert [o.shape.as_list() for o in graph] == [
+        [hvd.size() * 2, 3],
+        [None, 3],
+        [hvd.size() * 2, 3],
+        [None, 3],
+        [None, 3],
+    ]
     reduced, gathered, _ = fn(rank_tensor(hvd))
     assert reduced.shape == (2, 3) and gathered.shape == (2 * hvd.size(), 3)
 
@@ -80,7 +92,7 @@ def test_grouped_allreduce_with_indexed_slices(hvd, mode):
     assert sparse_out.indices.numpy().tolist() == list(range(hvd.size()))
     np.testing.assert_allclose(sparse_out.values.numpy()[:, 0], (np.arange(hvd.size()) + 1) / hvd.size())
     dense_sum = tf.convert_to_tensor(hvd.allreduce(sparse, op=hvd.Sum))
-    np.testing.assert_allclose(dense_sum.numpy()[:hvd.size(), 0], np.arange(hvd.size()) + 1)
+    np.testing.assert_allclose(dense_sum.numpy()[: hvd.size(), 0], np.arange(hvd.size()) + 1)
 
 
 def test_allgather_uneven_and_grouped(hvd, mode):
@@ -102,7 +114,9 @@ def test_alltoall_even_and_with_splits(hvd, mode):
     even = tf.fill([hvd.size(), 2], hvd.rank())
     splits = [r + 1 for r in range(hvd.size())]  # rank r receives r + 1 rows from every rank
     uneven = tf.fill([sum(splits), 1], float(hvd.rank()))
-    out, (received, received_splits) = mode(lambda e, u: (hvd.alltoall(e), hvd.alltoall(u, splits=splits)))(even, uneven)
+    out, (received, received_splits) = mode(lambda e, u: (hvd.alltoall(e), hvd.alltoall(u, splits=splits)))(
+        even, uneven
+    )
     assert out.numpy()[:, 0].tolist() == list(range(hvd.size()))
     assert received.numpy()[:, 0].tolist() == [r for r in range(hvd.size()) for _ in range(hvd.rank() + 1)]
     assert received_splits.numpy().tolist() == [hvd.rank() + 1] * hvd.size()
@@ -129,10 +143,14 @@ def test_gradients_of_allreduce_allgather_broadcast(hvd, mode):
     n, r = hvd.size(), hvd.rank()
     x = tf.ones([2, 2]) * (r + 1)
     weights = tf.constant([[1.0, 2.0]]) * (r + 1)  # a rank-dependent loss makes the reductions visible
-    grads = mode(lambda t: (gradient(lambda v: tf.reduce_sum(hvd.allreduce(v, op=hvd.Sum) * weights), t),
-                            gradient(lambda v: tf.reduce_sum(hvd.allreduce(v) * weights), t),
-                            gradient(lambda v: tf.reduce_sum(hvd.allgather(v) * weights), t),
-                            gradient(lambda v: tf.reduce_sum(hvd.broadcast(v, 0) * weights), t)))(x)
+    grads = mode(
+        lambda t: (
+            gradient(lambda v: tf.reduce_sum(hvd.allreduce(v, op=hvd.Sum) * weights), t),
+            gradient(lambda v: tf.reduce_sum(hvd.allreduce(v) * weights), t),
+            gradient(lambda v: tf.reduce_sum(hvd.allgather(v) * weights), t),
+            gradient(lambda v: tf.reduce_sum(hvd.broadcast(v, 0) * weights), t),
+        )
+    )(x)
     weight_sum = np.array([[1.0, 2.0]]) * n * (n + 1) / 2  # sum over ranks of their weights
     np.testing.assert_allclose(grads[0].numpy(), np.broadcast_to(weight_sum, (2, 2)))
     np.testing.assert_allclose(grads[1].numpy(), np.broadcast_to(weight_sum / n, (2, 2)), rtol=1e-6)
@@ -144,8 +162,12 @@ def test_gradients_of_allreduce_allgather_broadcast(hvd, mode):
 def test_gradients_of_alltoall_and_reducescatter(hvd, mode):
     x = tf.ones([hvd.size() * 2, 1])
     weights = tf.range(hvd.size() * 2, dtype=tf.float32)[:, None]
-    grads = mode(lambda t: (gradient(lambda v: tf.reduce_sum(hvd.alltoall(v) * weights), t),
-                            gradient(lambda v: tf.reduce_sum(hvd.reducescatter(v, op=hvd.Sum)), t)))(x)
+    grads = mode(
+        lambda t: (
+            gradient(lambda v: tf.reduce_sum(hvd.alltoall(v) * weights), t),
+            gradient(lambda v: tf.reduce_sum(hvd.reducescatter(v, op=hvd.Sum)), t),
+        )
+    )(x)
     # input row i of rank r lands on rank i // 2 at output row 2r + i % 2, whose weight is its gradient
     expected = [[2 * hvd.rank() + i % 2] for i in range(hvd.size() * 2)]
     np.testing.assert_allclose(grads[0].numpy(), expected)
@@ -184,6 +206,7 @@ def test_gradient_of_a_nonlinear_reducescatter_is_refused(hvd):
 
 def test_variables_objects_and_rank_ops(hvd, mode):
     variables = [tf.Variable(tf.ones([3]) * hvd.rank()), tf.Variable(hvd.rank(), dtype=tf.int64)]
+
     def assign_from_last_rank():
         hvd.broadcast_variables(variables, root_rank=hvd.size() - 1)
 

@@ -26,14 +26,21 @@ def make_weights(seed: int) -> list[tf.Variable]:
     """Variables with numpy initial values (in a tf.compat.v1 graph, an initial value read from another variable
     would race with that variable's own initializer under global_variables_initializer)."""
     generator = np.random.default_rng(seed)
-    return [tf.Variable(generator.normal(size=shape).astype(np.float32), name=name)
-            for shape, name in (((4, 8), "w1"), ((8,), "b1"), ((8, 2), "w2"))]
+    return [
+        tf.Variable(generator.normal(size=shape).astype(np.float32), name=name)
+        for shape, name in (((4, 8), "w1"), ((8,), "b1"), ((8, 2), "w2"))
+    ]
 
 
 def global_batches(size: int) -> list[tuple[np.ndarray, np.ndarray]]:
     generator = np.random.default_rng(1234)
-    return [(generator.normal(size=(size * PER_RANK, 4)).astype(np.float32),
-             generator.normal(size=(size * PER_RANK, 2)).astype(np.float32)) for _ in range(STEPS)]
+    return [
+        (
+            generator.normal(size=(size * PER_RANK, 4)).astype(np.float32),
+            generator.normal(size=(size * PER_RANK, 2)).astype(np.float32),
+        )
+        for _ in range(STEPS)
+    ]
 
 
 def loss_fn(weights: list[tf.Variable], x: tf.Tensor, y: tf.Tensor) -> tf.Tensor:
@@ -41,8 +48,9 @@ def loss_fn(weights: list[tf.Variable], x: tf.Tensor, y: tf.Tensor) -> tf.Tensor
     return tf.reduce_mean((tf.tanh(x @ w1 + b1) @ w2 - y) ** 2)
 
 
-def train(hvd, weights, batches, distributed: bool, compile_step: bool, lr: float = 0.1,
-          **tape_kwargs) -> list[np.ndarray]:
+def train(
+    hvd, weights, batches, distributed: bool, compile_step: bool, lr: float = 0.1, **tape_kwargs
+) -> list[np.ndarray]:
     velocity = [tf.Variable(tf.zeros_like(w)) for w in weights]
 
     def step(x, y):
@@ -116,7 +124,7 @@ def test_sparse_gradients_are_allgathered(hvd):
     [grad] = hvd.DistributedGradientTape(tape).gradient(loss, [table])
     assert isinstance(grad, tf.IndexedSlices)
     dense = tf.convert_to_tensor(grad).numpy()
-    np.testing.assert_allclose(dense[:hvd.size(), 0], (np.arange(hvd.size()) + 1) / hvd.size())
+    np.testing.assert_allclose(dense[: hvd.size(), 0], (np.arange(hvd.size()) + 1) / hvd.size())
     with tf.GradientTape() as tape:
         loss = tf.reduce_sum(tf.gather(table, [hvd.rank()]))
     [grad] = hvd.DistributedGradientTape(tape, sparse_as_dense=True).gradient(loss, [table])
@@ -151,8 +159,10 @@ def test_tf1_distributed_optimizer_in_a_graph_matches_single_process(hvd, refere
         weights = make_weights(seed=hvd.rank())
         x, y = tf.compat.v1.placeholder(tf.float32, [None, 4]), tf.compat.v1.placeholder(tf.float32, [None, 2])
         optimizer = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
-        assert isinstance(optimizer, tf.compat.v1.train.Optimizer) and optimizer.get_name() == \
-            "DistributedMomentumOptimizer"
+        assert (
+            isinstance(optimizer, tf.compat.v1.train.Optimizer)
+            and optimizer.get_name() == "DistributedMomentumOptimizer"
+        )
         step = optimizer.minimize(loss_fn(weights, x, y), var_list=weights)
         bcast = hvd.broadcast_global_variables(0)
         init = tf.compat.v1.global_variables_initializer()

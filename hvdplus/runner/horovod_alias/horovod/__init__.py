@@ -29,8 +29,10 @@ class _AliasLoader(importlib.abc.Loader):
             module = importlib.import_module(self.target)
         except ModuleNotFoundError as exc:
             if exc.name and self.target.startswith(exc.name):
-                raise ModuleNotFoundError(f"{spec.name} is served by {self.target} under hvdplusrun, and this "
-                                          f"install has no {exc.name}", name=spec.name) from None
+                raise ModuleNotFoundError(
+                    f"{spec.name} is served by {self.target} under hvdplusrun, and this install has no {exc.name}",
+                    name=spec.name,
+                ) from None
             raise
         self._own = {name: getattr(module, name) for name in ("__spec__", "__path__") if hasattr(module, name)}
         if spec.name in _KERAS2_SCRIPTS:
@@ -52,7 +54,7 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname: str, path: object = None, target: object = None):
         if not fullname.startswith(__name__ + "."):
             return None
-        alias = "hvdplus" + fullname[len(__name__):]
+        alias = "hvdplus" + fullname[len(__name__) :]
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(alias), is_package=True)
 
 
