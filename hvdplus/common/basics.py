@@ -9,7 +9,7 @@ import logging
 import socket
 import threading
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from hvdplus.common.buffer_ops import agreed_device_kinds
 from hvdplus.common.coordinator import Coordinator
@@ -21,6 +21,9 @@ from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline
 from hvdplus.common.topology import Topology
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = [
     "ProcessSet",
@@ -69,20 +72,22 @@ class ProcessSet:
 
     Pass `process_set=` to any collective; only members may call it."""
 
-    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
+    def __init__(self, ranks_or_comm: Sequence[int] | MPI.Comm) -> None:
         if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator
             from mpi4py import MPI
 
             world = MPI.COMM_WORLD.Get_group()
-            ranks_or_comm = MPI.Group.Translate_ranks(
-                ranks_or_comm.Get_group(), list(range(ranks_or_comm.Get_size())), world
-            )
+            comm = cast("MPI.Comm", ranks_or_comm)
+            ranks_or_comm = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world)
         ranks = sorted(int(r) for r in ranks_or_comm)
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"process set ranks must be unique, got {list(ranks_or_comm)}")
         self.ranks: list[int] = ranks
+        """The members' global ranks, sorted (empty for the global set, which is every rank)."""
         self.process_set_id: int | None = None
-        self.registered_in: Runtime | None = None  # an elastic reset makes a new runtime, without this set
+        """Its id once registered (`init(process_sets=...)` or `add_process_set`); 0 is the global set."""
+        self.registered_in: Runtime | None = None
+        """The runtime it is registered in: an elastic reset makes a new runtime, without this set."""
 
     def _runtime_ranks(self) -> list[int]:
         return list(range(runtime().size)) if self.process_set_id == 0 else self.ranks
@@ -107,6 +112,7 @@ class ProcessSet:
 
 
 global_process_set = ProcessSet([])
+"""The process set of every rank (id 0), the default `process_set` of every collective."""
 global_process_set.process_set_id = 0
 
 
@@ -150,7 +156,10 @@ _elastic: ElasticWorker | None = None  # elastic mode: outlives each generation'
 _init_lock = threading.Lock()
 
 
-def init(comm: Any = None, process_sets: Iterable[ProcessSet] | str | None = None) -> None:
+def init(
+    comm: MPI.Comm | list[int] | tuple[int, ...] | None = None,
+    process_sets: Iterable[ProcessSet] | Literal["dynamic"] | None = None,
+) -> None:
     """Start hvdplus: connect to the other ranks and start the background thread.
 
     Collective: every rank must call this. `comm` is an mpi4py communicator (or a list of ranks)
@@ -216,6 +225,7 @@ atexit.register(shutdown)
 
 
 def is_initialized() -> bool:
+    """True between `init()` and `shutdown()`."""
     return _runtime is not None and _runtime.coordinator.running
 
 
@@ -235,6 +245,7 @@ def local_rank() -> int:
 
 
 def local_size() -> int:
+    """Number of processes on this host."""
     return runtime().topology.local_size
 
 
@@ -244,6 +255,7 @@ def cross_rank() -> int:
 
 
 def cross_size() -> int:
+    """Number of hosts that run a process with this process's local rank."""
     return runtime().topology.cross_size
 
 
@@ -309,10 +321,12 @@ def mpi_enabled() -> bool:
 
 
 def gloo_built() -> bool:
+    """True if torch can be imported: torch.distributed brings Gloo."""
     return _available("torch")
 
 
 def gloo_enabled() -> bool:
+    """True if this job's CPU collectives run on torch.distributed's Gloo (else on MPI)."""
     return runtime().engine.name == "gloo"
 
 
@@ -326,18 +340,22 @@ def nccl_built() -> bool:
 
 
 def ddl_built() -> bool:
+    """False: IBM DDL is not supported."""
     return False
 
 
 def ccl_built() -> bool:
+    """False: oneCCL is not supported."""
     return False
 
 
 def cuda_built() -> bool:
+    """False: hvdplus has no CUDA kernels of its own; CUDA tensors go through NCCL (`nccl_built`)."""
     return False
 
 
 def rocm_built() -> bool:
+    """False: ROCm is not supported."""
     return False
 
 

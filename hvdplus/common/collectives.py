@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pickle
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -130,8 +130,21 @@ def _need_dims(array: np.ndarray, what: str) -> None:
         raise ValueError(f"{what} needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
 
 
+@overload
 def check_counts(
-    counts: Sequence[int] | None, shape: Sequence[int | None], process_set: ProcessSet, what: str
+    counts: Sequence[int], shape: Sequence[object], process_set: ProcessSet, what: str
+) -> tuple[int, ...]: ...
+
+
+@overload
+def check_counts(
+    counts: Sequence[int] | None, shape: Sequence[object], process_set: ProcessSet, what: str
+) -> tuple[int, ...] | None: ...
+
+
+# shape: the tensor's dimensions (None where unknown), or one text for a shape that is not known at all (TF)
+def check_counts(
+    counts: Sequence[int] | None, shape: Sequence[object], process_set: ProcessSet, what: str
 ) -> tuple[int, ...] | None:
     """Explicit per-rank element counts of a flat collective: a tensor of `shape` (1-D) and one non-negative
     entry per member of the set. Adapters call it when they build an op, the core again at submit."""
@@ -287,7 +300,9 @@ def submit_reducescatter(
             raise ValueError(
                 f"reducescatter counts must add up to the tensor's {array.size} elements, got {list(counts)}"
             )
-        set_rank = runtime().coordinator.process_set_ranks(_set_id(process_set)).index(runtime().rank)
+        members = runtime().coordinator.process_set_ranks(_set_id(process_set))
+        assert members is not None  # check_counts found the set
+        set_rank = members.index(runtime().rank)
         _check_output(output, counts[set_rank], "reducescatter")
     request = _request(
         OpKind.REDUCESCATTER,

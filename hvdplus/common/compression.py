@@ -5,9 +5,9 @@ The core moves whatever dtype it is given; each adapter supplies how to cast its
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
-__all__ = ["Compressor", "NoneCompressor", "CastCompressor", "make_compression"]
+__all__ = ["Compressor", "NoneCompressor", "CastCompressor", "CompressionNamespace", "make_compression"]
 
 
 class Compressor(Protocol):
@@ -56,19 +56,27 @@ class CastCompressor:
         return tensor if ctx is None or ctx == self._dtype_of(tensor) else self._cast(tensor, ctx)
 
 
+class CompressionNamespace:
+    """What an adapter's `Compression` holds: the compressors, as class attributes."""
+
+    none: ClassVar[type[NoneCompressor]]
+    fp16: ClassVar[CastCompressor]
+    bf16: ClassVar[CastCompressor]
+
+
 def make_compression(
     float16: Any,
     bfloat16: Any,
     is_floating: Callable[[Any], bool],
     dtype_of: Callable[[Any], Any],
     cast: Callable[[Any, Any], Any],
-) -> type:
+) -> type[CompressionNamespace]:
     """Build an adapter's `Compression` namespace (none, fp16, bf16) from its dtype and cast functions."""
 
     half = CastCompressor(float16, is_floating, dtype_of, cast)
     brain = CastCompressor(bfloat16, is_floating, dtype_of, cast)
 
-    class Compression:
+    class Compression(CompressionNamespace):
         """Optional gradient compression used by allreduce and DistributedOptimizer."""
 
         none = NoneCompressor

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -259,7 +259,7 @@ class Coordinator:
         caused_by = peer_failure(self._engine)
         if caused_by is not None:
             return caused_by if named else HorovodInternalError(f"{caused_by} (here: {type(exc).__name__}: {exc})")
-        if named:
+        if isinstance(exc, HorovodInternalError):  # `named`, in a form that narrows exc's type
             return exc
         error = HorovodInternalError(f"collective failed on rank {self.rank}: {type(exc).__name__}: {exc}")
         try:
@@ -376,14 +376,14 @@ class Coordinator:
             evicted = self._cache.put(response)
             if evicted is not None:
                 self._evict(evicted)
-            bit = self._cache.bit_of(response.key)
-            if bit is not None and self._index_in(response.key[0]) is None:
-                self._foreign |= 1 << bit
+            cached_bit = self._cache.bit_of(response.key)
+            if cached_bit is not None and self._index_in(response.key[0]) is None:
+                self._foreign |= 1 << cached_bit
         if len(self._planes) < len(self._device_kinds):
             self._build_planes(responses)
         self._execute(responses, timeline)
         if self._tuning is not None:
-            self._autotune(int(words[-1]), responses)
+            self._autotune(self._tuning, int(words[-1]), responses)
         self._warn_stalls()
         return bool(flags & _BUSY)
 
@@ -485,15 +485,18 @@ class Coordinator:
 
     def _run_batch(self, pairs: list[tuple[Response, Work | None]]) -> None:
         head, work = pairs[0]
+        # No work is None in a batch that runs: a joined rank's allreduce gets zeros (_take_work), and the other
+        # data collectives run only when every member announced (they fail while a rank has joined).
+        announced = cast("list[tuple[Response, Work]]", pairs)
         if head.error is not None:
             for response, work in pairs:
                 self._executor.fail(response, work)
         elif head.kind == OpKind.ALLREDUCE:
-            self._executor.run_allreduce(pairs)
+            self._executor.run_allreduce(announced)
         elif head.kind == OpKind.REDUCESCATTER:
-            self._executor.run_reducescatter(pairs)
+            self._executor.run_reducescatter(announced)
         elif head.kind == OpKind.ALLGATHER:
-            self._executor.run_allgather(pairs)
+            self._executor.run_allgather(announced)
         elif head.kind == OpKind.BROADCAST:
             if work is not None:
                 self._executor.run_broadcast(head, work)
@@ -580,7 +583,7 @@ class Coordinator:
                 log_path=settings.autotune_log,
             )
 
-    def _autotune(self, config: int, responses: list[Response]) -> None:
+    def _autotune(self, tuning: TuningSpace, config: int, responses: list[Response]) -> None:
         """After a cycle's execution: rank 0's tuner records the bytes it moved, then every rank switches to the
         configuration rank 0 sent in this round, all in the same cycle."""
         if self._autotuner is not None:
@@ -589,7 +592,7 @@ class Coordinator:
             )
             self._autotuner.record(self._tuned, moved, time.monotonic())
         if config != self._tuned:
-            self._tuning.apply(config, self.tunables)
+            tuning.apply(config, self.tunables)
             self._tuned = config
 
     def mark_joined(self) -> None:

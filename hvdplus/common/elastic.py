@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -102,6 +102,12 @@ class ObjectState(State):
         self._saved_state = kwargs
         self._set_attrs()
         super().__init__(bcast_object=bcast_object, get_rank=get_rank)
+
+    if TYPE_CHECKING:  # the keyword attributes, whatever the job keeps (state.epoch, state.batch, ...)
+
+        def __getattr__(self, name: str) -> Any: ...
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def save(self) -> None:
         self._saved_state = {name: getattr(self, name) for name in self._saved_state}
@@ -198,12 +204,19 @@ def restart() -> None:
     init()
 
 
-def run_fn(func: Callable[..., Any], reset: Callable[[], None] = restart) -> Callable[..., Any]:
+_StateT = TypeVar("_StateT", bound=State)
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+
+
+def run_fn(
+    func: Callable[Concatenate[_StateT, _Params], _Result], reset: Callable[[], None] = restart
+) -> Callable[Concatenate[_StateT, _Params], _Result]:
     """Wrap `func(state, ...)` in the elastic loop (see the module's docstring); `reset` starts the next
     generation."""
 
     @functools.wraps(func)
-    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(state: _StateT, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
         needs_sync = True  # a worker's first run (a worker that joined late included) always syncs
         while True:
             try:

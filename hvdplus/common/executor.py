@@ -91,21 +91,22 @@ class Executor:
     def _activity(self, phase: str) -> AbstractContextManager[None]:
         """A timeline span around one activity of the running batch; without a timeline a shared no-op, so the
         hot path makes no generator per batch."""
-        return _NO_SPAN if self._timeline is None else self._span(phase)
+        return _NO_SPAN if self._timeline is None else self._span(self._timeline, phase)
 
     @contextmanager
-    def _span(self, phase: str) -> Iterator[None]:
-        self._timeline.begin(self._traced, phase)
+    def _span(self, timeline: Timeline, phase: str) -> Iterator[None]:
+        timeline.begin(self._traced, phase)
         try:
             yield
         finally:
-            self._timeline.end(self._traced)
+            timeline.end(self._traced)
 
     @contextmanager
     def _substeps(self) -> Iterator[Callable[[str], None]]:
         """A `mark(step)` for the hierarchical functions: each step a span that ends where the next begins; the
         last one ends on exit."""
-        timeline, names, opened = self._timeline, self._traced, []
+        timeline, names = self._timeline, self._traced
+        opened: list[str] = []
         if timeline is None:
             yield lambda step: None
             return
@@ -276,13 +277,13 @@ class Executor:
         """Run one alltoall or barrier (host buffers); return the handle's result."""
         group = self._group_of(response.key[0])
         if response.kind == OpKind.ALLTOALL:
-            return self._alltoall(response.requests, work, set_rank, group)
+            return self._alltoall(response.announced, work, set_rank, group)
         if response.kind == OpKind.BARRIER:
             self._engine.barrier(group)
             return None
         raise RuntimeError(f"executor cannot run {response.kind.name}")
 
-    def _alltoall(self, requests: Sequence[Request | None], work: Work, set_rank: int, group: Any) -> Any:
+    def _alltoall(self, requests: Sequence[Request], work: Work, set_rank: int, group: Any) -> Any:
         row = _row_elements(work.request.shape)
         splits = [r.splits or even_splits(r.shape[0], len(requests)) for r in requests]
         recv_rows = [splits[src][set_rank] for src in range(len(requests))]
@@ -305,7 +306,7 @@ class Executor:
         plane = self._plane(head.first)
         ops, works = plane.ops, [work for _, work in batch]
         set_rank, process_set = head.members.index(self._engine.rank), self._set_of(head.key[0])
-        layout = Layout([[r.nelements for r in response.requests] for response, _ in batch])
+        layout = Layout([[r.nelements for r in response.announced] for response, _ in batch])
         outputs = [_gather_output(ops, response, work) for response, work in batch]
         self._engine_call(plane, works)
         if len(batch) == 1:
@@ -420,5 +421,5 @@ def _gather_output(ops: BufferOps, response: Response, work: Work) -> Any:
     """The caller's output, or a new buffer holding every rank's rows."""
     if work.output is not None:
         return work.output
-    rows = sum(r.shape[0] for r in response.requests)
+    rows = sum(r.shape[0] for r in response.announced)
     return ops.empty((rows,) + work.request.shape[1:], work.input)

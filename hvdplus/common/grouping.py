@@ -19,7 +19,7 @@ def split_list(items: Sequence[Any], parts: int) -> list[list[Any]]:
     ]
 
 
-def check_groups(groups: Any) -> None:
+def check_groups(groups: object) -> None:
     """`groups` must be None, a positive int or a list (of lists of parameters)."""
     if groups is None:
         return
@@ -27,7 +27,7 @@ def check_groups(groups: Any) -> None:
         raise ValueError(f"groups should be a positive integer or a list of lists of parameters, got {groups!r}")
 
 
-def group_indices(params: Sequence[Any], groups: Any) -> list[tuple[int, ...]]:
+def group_indices(params: Sequence[Any], groups: int | list[Any] | None) -> list[tuple[int, ...]]:
     """The groups as tuples of positions in `params`, in optimizer order ([] when `groups` is None).
 
     `groups` is None (no grouping), a positive int (that many contiguous groups of about equal size) or a
@@ -41,7 +41,7 @@ def group_indices(params: Sequence[Any], groups: Any) -> list[tuple[int, ...]]:
     return [tuple(part) for part in _listed_groups(params, groups)]
 
 
-def build_groups(params: Sequence[Any], groups: Any) -> dict[Any, tuple[Any, ...]]:
+def build_groups(params: Sequence[Any], groups: int | list[Any] | None) -> dict[Any, tuple[Any, ...]]:
     """Map each of `params` (hashable ones, e.g. torch tensors) to the tuple of its group (see group_indices)."""
     plan = [tuple(params[i] for i in indices) for indices in group_indices(params, groups)]
     return {p: group for group in plan for p in group}

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 __all__ = ["Handle", "Completion"]
+
+_Result = TypeVar("_Result", covariant=True)
+_Next = TypeVar("_Next")
 
 
 class Handle:
@@ -57,7 +60,7 @@ class Handle:
             self._pending.release()
 
 
-class Completion:
+class Completion(Generic[_Result]):
     """What an adapter's asynchronous call returns, and the only handle adapters and optimizers hold: the core
     handles of its collectives, and how to turn their results into the user's (a tensor, a group's list).
 
@@ -66,7 +69,7 @@ class Completion:
 
     __slots__ = ("_handles", "_finish", "_result", "_finished", "synchronized")
 
-    def __init__(self, handles: list[Handle], finish: Callable[[list[Any]], Any]) -> None:
+    def __init__(self, handles: list[Handle], finish: Callable[[list[Any]], _Result]) -> None:
         self._handles, self._finish = handles, finish
         self._result: Any = None
         self._finished = False
@@ -81,14 +84,15 @@ class Completion:
         """True once every collective behind it finished; never blocks."""
         return all(handle.done() for handle in self._handles)
 
-    def result(self) -> Any:
+    def result(self) -> _Result:
         """Wait for the collectives, then return the finished result (the same object on every call)."""
         if not self._finished:
             self._result = self._finish([handle.wait() for handle in self._handles])
             self._finished = True
-        return self._result
+        result: _Result = self._result  # what `finish` returned
+        return result
 
-    def then(self, step: Callable[[Any], Any]) -> Completion:
+    def then(self, step: Callable[[_Result], _Next]) -> Completion[_Next]:
         """The same collectives, with `step` applied to the finished result."""
         finish = self._finish
         return Completion(self._handles, lambda results: step(finish(results)))

@@ -40,7 +40,7 @@ __all__ = [
 # 2(n-1) Python-driven exchanges.
 _P2P_MIN_BYTES = 64 * 1024
 # Engines whose own allreduce is the better cross-host step: Gloo's point-to-point measured slower than its
-# allreduce over the shaped link (2 hosts x 2 ranks, 64 MB: 1299 ms composed against 971 ms; README).
+# allreduce over the shaped link (2 hosts x 2 ranks, 64 MB: 1299 ms composed against 971 ms; docs/performance.md).
 _OWN_CROSS_STEP = ("gloo",)
 
 

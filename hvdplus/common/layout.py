@@ -32,8 +32,10 @@ class Layout:
         self.ranks = len(self.counts[0]) if self.counts else 0
         self.rank_totals = [sum(row[r] for row in self.counts) for r in range(self.ranks)]
         # _starts[t][r]: where rank r's part begins inside tensor t; _blocks[r]: where rank r's block begins.
-        self._starts = [np.concatenate([[0], np.cumsum(row[:-1])]).astype(int).tolist() for row in self.counts]
-        self._blocks = np.concatenate([[0], np.cumsum(self.rank_totals)]).astype(int).tolist()
+        self._starts: list[list[int]] = [
+            np.concatenate([[0], np.cumsum(row[:-1])]).astype(int).tolist() for row in self.counts
+        ]
+        self._blocks: list[int] = np.concatenate([[0], np.cumsum(self.rank_totals)]).astype(int).tolist()
 
     @classmethod
     def end_to_end(cls, sizes: Sequence[int]) -> Layout:

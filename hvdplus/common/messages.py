@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import NamedTuple, cast, overload
 
 from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
 
@@ -51,36 +51,43 @@ class Request(NamedTuple):
         return f"{self.kind.name.lower()} {self.name!r}"
 
 
-class SameRequest(Sequence):
+class SameRequest(Sequence[Request]):
     """The requests of `count` ranks that all sent the same one: a sequence of constant size, so that a
     response agreed by 1024 ranks costs no more to build, cache and check than one agreed by 2."""
 
-    __slots__ = ("request", "count")
+    # `size`, not `count`: an attribute named count would hide Sequence.count(value), which then could not be called.
+    __slots__ = ("request", "size")
 
     def __init__(self, request: Request, count: int) -> None:
-        self.request, self.count = request, count
+        self.request, self.size = request, count
 
     def __len__(self) -> int:
-        return self.count
+        return self.size
 
-    def __getitem__(self, index: Any) -> Any:
+    @overload
+    def __getitem__(self, index: int) -> Request: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> tuple[Request, ...]: ...
+
+    def __getitem__(self, index: int | slice) -> Request | tuple[Request, ...]:
         if isinstance(index, slice):
             return tuple(self)[index]
-        if not -self.count <= index < self.count:
-            raise IndexError(f"rank index {index} out of range for {self.count} ranks")
+        if not -self.size <= index < self.size:
+            raise IndexError(f"rank index {index} out of range for {self.size} ranks")
         return self.request
 
     def __contains__(self, value: object) -> bool:
-        return self.count > 0 and value == self.request
+        return self.size > 0 and value == self.request
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Sequence) and len(other) == self.count and all(r == self.request for r in other)
+        return isinstance(other, Sequence) and len(other) == self.size and all(r == self.request for r in other)
 
     def __hash__(self) -> int:
-        return hash((self.request, self.count))
+        return hash((self.request, self.size))
 
     def __repr__(self) -> str:
-        return f"SameRequest({self.request!r}, count={self.count})"
+        return f"SameRequest({self.request!r}, count={self.size})"
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,12 @@ class Response:
         """A request that stands for all of them (they agree on everything that matters)."""
         return next(r for r in self.requests if r is not None)
 
+    @property
+    def announced(self) -> Sequence[Request]:
+        """`requests` where every member announced: any collective but allreduce, the only one that runs while
+        ranks have joined (None for them)."""
+        return cast("Sequence[Request]", self.requests)
+
     @cached_property
     def nbytes(self) -> int:
         """Bytes of one rank's tensor (remembered: fusion asks every cycle of a cached response)."""
@@ -113,4 +126,4 @@ class Response:
         """Bytes this response adds to a fusion buffer: one rank's tensor, or everything an allgather gathers."""
         if self.kind != OpKind.ALLGATHER:
             return self.nbytes
-        return sum(r.nelements for r in self.requests) * storage_dtype(self.first.dtype).itemsize
+        return sum(r.nelements for r in self.announced) * storage_dtype(self.first.dtype).itemsize

@@ -25,7 +25,8 @@ def nan_positions(array: np.ndarray, dtype: str) -> np.ndarray:
     """1 where `array` (flat storage of `dtype`) holds a NaN, else 0, as uint8."""
     if dtype == "bfloat16":  # uint16 storage: exponent all ones and a non-zero mantissa
         return ((array & 0x7FFF) > 0x7F80).view(np.uint8)
-    return np.isnan(array).view(np.uint8)
+    nans: np.ndarray = np.isnan(array)
+    return nans.view(np.uint8)
 
 
 def restore_nan(array: np.ndarray, dtype: str, positions: np.ndarray) -> None:

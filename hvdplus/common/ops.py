@@ -35,14 +35,18 @@ class ReduceOp(enum.IntEnum):
     PRODUCT = 5
 
 
-Average, Sum, Adasum, Min, Max, Product = (
-    ReduceOp.AVERAGE,
-    ReduceOp.SUM,
-    ReduceOp.ADASUM,
-    ReduceOp.MIN,
-    ReduceOp.MAX,
-    ReduceOp.PRODUCT,
-)
+Average = ReduceOp.AVERAGE
+"""Sum over the ranks divided by their number (the default for allreduce and DistributedOptimizer)."""
+Sum = ReduceOp.SUM
+"""Elementwise sum over the ranks."""
+Adasum = ReduceOp.ADASUM
+"""Horovod's Adasum: a pairwise combination that keeps the step size of each rank's update (power-of-two sets)."""
+Min = ReduceOp.MIN
+"""Elementwise minimum over the ranks."""
+Max = ReduceOp.MAX
+"""Elementwise maximum over the ranks."""
+Product = ReduceOp.PRODUCT
+"""Elementwise product over the ranks."""
 
 
 class OpKind(enum.IntEnum):

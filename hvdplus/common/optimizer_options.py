@@ -35,7 +35,7 @@ def predivide_scales(factor: float, op: ReduceOp) -> tuple[float, float]:
     return 1.0 / predivide, predivide
 
 
-def merge_num_groups(num_groups: int, groups: Any) -> Any:
+def merge_num_groups(num_groups: int, groups: int | list[Any] | None) -> int | list[Any] | None:
     """Horovod's deprecated `num_groups` becomes `groups` (with its deprecation warning)."""
     if num_groups == 0:
         return groups

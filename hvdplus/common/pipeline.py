@@ -62,6 +62,8 @@ class Op(str, enum.Enum):
     RECV_GRAD = "RECV_B"
 
 
+_Step = tuple[Op, int, int]  # (op, micro_batch, chunk) of a compute order, before messages are added
+
 _HELD = {Op.FORWARD: 1, Op.BACKWARD_INPUT: 0, Op.BACKWARD_WEIGHT: -1, Op.BACKWARD: -1}  # activations kept
 
 
@@ -136,16 +138,16 @@ def chunk_stages(name: str, stages: int, virtual_stages: int = 1) -> list[int]:
     return [c % stages for c in chunks]
 
 
-def _one_f_one_b(forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warmup: int) -> list:
+def _one_f_one_b(forwards: list[tuple[int, int]], backwards: list[tuple[int, int]], warmup: int) -> list[_Step]:
     """`warmup` forwards, then forward/backward pairs, then the remaining backwards (all as (op, m, c))."""
     steady = len(forwards) - warmup
-    order = [(Op.FORWARD, *f) for f in forwards[:warmup]]
+    order: list[_Step] = [(Op.FORWARD, *f) for f in forwards[:warmup]]
     for f, b in zip(forwards[warmup:], backwards[:steady]):
         order += [(Op.FORWARD, *f), (Op.BACKWARD, *b)]
     return order + [(Op.BACKWARD, *b) for b in backwards[steady:]]
 
 
-def _interleaved(stage: int, stages: int, micro_batches: int, chunks: int) -> list:
+def _interleaved(stage: int, stages: int, micro_batches: int, chunks: int) -> list[_Step]:
     """Megatron-LM's interleaved 1F1B order of one stage holding `chunks` chunks."""
     group = stages * chunks
     total = micro_batches * chunks
@@ -157,10 +159,10 @@ def _interleaved(stage: int, stages: int, micro_batches: int, chunks: int) -> li
     return _one_f_one_b(forwards, backwards, warmup)
 
 
-def _zb_h1(stage: int, stages: int, micro_batches: int) -> list:
+def _zb_h1(stage: int, stages: int, micro_batches: int) -> list[_Step]:
     """ZB-H1: 1F1B's order with B for BW and the W of micro-batch m-stage right after B(m), the rest last."""
     pairs = [(m, stage) for m in range(micro_batches)]
-    order = []
+    order: list[_Step] = []
     for op, m, c in _one_f_one_b(pairs, pairs, min(stages - stage - 1, micro_batches)):
         if op is Op.FORWARD:
             order.append((op, m, c))
@@ -171,13 +173,13 @@ def _zb_h1(stage: int, stages: int, micro_batches: int) -> list:
     return order + [(Op.BACKWARD_WEIGHT, m, stage) for m in range(max(micro_batches - stage, 0), micro_batches)]
 
 
-def _zb_v(stage: int, stages: int, micro_batches: int) -> list:
+def _zb_v(stage: int, stages: int, micro_batches: int) -> list[_Step]:
     """ZB-V's order for one stage (Qi et al. 2024, section 6, as PyTorch's ScheduleZBVZeroBubble builds it)."""
     down, up = stage, 2 * stages - 1 - stage  # this stage's chunks on the way down and up the V
     enough = max(2 * stages - 1, micro_batches)  # built for at least 2S-1 micro-batches, then cut to M
     f, b, w = Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT
     count = {(op, c): 0 for op in (f, b, w) for c in (down, up)}
-    order = []
+    order: list[_Step] = []
 
     def add(*steps: tuple[Op, int]) -> None:
         for op, c in steps:
@@ -199,7 +201,7 @@ def _zb_v(stage: int, stages: int, micro_batches: int) -> list:
     return [step for step in order if step[1] < micro_batches]
 
 
-def _with_messages(orders: list[list], owner: list[int]) -> list[list[Action]]:
+def _with_messages(orders: list[list[_Step]], owner: list[int]) -> list[list[Action]]:
     """Wrap each stage's compute order with the sends and receives between chunks on different stages."""
 
     def message(op: Op, m: int, c: int, other: int, stage: int) -> list[Action]:

@@ -177,7 +177,7 @@ class _Store:
     def apply(self, op: str, args: list[bytes]) -> tuple[int, list[bytes]]:
         """Run one request; wakes every waiter after a change."""
         with self.cond:
-            result = getattr(self, f"_{op}")(*args)
+            result: tuple[int, list[bytes]] = getattr(self, f"_{op}")(*args)
             if op in ("set", "add", "compare_set", "delete"):
                 self.cond.notify_all()
             return result

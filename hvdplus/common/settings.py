@@ -116,7 +116,7 @@ SETTINGS: tuple[Setting, ...] = (
         _parse_bool,
         False,
         "Allreduce as local reduce-scatter, cross-host allreduce, local allgather (where the hosts run equal "
-        "numbers of ranks). Off by default: measured slower than flat on these machines (README); "
+        "numbers of ranks). Off by default: measured slower than flat on these machines (see Performance); "
         "HOROVOD_AUTOTUNE tries it.",
         "HVDPLUS_HIERARCHICAL_ALLREDUCE",
         "HOROVOD_HIERARCHICAL_ALLREDUCE",

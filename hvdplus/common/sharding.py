@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from hvdplus.common.negotiation import disagreement
 
@@ -48,11 +49,14 @@ class Piece:
     offset: int
 
 
+_Kind = TypeVar("_Kind", bound=Hashable)
+
+
 @dataclass(frozen=True)
-class DtypePartition:
+class DtypePartition(Generic[_Kind]):
     """The flat sequence of one dtype's parameters and its cut into per-rank ranges."""
 
-    kind: Hashable
+    kind: _Kind
     params: tuple[int, ...]  # indices into the plan's parameter list, in order
     offsets: tuple[int, ...]  # where each of them starts in the flat sequence
     numels: tuple[int, ...]
@@ -81,12 +85,12 @@ class DtypePartition:
         return found
 
 
-def partition(numels: Sequence[int], kinds: Sequence[Hashable], size: int) -> list[DtypePartition]:
+def partition(numels: Sequence[int], kinds: Sequence[_Kind], size: int) -> list[DtypePartition[_Kind]]:
     """One partition per kind (dtype), in order of first appearance: parameter i has `numels[i]` elements of
     kind `kinds[i]`. Every element has exactly one owner among the `size` ranks."""
     if len(numels) != len(kinds):
         raise ValueError(f"numels and kinds must have one entry per parameter, got {len(numels)} and {len(kinds)}")
-    by_kind: dict[Hashable, list[int]] = {}
+    by_kind: dict[_Kind, list[int]] = {}
     for index, kind in enumerate(kinds):
         by_kind.setdefault(kind, []).append(index)
     plans = []
@@ -104,7 +108,7 @@ def partition(numels: Sequence[int], kinds: Sequence[Hashable], size: int) -> li
 
 
 def bucket_ranges(
-    plan: DtypePartition, element_bytes: int, bucket_bytes: int
+    plan: DtypePartition[Any], element_bytes: int, bucket_bytes: int
 ) -> list[tuple[int, int, tuple[int, ...]]]:
     """The reduce-scatter buckets of one partition as (flat start, flat end, parameter indices): whole parameters,
     in reverse order (backward produces the last layers' gradients first), at most `bucket_bytes` each (a larger

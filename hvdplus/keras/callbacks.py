@@ -103,7 +103,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.current_epoch = 0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
-        if self.momentum_correction and getattr(self.model.optimizer, "momentum", 0):
+        if self.momentum_correction and getattr(self.model.optimizer, "momentum", None):
             warnings.warn(
                 f"{type(self).__name__}: momentum correction is not applied with Keras 3 (momentum is a "
                 f"constant of the compiled train step); pass momentum_correction=False to silence this",
@@ -166,7 +166,7 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         super().on_epoch_end(epoch, logs)
-        if epoch == self.end_epoch - 1 and self.verbose > 0:
+        if self.end_epoch is not None and epoch == self.end_epoch - 1 and self.verbose > 0:
             rate = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
             print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {rate:g}.")
 

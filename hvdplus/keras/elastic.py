@@ -69,7 +69,7 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
     last batch's index and shortens `params['steps']`, which tf.keras' loop does not read). The data iterator
     starts again: the resumed epoch draws its batches from the start of the data."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: ObjectState) -> None:
         super().__init__()
         self.state = state
         self._done_before = 0  # batches of the current epoch done before this fit call
@@ -101,7 +101,7 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
     or 0 (`epochs=epochs - state.epoch`). Horovod adds the state's epoch to fit's, which counts it twice when
     fit starts at `initial_epoch=state.epoch` (the wrong epoch after a reset of horovod#2844)."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: ObjectState) -> None:
         super().__init__()
         self.state = state
         self._offset: int | None = None  # the job's epoch minus fit's
@@ -114,4 +114,5 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
             self._offset = self.state.epoch - epoch
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        assert self._offset is not None  # on_epoch_begin set it
         self.state.epoch = epoch + self._offset + 1

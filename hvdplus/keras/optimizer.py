@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import keras
 import tensorflow as tf
@@ -35,11 +35,26 @@ from hvdplus.tensorflow.gradients import GradientReducer
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
+if TYPE_CHECKING:  # the mixins below sit before a Keras optimizer class, whose attributes and methods they use
+    _OptimizerMixin: TypeAlias = keras.optimizers.Optimizer
+else:
+    _OptimizerMixin = object
 
-class _DistributedOptimizer:
+
+class _Reducer(Protocol):
+    """What the accumulation code needs of `_hvd_reducer`: a GradientReducer, or ZeroOptimizer's name passing."""
+
+    def names(self, variables: Sequence[Any]) -> list[str]: ...
+
+    def reduce(
+        self, grads: Sequence[Any], variables: Sequence[Any], names: Sequence[str] | None = None
+    ) -> list[Any]: ...
+
+
+class _DistributedOptimizer(_OptimizerMixin):
     """Mixin placed before the user's optimizer class; the `_hvd_*` attributes are set on each instance."""
 
-    _hvd_reducer: GradientReducer
+    _hvd_reducer: _Reducer
     _hvd_passes: int
     _hvd_average_aggregated: bool
     _hvd_accumulators: list[tf.Variable] | None = None
@@ -51,7 +66,7 @@ class _DistributedOptimizer:
         Collective: every rank in the process set must call this the same number of times."""
         grads = list(grads)
         if trainable_variables is None and getattr(self, "built", False):
-            trainable_variables = self._trainable_variables  # type: ignore[attr-defined]  # what Keras would use
+            trainable_variables = self._trainable_variables  # what Keras would use
         if trainable_variables is None:
             raise ValueError(
                 "the optimizer is not built yet: pass trainable_variables to apply(), or call "
@@ -59,7 +74,7 @@ class _DistributedOptimizer:
             )
         variables = list(trainable_variables)
         if self._hvd_passes == 1:
-            return super().apply(self._hvd_reducer.reduce(grads, variables), trainable_variables)  # type: ignore[misc]
+            return super().apply(self._hvd_reducer.reduce(grads, variables), trainable_variables)
         return self._hvd_accumulate(grads, variables, trainable_variables)
 
     def _hvd_accumulate(self, grads: list[Any], variables: list[Any], trainable_variables: Any) -> None:
@@ -71,6 +86,7 @@ class _DistributedOptimizer:
             if grad is not None:
                 accumulator.assign_add(tf.convert_to_tensor(grad))
         names = self._hvd_reducer.names(variables)
+        assert self._hvd_calls is not None  # _hvd_accumulators_for created it with the accumulators
         calls = self._hvd_calls.assign_add(1)
 
         def update() -> None:
@@ -79,7 +95,7 @@ class _DistributedOptimizer:
                 None if g is None else a.read_value() * tf.cast(scale, a.dtype) for g, a in zip(grads, accumulators)
             ]
             reduced = self._hvd_reducer.reduce(summed, variables, names)
-            super(_DistributedOptimizer, self).apply(reduced, trainable_variables)  # type: ignore[misc]
+            super(_DistributedOptimizer, self).apply(reduced, trainable_variables)
             for accumulator in accumulators:
                 accumulator.assign(tf.zeros_like(accumulator))
 
@@ -125,7 +141,7 @@ def DistributedOptimizer(
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
     num_groups: int = 0,
-    groups: Any = None,
+    groups: int | list[Any] | None = None,
     process_set: ProcessSet = global_process_set,
     scale_local_gradients: bool = True,
 ) -> keras.optimizers.Optimizer:
@@ -164,7 +180,7 @@ def PartialDistributedOptimizer(
     op: ReduceOp = Average,
     backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False,
-    groups: Any = None,
+    groups: int | list[Any] | None = None,
     process_set: ProcessSet = global_process_set,
     local_layers: Any = None,
     scale_local_gradients: bool = True,
@@ -197,7 +213,7 @@ def _wrap(
     op: ReduceOp,
     passes: int,
     average_aggregated: bool,
-    groups: Any,
+    groups: int | list[Any] | None,
     process_set: ProcessSet,
     scale_local_gradients: bool,
     local_variables: Any,

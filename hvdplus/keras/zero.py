@@ -63,7 +63,7 @@ from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_passes
 from hvdplus.common.sharding import DtypePartition, partition
 from hvdplus.common.subclassing import disguised_subclass
-from hvdplus.keras.optimizer import _DistributedOptimizer
+from hvdplus.keras.optimizer import _DistributedOptimizer, _OptimizerMixin
 from hvdplus.tensorflow._graph import dtype_name, graph_name
 from hvdplus.tensorflow.compression import Compression, Compressor
 from hvdplus.tensorflow.flat_ops import allgather_flat, reducescatter_flat
@@ -102,7 +102,7 @@ class _NamePassing:
         return list(grads)
 
 
-class _ZeroStep:
+class _ZeroStep(_OptimizerMixin):
     """Placed just before the user's optimizer class: builds it on the shard variables and runs the sharded step.
 
     Instance attributes (set past Keras' tracker): `_hvd_model_variables`, `_hvd_plans`, `_hvd_shards`,
@@ -113,6 +113,9 @@ class _ZeroStep:
     _hvd_reducer: _NamePassing
     _hvd_base: type
     _hvd_model_variables: list[Any] | None = None
+    _hvd_plans: list[DtypePartition[str]]
+    _hvd_shards: list[Any]
+    _hvd_slots: dict[tuple[int, str], Any]
     _hvd_recording: list[tuple[int, Any, str]] | None = None
     _hvd_consolidated: tuple[int, int, list[np.ndarray]] | None = None
 
@@ -150,7 +153,7 @@ class _ZeroStep:
         before = len(optimizer.variables)
         _set(self, "_hvd_recording", [])
         try:
-            super().build(shards)  # type: ignore[misc]
+            super().build(shards)
         finally:
             recorded = self._hvd_recording or []
             _set(self, "_hvd_recording", None)
@@ -167,7 +170,7 @@ class _ZeroStep:
     def add_variable_from_reference(
         self, reference_variable: Any, name: str | None = None, initializer: Any = "zeros"
     ) -> Any:
-        variable = super().add_variable_from_reference(reference_variable, name, initializer)  # type: ignore[misc]
+        variable = super().add_variable_from_reference(reference_variable, name, initializer)
         if self._hvd_recording is not None:
             self._hvd_recording.append((id(variable), reference_variable, name or "var"))
         return variable
@@ -178,7 +181,9 @@ class _ZeroStep:
         """The sharded step on local (not yet averaged) gradients of the model's variables."""
         optimizer: Any = self
         grads = list(grads)
-        variables = list(trainable_variables if trainable_variables is not None else self._hvd_model_variables)
+        given = trainable_variables if trainable_variables is not None else self._hvd_model_variables
+        assert given is not None  # _ZeroOptimizer.apply passes the variables (or raises when it has none)
+        variables = list(given)
         if not optimizer.built:
             with keras.name_scope(optimizer.name, caller=optimizer):
                 optimizer.build(variables)
@@ -208,7 +213,7 @@ class _ZeroStep:
             )
             shard_grads.append(tf.cast(compression.decompress(reduced, ctx), shard.dtype))
             shard.assign(_own_slice(plan, variables, me, shard.dtype))
-        super().apply(shard_grads, self._hvd_shards)  # type: ignore[misc]
+        super().apply(shard_grads, self._hvd_shards)
         for index, (plan, shard) in enumerate(zip(self._hvd_plans, self._hvd_shards)):
             full = allgather_flat(shard.value, plan.counts, f"{prefix}.allgather{index}", process_set)
             for i, offset, numel in zip(plan.params, plan.offsets, plan.numels):
@@ -231,16 +236,22 @@ class _ZeroStep:
         return [v for v in self._all_variables() if id(v) not in sharded]
 
     def _all_variables(self) -> list[Any]:
-        return list(super().variables)  # type: ignore[misc]
+        return list(super().variables)
+
+    def _built_variables(self) -> list[Any]:
+        """The model's variables, on which `build` planned the shards."""
+        assert self._hvd_model_variables is not None, "the optimizer is built first"
+        return self._hvd_model_variables
 
     def _plain_layout(self) -> list[tuple[str, Any]]:
         """The variables of the plain optimizer built on the model's variables, in its order: ("slot", (model
         variable index, slot name)) or ("replicated", our variable)."""
-        config = self.get_config()  # type: ignore[attr-defined]
+        config = self.get_config()
         probe = disguised_subclass(_SlotProbe, self._hvd_base).from_config(config)
         _set(probe, "_hvd_probe_calls", {})
-        probe.build(self._hvd_model_variables)
-        index_of = {id(v): i for i, v in enumerate(self._hvd_model_variables)}
+        model_variables = self._built_variables()
+        probe.build(model_variables)
+        index_of = {id(v): i for i, v in enumerate(model_variables)}
         replicated = iter(self.replicated_variables)
         layout: list[tuple[str, Any]] = []
         for variable in probe.variables:
@@ -296,7 +307,7 @@ class _ZeroStep:
             plan_index = next(k for k, plan in enumerate(self._hvd_plans) if param in plan.params)
             plan = self._hvd_plans[plan_index]
             offset = plan.offsets[plan.params.index(param)]
-            variable = self._hvd_model_variables[param]
+            variable = self._built_variables()[param]
             result.append(gathered[(plan_index, name)][offset : offset + _numel(variable)].reshape(variable.shape))
         _set(self, "_hvd_consolidated", (int(optimizer.iterations.numpy()), len(layout), result))
         return result
@@ -310,7 +321,7 @@ class _ZeroStep:
                 store[str(i)] = value
             return
         if not optimizer.built:
-            return super().save_own_variables(store)  # type: ignore[misc]
+            return super().save_own_variables(store)
         for i, variable in enumerate(self.replicated_variables):
             store[str(i)] = np.array(variable.numpy())
 
@@ -318,7 +329,7 @@ class _ZeroStep:
         """Load a plain-layout state (this rank takes its shard of each slot) or a replicated-only one."""
         optimizer: Any = self
         if not optimizer.built:
-            return super().load_own_variables(store)  # type: ignore[misc]
+            return super().load_own_variables(store)
         count = len(store.keys())
         replicated = self.replicated_variables
         if count == len(replicated):
@@ -356,7 +367,7 @@ class _ZeroStep:
             self._hvd_slots[key].assign(buffer)
 
 
-class _SlotProbe:
+class _SlotProbe(_OptimizerMixin):
     """Records which model variable each slot of a plain optimizer refers to, creating empty variables only."""
 
     _hvd_probe_calls: dict[int, tuple[Any, str]]
@@ -377,6 +388,8 @@ class _ZeroOptimizer(_DistributedOptimizer, _ZeroStep):
     """DistributedOptimizer's accumulation in front of the sharded step: its `super().apply` after the
     accumulation lands in `_ZeroStep.apply` (the method resolution order is _ZeroOptimizer,
     _DistributedOptimizer, _ZeroStep, the user's class)."""
+
+    _hvd_reducer: _NamePassing  # what _ZeroStep needs, and a reducer for _DistributedOptimizer's accumulation
 
     @_not_converted
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
@@ -403,7 +416,7 @@ def _dense(grad: Any, variable: Any) -> tf.Tensor:
     return tf.convert_to_tensor(grad)  # densifies tf.IndexedSlices
 
 
-def _own_slice(plan: DtypePartition, variables: Sequence[Any], rank: int, dtype: Any) -> tf.Tensor:
+def _own_slice(plan: DtypePartition[str], variables: Sequence[Any], rank: int, dtype: Any) -> tf.Tensor:
     start, end = plan.shard(rank)
     parts = [
         tf.reshape(tf.convert_to_tensor(variables[p.param]), [-1])[p.start : p.start + p.length]
@@ -426,7 +439,9 @@ def _check_same_variables(variables: Sequence[Any], process_set: ProcessSet, pre
             b = theirs[i] if i < len(theirs) else None
             if a is not None and b is not None and a[1:] == b[1:]:
                 continue
-            name = (a or b)[0]
+            known = a or b
+            assert known is not None  # i is within the longer of the two lists
+            name = known[0]
             described = [
                 f"rank {r}: " + ("no such variable" if x is None else f"shape {x[1]} {x[2]} ({x[0]!r})")
                 for r, x in ((ranks[0], a), (member, b))

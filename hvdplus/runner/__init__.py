@@ -1,11 +1,12 @@
-"""hvdplusrun, the horovodrun-compatible launcher, and `run(fn, np=...)` (stdlib only).
+"""hvdplusrun, the horovodrun-compatible launcher, and `run(fn, np=...)`, which starts ranks from Python.
 
-Modules: args/config (flags), hosts (-H, hostfiles, Slurm), job (what to start), gloo_run (own launcher
-with an authenticated rendezvous), mpi_run (mpirun), supervise (output, fail-fast, signals), agent (one
-rank on its host), ssh, rendezvous, check_build, api (run), launch (main).
+The launcher is the `hvdplusrun` command (`hvdplus.runner.launch:main`); it needs the standard library only.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy attribute below gives, for type checkers
+    from hvdplus.runner.api import run
 
 __all__ = ["run"]
 

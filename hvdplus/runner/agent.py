@@ -20,6 +20,7 @@ import struct
 import subprocess
 import sys
 import threading
+from typing import Any
 
 GRACE_SECONDS = 1.0
 SIOCGIFADDR = 0x8915
@@ -29,7 +30,8 @@ def source_address(host: str) -> str:
     """The local IPv4 address this machine sends from to reach `host` (OSError if there is no route)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((host, 9))  # a UDP connect only picks the route; nothing is sent
-        return probe.getsockname()[0]
+        address: str = probe.getsockname()[0]  # (host, port) for AF_INET
+        return address
 
 
 def interface_address(name: str) -> str | None:
@@ -93,14 +95,15 @@ class Worker:
         return code if code >= 0 else 128 - code
 
 
-def _read_spec(fd: int) -> dict | None:
+def _read_spec(fd: int) -> dict[str, Any] | None:
     data = b""
     while not data.endswith(b"\n"):
         chunk = os.read(fd, 65536)
         if not chunk:
             return None
         data += chunk
-    return json.loads(data)
+    spec: dict[str, Any] = json.loads(data)  # the launcher's JSON object
+    return spec
 
 
 def _watch_lifeline(fd: int, worker: Worker) -> None:

@@ -17,6 +17,7 @@ import importlib.machinery
 import importlib.metadata
 import sys
 import sysconfig
+import types
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +31,9 @@ _PTH_LINE = "import hvdplus.runner.alias as _hvdplus_alias; _hvdplus_alias.insta
 class _FallbackFinder(importlib.abc.MetaPathFinder):
     """Finds `horovod` in hvdplus's alias directory; consulted last, so only where no real Horovod exists."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname != "horovod":
             return None  # horovod.X: the alias package's own finder maps it once `horovod` is ours
         return importlib.machinery.PathFinder.find_spec(fullname, [ALIAS_PATH])
@@ -61,7 +64,7 @@ def _record() -> Path | None:
     record = next((f for f in dist.files or () if f.name == "RECORD" and f.parent.name.endswith(".dist-info")), None)
     if record is None:
         return None
-    path = Path(dist.locate_file(record)).resolve()
+    path = Path(str(dist.locate_file(record))).resolve()  # a pathlib.Path for an installed distribution
     return path if path.parent.parent == _site_packages().resolve() else None
 
 

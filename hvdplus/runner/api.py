@@ -10,7 +10,7 @@ import os
 import pickle
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from hvdplus.common.rendezvous import RendezvousServer, new_secret
 from hvdplus.runner.args import parse_args
@@ -21,6 +21,8 @@ from hvdplus.runner.launch import run_job
 __all__ = ["run", "FUNCTION_KEY", "result_key"]
 
 FUNCTION_KEY = "hvdplus/run/function"
+
+_T = TypeVar("_T")
 
 
 def result_key(rank: int) -> str:
@@ -33,7 +35,8 @@ def _dumps(value: Any) -> bytes:
         import cloudpickle  # optional: also ships lambdas and functions defined in __main__
     except ImportError:
         return pickle.dumps(value)
-    return cloudpickle.dumps(value)
+    data: bytes = cloudpickle.dumps(value)
+    return data
 
 
 def _argv(
@@ -56,7 +59,7 @@ def _argv(
 
 
 def run(
-    fn: Callable[..., Any],
+    fn: Callable[..., _T],
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     np: int = 1,
@@ -71,7 +74,7 @@ def run(
     network_interfaces: str | None = None,
     output_filename: str | None = None,
     verbose: bool = False,
-) -> list[Any]:
+) -> list[_T]:
     """Run `fn(*args, **kwargs)` on `np` ranks (hvd.init() inside it as usual); return the results by rank.
 
     Raises RuntimeError naming the failed rank (with its traceback) if any rank fails."""
@@ -104,11 +107,13 @@ def run(
         finally:
             server.close()
     else:
-        code, server = run_job(spec, prepare=lambda s: s.put(FUNCTION_KEY, payload))
+        code, gloo_server = run_job(spec, prepare=lambda s: s.put(FUNCTION_KEY, payload))
+        assert gloo_server is not None  # run_job returns Gloo mode's server
+        server = gloo_server
     results = [server.get(result_key(rank)) for rank in range(len(spec.slots))]
     outcomes = [pickle.loads(r) if r is not None else None for r in results]
     failed = [(rank, o[1]) for rank, o in enumerate(outcomes) if o is not None and not o[0]]
     if code != 0 or failed or None in outcomes:
         detail = "".join(f"\n--- rank {rank} ---\n{trace}" for rank, trace in failed)
         raise RuntimeError(f"hvdplus.runner.run: the job failed (exit status {code}){detail}")
-    return [o[1] for o in outcomes]
+    return [o[1] for o in outcomes if o is not None]  # none is None here: that raised above

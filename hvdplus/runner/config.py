@@ -69,7 +69,7 @@ def _parse_yaml_subset(text: str, path: str) -> dict[str, Any]:
     return result
 
 
-def _read(path: str) -> dict[str, Any]:
+def _read(path: str) -> object:  # JSON or YAML of any shape: load_config checks it
     try:
         text = Path(path).read_text()
     except OSError as exc:

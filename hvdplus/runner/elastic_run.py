@@ -139,8 +139,9 @@ class ElasticDriver:
                 slots >= self.options.np or (time.monotonic() > deadline and slots >= self.options.min_np)
             ):
                 self._replan("start")
-                self._holders = set(self.plan.workers)  # the first generation's state is every worker's own
-                return
+                if self.plan is not None:  # None: a host went away since `slots` was counted; wait for more
+                    self._holders = set(self.plan.workers)  # the first generation's state is every worker's own
+                    return
             if time.monotonic() > deadline:
                 raise ElasticJobError(
                     f"only {slots} slot(s) became available within --elastic-timeout "

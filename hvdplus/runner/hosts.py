@@ -132,7 +132,7 @@ def assign_slots(hosts: list[Host], np: int) -> list[Slot]:
         if take:
             placed.append((host.name, take))
         left -= take
-    slots = []
+    slots: list[Slot] = []
     for index, (name, take) in enumerate(placed):
         for local_rank in range(take):
             cross_rank = sum(1 for _, other in placed[:index] if other > local_rank)

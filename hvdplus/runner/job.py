@@ -75,6 +75,7 @@ def elastic_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Ela
             "--output-filename does not work in elastic mode yet (a worker's rank changes with each "
             "generation): redirect hvdplusrun's output, whose lines carry each worker's host/slot"
         )
+    discover: Callable[[], dict[str, int]]
     if args.host_discovery_script:
         script = os.path.abspath(args.host_discovery_script)
         if not os.access(script, os.X_OK):

@@ -6,11 +6,13 @@ whole lines; the program then runs under mpi4py's runner, which aborts the job o
 
 from __future__ import annotations
 
+import io
 import sys
 
 
 def main() -> None:
     for stream in (sys.stdout, sys.stderr):
+        assert isinstance(stream, io.TextIOWrapper)  # the interpreter's own streams, as mpiexec started it
         stream.reconfigure(line_buffering=True, write_through=False)
     from mpi4py.run import main as run_program
 

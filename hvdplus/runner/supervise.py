@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from hvdplus.runner.blame import Blame, Failure
 
@@ -43,11 +43,11 @@ class Process:
     """One supervised child: a rank's agent (local or over ssh) or a whole mpirun."""
 
     label: str
-    proc: subprocess.Popen
+    proc: subprocess.Popen[bytes]
     lifeline: bool
     rank: int | None = None  # None for mpirun, which runs them all
     pumps: list[threading.Thread] = field(default_factory=list)
-    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=5))
+    tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=5))
     exited: threading.Event = field(default_factory=threading.Event)
     exited_at: float = 0.0
 
@@ -65,6 +65,7 @@ class Process:
     def stop(self) -> None:
         """Ask it to end: close its lifeline (agents) or SIGTERM it (mpirun)."""
         if self.lifeline:
+            assert self.proc.stdin is not None  # the lifeline is the child's stdin pipe
             try:
                 self.proc.stdin.close()
             except OSError:
@@ -131,7 +132,7 @@ def _pump(
     stream.close()
 
 
-def _discard(console: IO[bytes]) -> None:
+def _discard(console: IO[Any]) -> None:
     """Point a console whose reader is gone at /dev/null, for every writer of it (our messages, and Python's
     flush at exit, which would otherwise fail with BrokenPipeError)."""
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -208,6 +209,7 @@ class Supervisor:
         process = Process(label, proc, lifeline=payload is not None, rank=rank)
         process.watch_exit()
         if payload:
+            assert proc.stdin is not None  # stdin=PIPE with a payload
             proc.stdin.write(payload)
             proc.stdin.flush()
         for name, stream, console in (
@@ -285,7 +287,8 @@ class Supervisor:
         self._drain([first])
         cause = self._root_cause()
         culprit = self._process_of(cause.rank) if cause else None
-        if culprit is not None and not cause.frozen:  # it printed its exception and is exiting: wait for its status
+        # A culprit that printed its exception is exiting: wait for its status.
+        if cause is not None and culprit is not None and not cause.frozen:
             culprit.exited.wait(CULPRIT_EXIT_SECONDS)
         tail = culprit or first
         self._drain([tail] if tail.exited.is_set() else [])

@@ -16,6 +16,9 @@ def main() -> int:
     """Run this rank's call; exit 1 after storing the traceback if it raised."""
     settings = Settings.from_env(os.environ)
     launch = settings.launch
+    # run() starts this rank under hvdplusrun, which sets the rendezvous and the rank
+    assert launch.rendezvous_addr is not None and launch.rendezvous_port is not None
+    assert launch.secret_key is not None and launch.rank is not None
     client = RendezvousClient(
         launch.rendezvous_addr, launch.rendezvous_port, launch.secret_key, settings.timeout_seconds
     )

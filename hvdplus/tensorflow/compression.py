@@ -25,3 +25,5 @@ def _cast(tensor: tf.Tensor, dtype: tf.DType) -> tf.Tensor:
 
 
 Compression = make_compression(tf.float16, tf.bfloat16, _is_floating, _dtype_of, _cast)
+"""Gradient compression for the wire: `Compression.none`, `Compression.fp16` (float16) and `Compression.bf16`
+(bfloat16). Floating tensors are cast before the collective and back after it; other dtypes pass unchanged."""

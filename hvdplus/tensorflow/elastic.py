@@ -14,7 +14,7 @@ import functools
 import re
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import tensorflow as tf
@@ -35,12 +35,17 @@ __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasSta
 _COLLECTIVE_NODE = re.compile(r"\{\{node (?:[^{}]*/)?Horovod(?:Submit|Wait)(?:_\d+)?\}\}")
 
 
-def _collective_errors_as_internal(func: Callable[..., Any]) -> Callable[..., Any]:
+_StateT = TypeVar("_StateT", bound=State)
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
+
+
+def _collective_errors_as_internal(func: Callable[_Params, _Result]) -> Callable[_Params, _Result]:
     """`func`, raising HorovodInternalError for a collective that failed inside a graph (a tf.function, Keras'
     train step): TensorFlow reports it as the OpError of the collective's op, as Horovod's ops' UnknownError."""
 
     @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
         try:
             return func(*args, **kwargs)
         except tf.errors.OpError as exc:
@@ -51,7 +56,9 @@ def _collective_errors_as_internal(func: Callable[..., Any]) -> Callable[..., An
     return wrapper
 
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
+def run(
+    func: Callable[Concatenate[_StateT, _Params], _Result],
+) -> Callable[Concatenate[_StateT, _Params], _Result]:
     """Decorate the training function `func(state, ...)`: it runs until it returns, across failures and host
     changes (see hvdplus.common.elastic). Collectives must not run outside it, or new workers would deadlock
     against the others' state sync."""

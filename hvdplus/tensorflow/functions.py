@@ -28,7 +28,9 @@ __all__ = [
 ]
 
 
-def _broadcast_assign(variables: Sequence[Any], root_rank: int, process_set: ProcessSet, prefix: str | None) -> Any:
+def _broadcast_assign(
+    variables: Sequence[Any], root_rank: int, process_set: ProcessSet, prefix: str | None
+) -> tf.Operation | None:
     """Assign the root's values to `variables` with one broadcast op (in graphs on the chain of variable
     broadcasts, see _graph.py); returns the group of assignments in graphs."""
     variables = list(variables)
@@ -43,7 +45,7 @@ def _broadcast_assign(variables: Sequence[Any], root_rank: int, process_set: Pro
 
 def broadcast_variables(
     variables: Sequence[Any], root_rank: int, process_set: ProcessSet = global_process_set, inplace: bool = False
-) -> Any:
+) -> tf.Operation | None:
     """Overwrite each variable with the root's value (tf.Variable or Keras variable); returns the op in graphs.
 
     `root_rank` is a global rank (`hvd.rank()`), also with `process_set`.
@@ -61,7 +63,7 @@ def broadcast_(
     return list(variables)
 
 
-def broadcast_global_variables(root_rank: int) -> Any:
+def broadcast_global_variables(root_rank: int) -> tf.Operation | None:
     """Broadcast every global variable of a TF1-style graph (tf.compat.v1); returns the op to run.
 
     Like Horovod, this needs graph mode: in eager mode (TF2's default) there is no global variable

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import tensorflow as tf
 
@@ -22,8 +22,13 @@ from hvdplus.tensorflow.gradients import GradientReducer
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape"]
 
+if TYPE_CHECKING:  # the mixin below sits before the user's tape class, whose gradient() it calls
+    _TapeMixin: TypeAlias = tf.GradientTape
+else:
+    _TapeMixin = object
 
-class _DistributedGradientTape:
+
+class _DistributedGradientTape(_TapeMixin):
     """Mixin placed before the user's tape class; `_hvd_reducer` is set on each wrapped instance."""
 
     _hvd_reducer: GradientReducer
@@ -36,7 +41,7 @@ class _DistributedGradientTape:
         unconnected_gradients: tf.UnconnectedGradients = tf.UnconnectedGradients.NONE,
     ) -> Any:
         """The wrapped tape's gradients, allreduced. Collective: every rank must call this, in the same order."""
-        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)  # type: ignore[misc]
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         reduced = self._hvd_reducer.reduce(tf.nest.flatten(grads), flat_sources)
         return tf.nest.pack_sequence_as(grads, reduced)
@@ -55,7 +60,7 @@ def DistributedGradientTape(
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
-    groups: Any = None,
+    groups: int | list[Any] | None = None,
     process_set: ProcessSet = global_process_set,
     scale_local_gradients: bool = True,
 ) -> tf.GradientTape:
@@ -95,7 +100,7 @@ def PartialDistributedGradientTape(
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
-    groups: Any = None,
+    groups: int | list[Any] | None = None,
     process_set: ProcessSet = global_process_set,
     local_layers: Any = None,
     scale_local_gradients: bool = True,

@@ -33,7 +33,7 @@ class GradientReducer:
         sparse_as_dense: bool,
         op: ReduceOp,
         gradient_predivide_factor: float,
-        groups: Any,
+        groups: int | list[Any] | None,
         process_set: ProcessSet,
         scale_local_gradients: bool,
         prefix: str,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -47,13 +48,14 @@ def _warn_once(idiom: str, keras3: str) -> None:
 def _script_level() -> int:
     """The stacklevel, for a warning raised by our caller, of the first frame of the script's own code: outside
     hvdplus, Keras and TF, and not a copy made by autograph (inside a tf.function that is the function's call)."""
-    frame, level = sys._getframe(2), 2
+    frame: types.FrameType | None = sys._getframe(2)
+    level = 2
     while frame is not None and _internal(frame):
         frame, level = frame.f_back, level + 1
     return level
 
 
-def _internal(frame: Any) -> bool:
+def _internal(frame: types.FrameType) -> bool:
     module = frame.f_globals.get("__name__", "").split(".")[0]
     return module in ("hvdplus", "keras", "tensorflow") or "__autograph_generated_file" in frame.f_code.co_filename
 
@@ -68,7 +70,9 @@ class _CallableList(list):
 
 
 def _callable_variables(prop: property) -> property:
-    return property(lambda self: _CallableList(prop.fget(self)), prop.fset, prop.fdel, prop.__doc__)
+    getter = prop.fget
+    assert getter is not None  # the `variables` properties patched in enable() are readable
+    return property(lambda self: _CallableList(getter(self)), prop.fset, prop.fdel, prop.__doc__)
 
 
 def _accept_lr(init: Callable[..., None]) -> Callable[..., None]:

@@ -8,7 +8,7 @@ a call becomes a graph op and how names are chosen).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import tensorflow as tf
@@ -119,7 +119,7 @@ def allreduce(
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
     ignore_name_scope: bool = False,
-) -> Any:
+) -> tf.Tensor | tf.IndexedSlices:
     """Reduce `tensor` over the ranks (Average by default); tf.IndexedSlices are allgathered. Differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -143,7 +143,7 @@ def grouped_allreduce(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-) -> list[Any]:
+) -> list[tf.Tensor | tf.IndexedSlices]:
     """Allreduce a list of tensors in one op (fused by the core); tf.IndexedSlices are allgathered.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -270,13 +270,33 @@ def broadcast(
 
 
 # ----------------------------------------------------------------------------- alltoall
+@overload
 def alltoall(
     tensor: Any,
-    splits: Any = None,
+    splits: None = None,
     name: str | None = None,
     ignore_name_scope: bool = False,
     process_set: ProcessSet = global_process_set,
-) -> Any:
+) -> tf.Tensor: ...
+
+
+@overload
+def alltoall(
+    tensor: Any,
+    splits: Sequence[int] | np.ndarray | tf.Tensor,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tuple[tf.Tensor, tf.Tensor]: ...
+
+
+def alltoall(
+    tensor: Any,
+    splits: Sequence[int] | np.ndarray | tf.Tensor | None = None,
+    name: str | None = None,
+    ignore_name_scope: bool = False,
+    process_set: ProcessSet = global_process_set,
+) -> tf.Tensor | tuple[tf.Tensor, tf.Tensor]:
     """Scatter slices of `tensor` to every rank and gather theirs (rows splits[r] go to rank r). Differentiable.
 
     Returns the output, or (output, received_splits) when `splits` is given (as hvdplus.torch).

@@ -8,9 +8,12 @@ over the process set; everything else is the wrapped optimizer's.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tensorflow as tf
+
+if TYPE_CHECKING:
+    import keras
 
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.ops import Adasum, Average, ReduceOp
@@ -23,7 +26,8 @@ __all__ = ["DistributedOptimizer"]
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 
 
-class _DistributedOptimizer(_LegacyOptimizer):
+# The base is _LegacyOptimizer, spelled out: mypy takes a class as a base, not a variable that holds one.
+class _DistributedOptimizer(tf.compat.v1.train.Optimizer):
     """Horovod's wrapper of a TF1 optimizer: gradients are allreduced in `compute_gradients`."""
 
     def __init__(self, optimizer: Any, name: str, use_locking: bool, reducer: GradientReducer) -> None:
@@ -58,7 +62,7 @@ class _DistributedOptimizer(_LegacyOptimizer):
 
 
 def DistributedOptimizer(
-    optimizer: Any,
+    optimizer: tf.compat.v1.train.Optimizer | keras.optimizers.Optimizer,
     name: str | None = None,
     use_locking: bool = False,
     device_dense: str = "",
@@ -70,10 +74,10 @@ def DistributedOptimizer(
     gradient_predivide_factor: float = 1.0,
     average_aggregated_gradients: bool = False,
     num_groups: int = 0,
-    groups: Any = None,
+    groups: int | list[Any] | None = None,
     process_set: ProcessSet = global_process_set,
     scale_local_gradients: bool = True,
-) -> Any:
+) -> tf.compat.v1.train.Optimizer | keras.optimizers.Optimizer:
     """Wrap `optimizer` so that it applies gradients averaged (`op`) over the ranks of `process_set`.
 
     A Keras optimizer gets `hvdplus.keras.DistributedOptimizer` (the same arguments; `use_locking` is unused);
@@ -126,7 +130,7 @@ def _wrap_legacy(
     passes: int,
     op: ReduceOp,
     predivide: float,
-    groups: Any,
+    groups: int | list[Any] | None,
     process_set: ProcessSet,
     scale_local_gradients: bool,
 ) -> _DistributedOptimizer:

@@ -5,7 +5,7 @@ import os
 from typing import Any
 
 # torch's CPU allocator keeps large tensors on 4 KiB pages unless THP_MEM_ALLOC_ENABLE=1 (numpy asks for huge pages
-# by default): MPI moved a 16 MiB gradient 1.5x slower from such memory (README, Benchmarks). torch reads the variable
+# by default): MPI moved a 16 MiB gradient 1.5x slower from such memory (docs/performance.md). torch reads the variable
 # at its first allocation, so it is set on import, before any model exists; a value the user set wins.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 

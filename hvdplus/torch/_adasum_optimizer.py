@@ -6,8 +6,8 @@ When p's gradient is ready, the wrapped optimizer steps p alone on this rank's g
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import torch
 
@@ -45,7 +45,7 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
     def synchronize(self) -> None:
         """Nothing to do before step(): with Adasum, step() completes the reductions and applies them."""
 
-    def skip_synchronize(self) -> Iterator[None]:
+    def skip_synchronize(self) -> NoReturn:
         """Not available with Adasum: step() itself finishes the reductions and applies them."""
         raise RuntimeError(
             "Skipping synchronization is not supported when using Adasum optimizer; "

@@ -47,7 +47,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     Completion of its allreduce, a (group's Completion, index) pair, or None while the parameter waits for more
     passes or its group."""
 
-    _hvd_base: type
+    _hvd_base: type[torch.optim.Optimizer]
     _hvd_defaults: dict[str, Any]
 
     def __init__(
@@ -206,10 +206,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p, (handle, ctx) in self._handles.items():
                 output = handle[0].result()[handle[1]] if isinstance(handle, tuple) else handle.result()
                 result = self._compression.decompress(output, ctx)
-                if p.grad.is_sparse:  # a sparse optimizer (SparseAdam) needs a sparse gradient back
+                grad = p.grad
+                assert grad is not None  # an allreduced parameter has a gradient (zeros if backward gave none)
+                if grad.is_sparse:  # a sparse optimizer (SparseAdam) needs a sparse gradient back
                     p.grad = result if result.is_sparse else result.to_sparse()
-                elif result is not p.grad:
-                    p.grad.copy_(result)
+                elif result is not grad:
+                    grad.copy_(result)
         finally:
             self.discard_pending()
         self._synchronized = True
@@ -234,7 +236,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _base_step(self, closure: Callable[[], Any] | None = None) -> Any:
         """The wrapped optimizer's step, without running the step hooks again (ours already ran them)."""
-        base_step = self._hvd_base.step
+        base_step: Any = self._hvd_base.step  # torch's step hooks wrap it: `hooked` and `__wrapped__`, not in its stub
         inner = base_step.__wrapped__ if getattr(base_step, "hooked", False) else base_step
         return inner(self) if closure is None else inner(self, closure)
 
@@ -260,7 +262,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._hvd_base.zero_grad(self, set_to_none)
 
 
-def _constructor_kwargs(cls: type, defaults: dict[str, Any]) -> dict[str, Any]:
+def _constructor_kwargs(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
     """The wrapped optimizer's hyperparameters that its constructor accepts by keyword.
 
     Passing them lets optimizers with required hyperparameters be rebuilt, and keeps `defaults`

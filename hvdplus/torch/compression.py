@@ -11,3 +11,5 @@ __all__ = ["Compression", "Compressor"]
 Compression = make_compression(
     torch.float16, torch.bfloat16, lambda t: t.is_floating_point(), lambda t: t.dtype, lambda t, dtype: t.to(dtype)
 )
+"""Gradient compression for the wire: `Compression.none`, `Compression.fp16` (float16) and `Compression.bf16`
+(bfloat16). Floating tensors are cast before the collective and back after it; other dtypes pass unchanged."""

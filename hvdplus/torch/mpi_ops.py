@@ -9,7 +9,7 @@ op without a device plane (HOROVOD_GPU_OPERATIONS=mpi, torch without NCCL), stag
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import numpy as np
 import torch
@@ -50,6 +50,8 @@ __all__ = [
     "join",
     "barrier",
 ]
+
+_T = TypeVar("_T")
 
 _DTYPE_NAMES = {
     torch.uint8: "uint8",
@@ -149,19 +151,19 @@ def _tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torc
     return tensor if device.type == "cpu" else tensor.to(device)
 
 
-def poll(handle: Completion) -> bool:
+def poll(handle: Completion[Any]) -> bool:
     """True if the asynchronous operation behind `handle` has finished; never blocks."""
     return _check(handle).done()
 
 
-def synchronize(handle: Completion) -> Any:
+def synchronize(handle: Completion[_T]) -> _T:
     """Wait for the asynchronous operation behind `handle` and return its output (once: as in Horovod, a
     handle is released by its synchronize)."""
     _check(handle).synchronized = True
     return handle.result()
 
 
-def _check(handle: Any) -> Completion:
+def _check(handle: object) -> Completion[Any]:
     if not isinstance(handle, Completion) or handle.synchronized:
         raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
     return handle
@@ -261,7 +263,7 @@ def _grouped_allreduce_async(
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet,
-) -> Completion:
+) -> Completion[list[torch.Tensor]]:
     op = core.resolve_op(average, op)
     tensors = list(tensors)
     if _packable(tensors, op):
@@ -277,7 +279,7 @@ def _grouped_allreduce_async(
     return Completion([handle for handle, _ in started], lambda _: [result() for _, result in started])
 
 
-def _first(results: list[Any]) -> Any:
+def _first(results: list[_T]) -> _T:
     """The result of a one-tensor call that went the grouped path."""
     return results[0]
 
@@ -291,7 +293,7 @@ def _allreduce_async(
     prescale_factor: float,
     postscale_factor: float,
     process_set: ProcessSet,
-) -> Completion:
+) -> Completion[torch.Tensor]:
     """One tensor: the grouped path without its lists (this runs once per gradient per step)."""
     handle, result = _start_allreduce(
         tensor, name, inplace, core.resolve_op(average, op), prescale_factor, postscale_factor, process_set
@@ -307,7 +309,7 @@ def grouped_allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-) -> Completion:
+) -> Completion[list[torch.Tensor]]:
     """Start allreduces of several tensors; `synchronize` returns the list of results.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -322,7 +324,7 @@ def grouped_allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-) -> Completion:
+) -> Completion[list[torch.Tensor]]:
     """In-place `grouped_allreduce_async`: the inputs receive the results."""
     return _grouped_allreduce_async(tensors, True, average, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -335,7 +337,7 @@ def allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-) -> Completion:
+) -> Completion[torch.Tensor]:
     """Start an allreduce of `tensor`; `synchronize(handle)` returns a new tensor with the result.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -350,7 +352,7 @@ def allreduce_async_(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     process_set: ProcessSet = global_process_set,
-) -> Completion:
+) -> Completion[torch.Tensor]:
     """In-place `allreduce_async`: `tensor` itself receives the result."""
     return _allreduce_async(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
 
@@ -393,7 +395,8 @@ def allreduce(
     op = core.resolve_op(average, op)
     compressed, ctx = compression.compress(tensor)
     reduced = HorovodAllreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
-    return compression.decompress(reduced, ctx)
+    result: torch.Tensor = compression.decompress(reduced, ctx)
+    return result
 
 
 def allreduce_(
@@ -474,7 +477,7 @@ def grouped_allreduce_(
 # ----------------------------------------------------------------------------- allgather
 def _allgather_members(
     tensors: Sequence[torch.Tensor], names: Sequence[str | None], process_set: ProcessSet, group: int
-) -> Completion:
+) -> Completion[list[torch.Tensor]]:
     """Start one allgather per tensor, each announcing the size of the grouped call it belongs to."""
     handles = []
     for t, n in zip(tensors, names):
@@ -485,14 +488,14 @@ def _allgather_members(
 
 def grouped_allgather_async(
     tensors: Sequence[torch.Tensor], name: str | None = None, process_set: ProcessSet = global_process_set
-) -> Completion:
+) -> Completion[list[torch.Tensor]]:
     """Start allgathers of several tensors; `synchronize` returns the list of results."""
     return _allgather_members(tensors, member_names(name, len(tensors)), process_set, group_size(len(tensors)))
 
 
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> Completion:
+) -> Completion[torch.Tensor]:
     """Start concatenating every rank's `tensor` along dimension 0 (first dimensions may differ).
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -521,7 +524,8 @@ def allgather(
     """Concatenate every rank's `tensor` along dimension 0; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    return HorovodAllgather.apply(tensor, name, process_set, 0)
+    gathered: torch.Tensor = HorovodAllgather.apply(tensor, name, process_set, 0)
+    return gathered
 
 
 def grouped_allgather(
@@ -535,7 +539,7 @@ def grouped_allgather(
 # ----------------------------------------------------------------------------- broadcast
 def _broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet, inplace: bool
-) -> Completion:
+) -> Completion[torch.Tensor]:
     output, in_array, out_array, label = _buffers(tensor, inplace, _plane_kind(tensor))
     handle = core.submit_broadcast(in_array, out_array, _dtype_name(tensor), root_rank, name, process_set, label)
 
@@ -551,7 +555,7 @@ def _broadcast_async(
 
 def broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> Completion:
+) -> Completion[torch.Tensor]:
     """Start copying root's `tensor` to every rank; `synchronize` returns a new tensor.
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -560,7 +564,7 @@ def broadcast_async(
 
 def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> Completion:
+) -> Completion[torch.Tensor]:
     """In-place `broadcast_async`: `tensor` itself receives root's values."""
     return _broadcast_async(tensor, root_rank, name, process_set, inplace=True)
 
@@ -589,7 +593,8 @@ def broadcast(
     """Return root's `tensor` on every rank; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    return HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+    result: torch.Tensor = HorovodBroadcast.apply(tensor, root_rank, name, process_set)
+    return result
 
 
 def broadcast_(
@@ -605,7 +610,7 @@ def alltoall_async(
     splits: Sequence[int] | torch.Tensor | None = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
-) -> Completion:
+) -> Completion[tuple[torch.Tensor, torch.Tensor]]:
     """Start an alltoall: rows splits[r] go to rank r (even split without `splits`).
     `synchronize` returns (output, received_splits).
 
@@ -638,12 +643,27 @@ class HorovodAlltoall(torch.autograd.Function):
         return output, None, None, None
 
 
+@overload
+def alltoall(
+    tensor: torch.Tensor, splits: None = None, name: str | None = None, process_set: ProcessSet = global_process_set
+) -> torch.Tensor: ...
+
+
+@overload
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Sequence[int] | torch.Tensor,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 def alltoall(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
     name: str | None = None,
     process_set: ProcessSet = global_process_set,
-) -> Any:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Scatter slices of `tensor` to every rank and gather theirs; differentiable.
 
     Returns the output, or (output, received_splits) when `splits` is given (as Horovod).
@@ -661,7 +681,7 @@ def _reducescatter_members(
     prescale: float,
     postscale: float,
     group: int,
-) -> Completion:
+) -> Completion[list[torch.Tensor]]:
     """Start one reduce-scatter per tensor, each announcing the size of the grouped call it belongs to."""
     handles = []
     for t, n in zip(tensors, names):
@@ -681,7 +701,7 @@ def grouped_reducescatter_async(
     process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-) -> Completion:
+) -> Completion[list[torch.Tensor]]:
     """Start reduce-scatters of several tensors; `synchronize` returns the list of this rank's shards."""
     return _reducescatter_members(
         tensors,
@@ -701,7 +721,7 @@ def reducescatter_async(
     process_set: ProcessSet = global_process_set,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
-) -> Completion:
+) -> Completion[torch.Tensor]:
     """Start a reduce-scatter: rank r receives its rows of the reduction (Horovod's uneven split).
 
     Collective: every rank in the process set must call this, in the same order."""
@@ -747,7 +767,8 @@ def _reducescatter(
 ) -> torch.Tensor:
     compressed, ctx = compression.compress(tensor)
     shard = HorovodReducescatter.apply(compressed, name, op, process_set, prescale, postscale, group)
-    return compression.decompress(shard, ctx)
+    result: torch.Tensor = compression.decompress(shard, ctx)
+    return result
 
 
 def reducescatter(
@@ -788,7 +809,8 @@ def join(device: int = -1) -> int:
 
     Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
     Returns the rank that joined last. Collective: every rank must call it once per epoch."""
-    return core.submit_join().wait()
+    last_rank: int = core.submit_join().wait()
+    return last_rank
 
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:

@@ -41,7 +41,7 @@ def DistributedOptimizer(
     op: ReduceOp = Average,
     gradient_predivide_factor: float = 1.0,
     num_groups: int = 0,
-    groups: Any = None,
+    groups: int | list[Any] | None = None,
     sparse_as_dense: bool = False,
     process_set: ProcessSet = global_process_set,
 ) -> torch.optim.Optimizer:
@@ -77,7 +77,7 @@ def DistributedOptimizer(
         methods.update(_DistributedAdasumOptimizer.__dict__)
     members = dict(methods, _hvd_base=optimizer.__class__, _hvd_defaults=dict(optimizer.defaults))
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), members)
-    wrapped = cls(
+    wrapped: torch.optim.Optimizer = cls(
         optimizer.param_groups,
         named_parameters,
         compression,

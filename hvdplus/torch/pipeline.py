@@ -167,7 +167,7 @@ class Pipeline(torch.nn.Module):
         return pipelines[self.replica], stages[self.stage]
 
     @property
-    def stage_module(self) -> torch.nn.Module | list[torch.nn.Module]:
+    def stage_module(self) -> torch.nn.Sequential | list[torch.nn.Sequential]:
         """This rank's chunk (an nn.Sequential), or the list of its chunks with virtual stages."""
         chunks = [self.chunks[c] for c in sorted(self.chunks)]
         return chunks[0] if self.virtual_stages == 1 else chunks
@@ -233,6 +233,12 @@ class Pipeline(torch.nn.Module):
         return TAGS_PER_MESSAGE * (1 + 2 * (micro_batch * chunks + sent_chunk) + (0 if forward else 1))
 
 
+# A chunk's backward: (outputs, their gradients, inputs, trainable parameters), as backward_full takes them.
+_BackwardArgs = tuple[
+    Sequence[torch.Tensor], Sequence[torch.Tensor | None], Sequence[torch.Tensor], Sequence[torch.Tensor]
+]
+
+
 class _Step:
     """One execution of a stage's action list."""
 
@@ -244,7 +250,7 @@ class _Step:
         self.output_grads: dict[tuple[int, int], tuple] = {}  # (m, c) -> gradients of chunk c's outputs
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.input_grads: dict[tuple[int, int], list] = {}
-        self.weight_work: dict[tuple[int, int], WeightWork | tuple] = {}  # B's leftovers (or all of it) for W
+        self.weight_work: dict[tuple[int, int], WeightWork | _BackwardArgs] = {}  # B's leftovers (or all of it) for W
         self.total_loss = torch.zeros(())
         # Transfers in flight, by the action that started them: their buffers (sharing the sent tensors' memory)
         # stay alive until they complete. An activation's send is done once its gradient comes back.
@@ -258,6 +264,7 @@ class _Step:
         self.final = set(last.values())
 
     def peer(self, action: Action) -> int:
+        assert action.peer is not None  # a send or a receive names its peer stage
         return self.pipe.pipeline_ranks[action.peer]
 
     def execute(self) -> None:
@@ -371,7 +378,7 @@ class _Step:
         else:
             self.outputs[(m, c)] = _as_tuple(output)
 
-    def backward_args(self, key: tuple[int, int]) -> tuple:
+    def backward_args(self, key: tuple[int, int]) -> _BackwardArgs:
         m, c = key
         outputs = self.outputs[key]
         if c == len(self.pipe.stage_of_chunk) - 1:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.autograd.graph import GradientEdge
+from torch.autograd.graph import GradientEdge, Node
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups
 
 from hvdplus.torch.zero3_units import add_gradient
@@ -27,6 +27,13 @@ class WeightWork:
 
     def __init__(self, groups: list[dict[str, Any]], params: list[torch.Tensor]) -> None:
         self.groups, self.params = groups, params
+
+
+def _node(t: torch.Tensor) -> Node:
+    """The autograd node of a tensor that requires grad: its grad_fn, or its accumulator for a leaf."""
+    node = _get_grad_fn_or_grad_acc(t)
+    assert node is not None  # None only for a tensor that requires no grad
+    return node
 
 
 def _add_into_grad(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
@@ -60,14 +67,15 @@ def backward_full(
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
     final: bool,
-) -> list:
+) -> list[torch.Tensor | None]:
     """Gradients of `inputs` (None where one needs none) and, into p.grad, of `params`."""
     roots, grads = _roots(outputs, output_grads)
     wanted = [x for x in inputs if x.requires_grad]
     if not roots:
         return [None] * len(inputs)
     used = _reachable(construct_reverse_graph([r.grad_fn for r in roots]), params)
-    found = iter(_run(roots, grads, wanted + [GradientEdge(_get_grad_fn_or_grad_acc(p), 0) for p in used], used, final))
+    targets: list[torch.Tensor | GradientEdge] = [*wanted, *(GradientEdge(_node(p), 0) for p in used)]
+    found = iter(_run(roots, grads, targets, used, final))
     return [next(found) if x.requires_grad else None for x in inputs]
 
 
@@ -77,7 +85,7 @@ def backward_input(
     inputs: Sequence[torch.Tensor],
     params: Sequence[torch.Tensor],
     final: bool,
-) -> tuple[list, WeightWork]:
+) -> tuple[list[torch.Tensor | None], WeightWork]:
     """B: the gradients of `inputs`; the weights' gradients are left for `backward_weight`, except for weights
     whose path does not meet the inputs' (their gradient is taken now, as W could no longer reach them)."""
     roots, grads = _roots(outputs, output_grads)
@@ -86,8 +94,8 @@ def backward_input(
         return [None] * len(inputs), WeightWork([], [])
     reverse = construct_reverse_graph([r.grad_fn for r in roots])
     used = _reachable(reverse, params)
-    accumulators = {_get_grad_fn_or_grad_acc(p): p for p in used}
-    groups = get_param_groups([_get_grad_fn_or_grad_acc(x) for x in wanted], list(accumulators), reverse)
+    accumulators = {_node(p): p for p in used}
+    groups = get_param_groups([_node(x) for x in wanted], list(accumulators), reverse)
     covered = {acc for group in groups for acc in group["params"]}
     handles = []
     for group in groups:
@@ -101,11 +109,12 @@ def backward_input(
             handles.append(node.register_prehook(keep))
     left = [p for acc, p in accumulators.items() if acc not in covered]
     try:
+        targets: list[torch.Tensor | GradientEdge] = [*wanted, *(GradientEdge(_node(p), 0) for p in left)]
         found = iter(
             _run(
                 roots,
                 grads,
-                wanted + [GradientEdge(_get_grad_fn_or_grad_acc(p), 0) for p in left],
+                targets,
                 left,
                 final,
                 retain_graph=True,
@@ -140,9 +149,9 @@ def backward_weight(work: WeightWork, final: bool) -> None:
             if len(group["intermediates"]) > 1
             else []
         )
-        params = [p for p in work.params if _get_grad_fn_or_grad_acc(p) in group["params"]]
+        params = [p for p in work.params if _node(p) in group["params"]]
         try:
-            _run(edges, grads, [GradientEdge(_get_grad_fn_or_grad_acc(p), 0) for p in params], params, final)
+            _run(edges, grads, [GradientEdge(_node(p), 0) for p in params], params, final)
         finally:
             for handle in handles:
                 handle.remove()

@@ -15,7 +15,7 @@ from hvdplus.torch.mpi_ops import _dtype_name, _input, _result, synchronize
 __all__ = ["sparse_allreduce_async"]
 
 
-class SparseHandle(Completion):
+class SparseHandle(Completion[torch.Tensor]):
     """A handle for `hvd.synchronize`, also callable as Horovod's sparse handle is (`handle()`)."""
 
     __slots__ = ()

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
 import sys
-from pathlib import Path
-from typing import Any
+from typing import Any, SupportsIndex
 
 import torch
 
@@ -36,7 +36,7 @@ class _WrittenTensor:
     def __init__(self, storage: _StorageRef, shape: torch.Size) -> None:
         self.storage, self.shape = storage, shape
 
-    def __reduce_ex__(self, protocol: int) -> tuple:
+    def __reduce_ex__(self, protocol: SupportsIndex) -> tuple[Any, ...]:
         stride = torch.empty(self.shape, device="meta").stride()
         return torch._utils._rebuild_tensor_v2, (
             self.storage,
@@ -51,7 +51,7 @@ class _WrittenTensor:
 class StreamedSave:
     """`with StreamedSave(path) as out: obj = {"w": out.tensor(t), ...}; out.finish(obj)`."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | os.PathLike[str]) -> None:
         self._writer = torch._C.PyTorchFileWriter(str(path))
         self._count = 0
 
@@ -64,7 +64,8 @@ class StreamedSave:
         if data.storage_offset() or storage.nbytes() != data.numel() * data.element_size():
             data = data.clone()
             storage = data.untyped_storage()
-        self._writer.write_record(f"data/{key}", storage, storage.nbytes())
+        # The binding takes an UntypedStorage (torch.save passes one); its stub lists only Storage.
+        self._writer.write_record(f"data/{key}", storage, storage.nbytes())  # type: ignore[arg-type]
         return _WrittenTensor(_StorageRef(key, data.dtype, data.numel()), data.shape)
 
     def finish(self, obj: Any) -> None:
@@ -76,10 +77,11 @@ class StreamedSave:
         value = buffer.getvalue()
         self._writer.write_record("data.pkl", value, len(value))
         for name, text in ((".format_version", "1"), (".storage_alignment", "64"), ("byteorder", sys.byteorder)):
-            self._writer.write_record(name, text, len(text))
+            data = text.encode()
+            self._writer.write_record(name, data, len(data))
         self._writer.write_end_of_file()
 
-    def _persistent_id(self, obj: Any) -> tuple | None:
+    def _persistent_id(self, obj: Any) -> tuple[Any, ...] | None:
         """torch.save's persistent ids: placeholders, and the storages of small tensors left in `obj`."""
         if isinstance(obj, _StorageRef):
             storage_type = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])

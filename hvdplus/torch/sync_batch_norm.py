@@ -55,9 +55,10 @@ class SyncBatchNorm(_BatchNorm):
         running_var = self.running_var if tracked else None
         if not batch_stats or self.process_set.size() == 1:
             return F.batch_norm(input, running_mean, running_var, self.weight, self.bias, batch_stats, factor, self.eps)
-        return _SyncBatchNormFunction.apply(
+        result: torch.Tensor = _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, running_mean, running_var, self.eps, factor, self.process_set
         )
+        return result
 
 
 def _channels_last(tensor: torch.Tensor) -> torch.Tensor:
@@ -106,6 +107,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         global_mean = (counts * means).sum(0) / total
         var = (m2s + counts * (means - global_mean).pow(2)).sum(0) / total
         if running_mean is not None:
+            assert running_var is not None  # BatchNorm keeps both running statistics or neither
             running_mean.mul_(1 - momentum).add_(global_mean.to(running_mean.dtype), alpha=momentum)
             running_var.mul_(1 - momentum).add_((var * total / (total - 1)).to(running_var.dtype), alpha=momentum)
         compute = _compute_dtype(input)
@@ -115,6 +117,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         ctx.total, ctx.process_set = float(total), process_set
         out = xhat
         if weight is not None:
+            assert bias is not None  # affine BatchNorm has both
             out = out * _per_channel(weight.to(compute), input) + _per_channel(bias.to(compute), input)
         return out.to(input.dtype)
 

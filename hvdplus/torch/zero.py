@@ -59,7 +59,7 @@ class _Flat:
 
     def __init__(
         self,
-        part: DtypePartition,
+        part: DtypePartition[torch.dtype],
         master: torch.Tensor,
         base: int,
         full: torch.Tensor | None,
@@ -216,7 +216,9 @@ class _Shards:
         p, bucket = self.params[i], self.bucket_of[i]
         if self.passes_done[i] >= self.passes:
             raise AllreduceInFlightError(_TOO_MANY_PASSES)
-        if p.grad.is_sparse:
+        grad = p.grad
+        assert grad is not None  # a post-accumulate-grad hook runs once p.grad is set
+        if grad.is_sparse:
             raise TypeError(
                 f"ZeroOptimizer shards dense gradients only; parameter {self.names[i]!r} has a sparse "
                 f"one (use DistributedOptimizer for sparse embeddings)"
@@ -228,7 +230,7 @@ class _Shards:
         k, offset = self.where[i]
         offset -= bucket.start
         with torch.no_grad():
-            bucket.buffer[offset : offset + p.grad.numel()].copy_(p.grad.reshape(-1))
+            bucket.buffer[offset : offset + grad.numel()].copy_(grad.reshape(-1))
         p.grad = None
         bucket.written.add(i)
         self.passes_done[i] += 1
@@ -325,6 +327,14 @@ class _Shards:
             shard.grad = grad
         self.synchronized = True
 
+    def shard_grads(self) -> list[torch.Tensor]:
+        """The shard parameters' gradients, which synchronize() points at this rank's reduced slices."""
+        grads = []
+        for shard in self.shard_params:
+            assert shard.grad is not None, "the gradients are synchronized first"
+            grads.append(shard.grad)
+        return grads
+
     def clear_gradients(self) -> None:
         """Zero the gradient shards (after a step consumed them, or when zero_grad discards them)."""
         for flat in self.flats:
@@ -362,7 +372,7 @@ class _Shards:
 
     def grad_norm(self, norm_type: float) -> float:
         """The norm of the whole averaged gradient, from every rank's shard. Collective."""
-        grads = [shard.grad for shard in self.shard_params if shard.numel()]
+        grads = [grad for grad in self.shard_grads() if grad.numel()]
         if math.isinf(norm_type):
             local = max((float(g.abs().max()) for g in grads), default=0.0)
             op = ReduceOp.MAX
@@ -403,8 +413,8 @@ class _ZeroOptimizer(ZeroStateDicts):
         coefficient = float(max_norm) / (total + 1e-6)
         if coefficient < 1.0:
             with torch.no_grad():
-                for shard in self._zero.shard_params:
-                    shard.grad.mul_(coefficient)
+                for grad in self._zero.shard_grads():
+                    grad.mul_(coefficient)
         return torch.tensor(total)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

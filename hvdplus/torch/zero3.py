@@ -152,10 +152,10 @@ class ShardedModel:
         if not positions:
             return None
         routed = _InputsReached.apply(lambda: self.inputs_reached(unit), *(args[n] for n in positions))
-        args = list(args)
+        routed_args = list(args)
         for n, tensor in zip(positions, routed):
-            args[n] = tensor
-        return tuple(args)
+            routed_args[n] = tensor
+        return tuple(routed_args)
 
     def cast_inputs(self, args: tuple) -> tuple | None:
         """The model's floating-point inputs in `param_dtype` (None: no mixed precision, nothing to change)."""
@@ -174,8 +174,13 @@ class ShardedModel:
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         needs_backward = torch.is_grad_enabled() and bool(outputs)
         if needs_backward and unit is not None:
+
+            def backward_reached(grad: torch.Tensor, unit: Unit = unit) -> torch.Tensor:
+                self.before_backward(unit)
+                return grad
+
             for tensor in outputs:
-                tensor.register_hook(lambda grad, unit=unit: self.before_backward(unit) or grad)
+                tensor.register_hook(backward_reached)
         if unit is None or unit.is_root:
             if not needs_backward:  # inference: nothing stays gathered
                 self.begin_pass()
@@ -244,8 +249,9 @@ def _unit_modules(model: torch.nn.Module, units: UnitChoice) -> dict[torch.nn.Mo
         chosen = [m for n, m in named if n and units(n, m)]
     else:
         listed = list(units)
-        if all(isinstance(u, type) for u in listed):
-            chosen = [m for n, m in named if n and isinstance(m, tuple(listed))]
+        classes = [u for u in listed if isinstance(u, type)]
+        if len(classes) == len(listed):
+            chosen = [m for n, m in named if n and isinstance(m, tuple(classes))]
         elif all(isinstance(u, torch.nn.Module) for u in listed):
             mine = {id(m) for _, m in named}
             strangers = [type(u).__name__ for u in listed if id(u) not in mine]

@@ -28,6 +28,7 @@ from hvdplus.torch.mpi_ops import _dtype_name, _numpy
 from hvdplus.torch.streamed_save import StreamedSave
 from hvdplus.torch.zero3 import ShardedModel
 from hvdplus.torch.zero3_units import Unit
+from hvdplus.torch.zero_state import ZeroStateDicts
 
 __all__ = [
     "full_state_dict",
@@ -42,7 +43,7 @@ _SHARDED_FORMAT = "hvdplus-zero3-sharded-1"
 
 
 def _sharded(model: torch.nn.Module) -> ShardedModel:
-    sharded = getattr(model, "_hvdplus_zero3", None)
+    sharded: ShardedModel | None = getattr(model, "_hvdplus_zero3", None)
     if sharded is None:
         raise ValueError("this function takes a model sharded by hvd.shard_parameters")
     return sharded
@@ -131,23 +132,23 @@ def load_full_state_dict(model: torch.nn.Module, state_dict: dict[str, Any]) -> 
 
 
 def save_full_checkpoint(
-    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, to: int = 0
+    path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, to: int = 0
 ) -> None:
     """Write {"model": plain state dict, "optimizer": plain optimizer state dict} to `path` on global rank `to`,
     streamed (no rank holds the whole model or optimizer state). Collective."""
-    _check_optimizer(model, optimizer)
+    zero = _check_optimizer(model, optimizer)
     writing = runtime().rank == core.check_root(to, _sharded(model).process_set)
     out = StreamedSave(path) if writing else None
     store = out.tensor if out is not None else (lambda tensor: None)
     saved = {"model": _model_state(model, to, store)}
-    if optimizer is not None:
-        saved["optimizer"] = optimizer.consolidated_state(to, store)  # type: ignore[attr-defined]
+    if zero is not None:
+        saved["optimizer"] = zero.consolidated_state(to, store)
     if out is not None:
         out.finish(saved)
 
 
 def load_full_checkpoint(
-    path: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    path: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """Load what `save_full_checkpoint` (or `torch.save` of plain state dicts under "model" and "optimizer")
     wrote, at any number of ranks; memory-mapped, so each rank reads only its slices."""
@@ -159,11 +160,11 @@ def load_full_checkpoint(
 
 
 def save_sharded_checkpoint(
-    directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    directory: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """Write this rank's shards (and its optimizer shard) to `directory`/rank-R-of-N.pt; every rank writes its
     own file. Collective (ends with a barrier, so the directory is complete when it returns)."""
-    _check_optimizer(model, optimizer)
+    zero = _check_optimizer(model, optimizer)
     sharded = _sharded(model)
     size, rank = sharded.process_set.size(), sharded.process_set.rank()
     units = {
@@ -177,8 +178,8 @@ def save_sharded_checkpoint(
         "rank": rank,
         "units": units,
         "buffers": buffers,
-        "optimizer": optimizer.sharded_state_dict() if optimizer is not None else None,
-    }  # type: ignore
+        "optimizer": zero.sharded_state_dict() if zero is not None else None,
+    }
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.save(saved, Path(directory) / f"rank-{rank}-of-{size}.pt")
     core.submit_barrier(sharded.process_set).wait()
@@ -190,11 +191,11 @@ def save_sharded_checkpoint(
 
 
 def load_sharded_checkpoint(
-    directory: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+    directory: str | os.PathLike[str], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> None:
     """Load `save_sharded_checkpoint`'s files, saved with any number of ranks: each rank memory-maps them and
     copies the ranges it now owns. ValueError if the files are missing or the units differ."""
-    _check_optimizer(model, optimizer)
+    zero = _check_optimizer(model, optimizer)
     sharded = _sharded(model)
     found = sorted(Path(directory).glob("rank-*-of-*.pt"))
     if not found:
@@ -233,10 +234,13 @@ def load_sharded_checkpoint(
         for key, value in _unsharded_entries(model, sharded).items():
             if key in saved[0]["buffers"]:
                 value.data.copy_(saved[0]["buffers"][key])
-    if optimizer is not None:
-        optimizer.load_sharded_state_dict([s["optimizer"] for s in saved])  # type: ignore[attr-defined]
+    if zero is not None:
+        zero.load_sharded_state_dict([s["optimizer"] for s in saved])
 
 
-def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+def _check_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> ZeroStateDicts | None:
+    """`optimizer` as the ZeroOptimizer over this model's parameters that it must be (None: no optimizer)."""
     if optimizer is not None and getattr(getattr(optimizer, "_zero", None), "sharded", None) is not _sharded(model):
         raise ValueError("the optimizer must be the hvd.ZeroOptimizer wrapped around this sharded model's parameters")
+    assert optimizer is None or isinstance(optimizer, ZeroStateDicts)  # a ZeroOptimizer's class derives from it
+    return optimizer

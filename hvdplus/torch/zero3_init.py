@@ -55,7 +55,7 @@ def default_init(module: torch.nn.Module) -> None:
 
 
 def _digest(p: torch.Tensor) -> bytes:
-    return hashlib.blake2b(_numpy(p.detach().contiguous().reshape(-1)), digest_size=16).digest()
+    return hashlib.blake2b(_numpy(p.detach().contiguous().reshape(-1)).data, digest_size=16).digest()
 
 
 def materialize(

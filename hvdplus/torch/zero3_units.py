@@ -168,4 +168,4 @@ def _unguarded_numpy(tensor: torch.Tensor) -> np.ndarray:
     for good). Only for buffers whose storage stays put while the view is in use: a gather in flight."""
     kind = _numpy(torch.empty(0, dtype=tensor.dtype)).dtype
     raw = (ctypes.c_byte * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
-    return np.frombuffer(raw, dtype=kind)
+    return np.frombuffer(memoryview(raw), dtype=kind)

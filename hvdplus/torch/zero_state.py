@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,15 +27,22 @@ from hvdplus.torch.mpi_ops import _dtype_name, _numpy
 
 __all__ = ["ZeroStateDicts"]
 
+if TYPE_CHECKING:  # a mixin placed before the user's optimizer class: it uses the optimizer's attributes and methods
+    from hvdplus.torch.zero import _Shards
+
+    _OptimizerMixin = torch.optim.Optimizer
+else:
+    _OptimizerMixin = object
+
 
 def _per_element(value: Any, shard: torch.Tensor) -> bool:
     return torch.is_tensor(value) and value.dim() > 0 and value.shape == shard.shape
 
 
-class ZeroStateDicts:
+class ZeroStateDicts(_OptimizerMixin):
     """Checkpoint methods of ZeroOptimizer (a mixin: `self._zero` is its `_Shards`)."""
 
-    _zero: Any
+    _zero: _Shards
     _zero_original_groups: list[list[torch.Tensor]]
 
     def state_dict(self) -> dict[str, Any]:
@@ -49,16 +56,18 @@ class ZeroStateDicts:
         """This rank's shard of the optimizer state (no parameters), for `load_sharded_state_dict` at any N:
         per flat sequence, this rank's range of each per-element state and each piece's scalars."""
         z = self._zero
-        flats = [{"bounds": list(part.bounds), "per_element": {}, "scalars": []} for part in z.plan]
+        flats: list[dict[str, Any]] = [
+            {"bounds": list(part.bounds), "per_element": {}, "scalars": []} for part in z.plan
+        ]
         for (k, _, start, end), param in zip(z.shards, z.shard_params):
-            state = self.state.get(param, {})  # type: ignore[attr-defined]
+            state = self.state.get(param, {})
             flats[k]["scalars"].append((start, end, {key: v for key, v in state.items() if not _per_element(v, param)}))
             for key, value in state.items():
                 if _per_element(value, param):
                     flats[k]["per_element"].setdefault(key, []).append(value.reshape(-1))
         for flat in flats:
             flat["per_element"] = {key: torch.cat(parts) for key, parts in flat["per_element"].items()}
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]  # type: ignore
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         return {
             "zero": {"size": z.size, "rank": z.index, "totals": [part.total for part in z.plan]},
             "flats": flats,
@@ -112,7 +121,7 @@ class ZeroStateDicts:
         z = self._zero
         to = core.check_root(to, z.process_set)
         shards = [
-            (k, group, start, end, self.state.get(param, {}))  # type: ignore[attr-defined]
+            (k, group, start, end, self.state.get(param, {}))
             for (k, group, start, end), param in zip(z.shards, z.shard_params)
         ]
         described = [
@@ -132,7 +141,7 @@ class ZeroStateDicts:
         state, index = {}, 0
         groups = []
         position = {id(p): i for i, p in enumerate(z.params)}
-        for options, originals in zip(self.param_groups, self._zero_original_groups):  # type: ignore[attr-defined]
+        for options, originals in zip(self.param_groups, self._zero_original_groups):
             indices = []
             for param in originals:
                 entry = consolidated.get(position.get(id(param), -1))
@@ -181,7 +190,9 @@ class ZeroStateDicts:
         k, offset = z.where[i]
         shape = z.shapes[i]
         numel = math.prod(shape)
-        owner = next((listed for (kk, start, end), listed in entries.items() if kk == k and start <= offset < end), {})
+        owner: dict[str, Any] = next(
+            (listed for (kk, start, end), listed in entries.items() if kk == k and start <= offset < end), {}
+        )
         entry = {key: v for key, v in owner.items() if not isinstance(v, str)}
         for key in (key for key, v in owner.items() if isinstance(v, str)):
             entry[key] = store(full[key][offset : offset + numel].view(shape))
@@ -234,7 +245,7 @@ class ZeroStateDicts:
         """Give the wrapped optimizer the state `entry_for(flat, start, end, shape)` of each shard parameter and
         the saved groups' hyper-parameters."""
         z = self._zero
-        position = {p: n for n, p in enumerate(p for g in self.param_groups for p in g["params"])}  # type: ignore
+        position = {p: n for n, p in enumerate(p for g in self.param_groups for p in g["params"])}
         sharded = {}
         for shard, (k, _, start, end) in zip(z.shard_params, z.shards):
             entry = entry_for(k, start, end, shard.shape)
@@ -243,5 +254,5 @@ class ZeroStateDicts:
         groups = [
             dict({k: v for k, v in saved.items() if k != "params"}, params=[position[p] for p in current["params"]])
             for saved, current in zip(saved_groups, self.param_groups)
-        ]  # type: ignore[attr-defined]
-        super().load_state_dict({"state": sharded, "param_groups": groups})  # type: ignore[misc]
+        ]
+        super().load_state_dict({"state": sharded, "param_groups": groups})

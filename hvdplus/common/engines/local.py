@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 import numpy as np
 
@@ -29,8 +30,9 @@ class LocalEngine:
         if send is not None:
             np.copyto(buf, send)
 
-    def allgather(self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], group: str) -> None:
-        recv[...] = send
+    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: str) -> None:
+        if send is not None:  # None: in place, this rank's part (all of it) is already in recv
+            recv[...] = send
 
     def broadcast(self, buf: np.ndarray, root: int, group: str) -> None:
         return None
@@ -41,9 +43,10 @@ class LocalEngine:
         recv[...] = send
 
     def reducescatter(
-        self, send: np.ndarray, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: str
+        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: str
     ) -> None:
-        recv[...] = send
+        if send is not None:  # None: in place, recv holds the input and this rank's slice is all of it
+            recv[...] = send
 
     def barrier(self, group: str) -> None:
         return None
@@ -99,7 +102,7 @@ class LocalChannel:
 
     max_tag = 2**31 - 1
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> None:
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> NoReturn:
         raise ValueError(f"a job of one rank has no rank {peer} to send to")
 
     irecv = isend

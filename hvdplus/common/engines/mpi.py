@@ -294,8 +294,9 @@ class _MPIPending:
         return self._out
 
 
-def _displacements(counts: Sequence[int]) -> list[int]:
-    return [0] + np.cumsum(np.asarray(counts, dtype=np.int64))[:-1].tolist()
+def _displacements(counts: Sequence[int] | np.ndarray) -> list[int]:
+    starts: list[int] = np.cumsum(np.asarray(counts, dtype=np.int64))[:-1].tolist()
+    return [0] + starts
 
 
 def _mpi_type(MPI: Any, buf: np.ndarray) -> Any:

@@ -25,7 +25,7 @@ from hvdplus.common.ops import ReduceOp
 
 __all__ = ["ThreadWorld", "ThreadEngine"]
 
-_REDUCERS: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
+_REDUCERS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,
     ReduceOp.MIN: np.minimum,
     ReduceOp.MAX: np.maximum,
@@ -116,7 +116,8 @@ class _ThreadPending:
     def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
         if timeout_s is not None and not self._entry.done.wait(timeout_s):
             return None
-        return self._engine._finish(self._sequence, self._entry, self._nbytes).copy()
+        words: np.ndarray = self._engine._finish(self._sequence, self._entry, self._nbytes).copy()  # this rank's own
+        return words
 
 
 class ThreadEngine:
@@ -218,7 +219,7 @@ class ThreadEngine:
 
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         self._check(group)
-        everyone = self._collective(data, list, 0)
+        everyone: list[bytes] = self._collective(data, list, 0)
         self.bytes_received += sum(map(len, everyone)) - len(data)
         return everyone
 
@@ -250,8 +251,8 @@ class ThreadEngine:
         return None
 
 
-def _fold(reduce: Callable[[np.ndarray, np.ndarray], np.ndarray], parts: list[np.ndarray]) -> np.ndarray:
-    result = parts[0].copy()
+def _fold(reduce: np.ufunc, parts: list[np.ndarray]) -> np.ndarray:
+    result: np.ndarray = parts[0].copy()
     for part in parts[1:]:
         reduce(result, part, out=result)
     return result

@@ -119,6 +119,9 @@ class TorchDistEngine:
         first node and publishes a fresh secret in a file only this user can read; the others wait for it."""
         from hvdplus.common.rendezvous import RendezvousServer, await_secret, new_secret, publish_secret
 
+        # _with_srun_rendezvous sets the secret file with the step's first node and its port
+        assert launch.srun_secret_file is not None and launch.rendezvous_addr is not None
+        assert launch.rendezvous_port is not None
         if self.rank == 0:
             secret = new_secret()
             self._srun_server = RendezvousServer([launch.rendezvous_addr], secret, port=launch.rendezvous_port)
@@ -175,7 +178,7 @@ class TorchDistEngine:
         self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
     ) -> None:
         # Gloo's own reduce_scatter exists but measured about 3x slower than its allreduce here (64 MiB, 2 ranks:
-        # 254 ms against 82 ms; README), so reduce everything and keep this rank's slice.
+        # 254 ms against 82 ms), so reduce everything and keep this rank's slice.
         if send is None:  # in place: this rank's slice of the reduced buffer is already at its offset
             self.allreduce(recv, dtype, op, group)
             return
@@ -191,6 +194,7 @@ class TorchDistEngine:
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
         request = self._dist.isend(self._bytes(send), group=group, group_dst=peer)
         self._dist.recv(self._bytes(recv), group=group, group_src=peer if source is None else source)
+        assert request is not None  # None only on a rank outside `group`
         request.wait()
 
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
@@ -325,6 +329,8 @@ def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -
             self._clones.append(clone)
             return clone
 
+    # _new_store calls this only with all three set
+    assert launch.rendezvous_addr and launch.rendezvous_port and launch.secret_key
     return AuthenticatedStore(
         RendezvousClient(launch.rendezvous_addr, launch.rendezvous_port, launch.secret_key, timeout_seconds)
     )

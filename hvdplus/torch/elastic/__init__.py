@@ -6,7 +6,7 @@ horovod.torch.elastic does not export them."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Concatenate, ParamSpec, TypeVar
 
 from hvdplus.common.elastic import ObjectState, State, run_fn
 from hvdplus.torch.elastic.sampler import ElasticSampler
@@ -14,8 +14,14 @@ from hvdplus.torch.elastic.state import TorchState
 
 __all__ = ["run", "State", "ObjectState", "TorchState", "ElasticSampler"]
 
+_StateT = TypeVar("_StateT", bound=State)
+_Params = ParamSpec("_Params")
+_Result = TypeVar("_Result")
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
+
+def run(
+    func: Callable[Concatenate[_StateT, _Params], _Result],
+) -> Callable[Concatenate[_StateT, _Params], _Result]:
     """Decorate the training function `func(state, ...)`: it runs until it returns, across failures and host
     changes (see hvdplus.common.elastic). Collectives must not run outside it, or new workers would deadlock
     against the others' state sync."""

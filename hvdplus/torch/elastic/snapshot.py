@@ -41,8 +41,8 @@ def _copy_into(value: Any, old: Any) -> Any:
         previous = old if isinstance(old, dict) else {}
         return type(value)((key, _copy_into(item, previous.get(key))) for key, item in value.items())
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        previous = old if isinstance(old, (list, tuple)) and len(old) == len(value) else [None] * len(value)
-        return type(value)(_copy_into(item, before) for item, before in zip(value, previous))
+        before_items = old if isinstance(old, (list, tuple)) and len(old) == len(value) else [None] * len(value)
+        return type(value)(_copy_into(item, before) for item, before in zip(value, before_items))
     return copy.deepcopy(value)
 
 

@@ -17,9 +17,9 @@ __all__ = ["TorchState"]
 
 
 class _ModelHandler(StateHandler):
-    """A module's state dict, committed into a Snapshot."""
+    """A module's state dict, committed into a Snapshot (an optimizer's too: see _OptimizerHandler)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module | torch.optim.Optimizer) -> None:
         super().__init__(model)
         self._snapshot = Snapshot(model.state_dict())
 

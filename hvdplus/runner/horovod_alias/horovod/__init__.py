@@ -14,6 +14,7 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from collections.abc import Sequence
 
 _KERAS2_SCRIPTS = frozenset({"horovod.tensorflow", "horovod.keras", "horovod.tensorflow.keras"})
 
@@ -51,7 +52,9 @@ class _AliasLoader(importlib.abc.Loader):
 class _AliasFinder(importlib.abc.MetaPathFinder):
     """Maps every `horovod.<name>` import onto `hvdplus.<name>`."""
 
-    def find_spec(self, fullname: str, path: object = None, target: object = None):
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None = None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if not fullname.startswith(__name__ + "."):
             return None
         alias = "hvdplus" + fullname[len(__name__) :]
