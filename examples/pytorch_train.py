@@ -1,17 +1,23 @@
 """Train a small ResNet-style CNN on scikit-learn's handwritten digits with hvdplus (Horovod's recipe).
 
 Each rank trains on its shard of the data (DistributedSampler); gradients are averaged by
-hvd.DistributedOptimizer; rank 0 shows a progress bar, saves a checkpoint every epoch, and a restarted
-job resumes from the latest one. Run it with any launcher:
+hvd.DistributedOptimizer; rank 0 shows a progress bar, prints the accuracy and throughput of every epoch,
+saves a checkpoint every epoch, and a restarted job resumes from the latest one. Run it with any launcher:
 
+    hvdplusrun -np 2 python examples/pytorch_train.py --epochs 5
     mpirun -np 2 --oversubscribe python examples/pytorch_train.py --epochs 5
     python examples/pytorch_train.py            # one process, no launcher
+
+One process with --batch-size 64 --lr 0.04 trains with the global batch and learning rate of 2 ranks with the
+defaults (32 samples per rank, 0.02 scaled by 2). --summary-json PATH writes the final accuracy and images/s as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +41,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sync-bn", action="store_true", help="use hvd.SyncBatchNorm (statistics over all ranks)")
     parser.add_argument("--checkpoint-dir", default="./checkpoints")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--summary-json",
+        metavar="PATH",
+        help="rank 0 writes the final test accuracy and the training images/s (all ranks together) here as JSON",
+    )
     return parser.parse_args()
 
 
@@ -91,11 +102,17 @@ def average(value: float, name: str) -> float:
     return hvd.allreduce(torch.tensor(value), name=name).item()
 
 
-def train_epoch(model, optimizer, loader, sampler, epoch: int, args: argparse.Namespace) -> tuple[float, float]:
-    """One epoch; each loader batch is split into backward passes of --batch-size samples."""
+def train_epoch(
+    model, optimizer, loader, sampler, epoch: int, args: argparse.Namespace
+) -> tuple[float, float, int, float]:
+    """One epoch; each loader batch is split into backward passes of --batch-size samples.
+
+    Returns the loss and accuracy (means over the ranks), the images all ranks trained on, and the seconds it took
+    (the mean over the ranks, which step together)."""
     model.train()
     sampler.set_epoch(epoch)
     total_loss, correct, seen = 0.0, 0, 0
+    began = time.perf_counter()
     with tqdm(total=len(loader), desc=f"epoch {epoch}", disable=hvd.rank() != 0) as bar:
         for images, labels in loader:
             optimizer.zero_grad()
@@ -111,7 +128,14 @@ def train_epoch(model, optimizer, loader, sampler, epoch: int, args: argparse.Na
             optimizer.step()
             bar.set_postfix(loss=f"{total_loss / seen:.3f}")
             bar.update(1)
-    return average(total_loss / seen, f"train.loss.{epoch}"), average(correct / seen, f"train.accuracy.{epoch}")
+    seconds = time.perf_counter() - began
+    images = hvd.allreduce(torch.tensor(seen), op=hvd.Sum, name=f"train.images.{epoch}").item()
+    return (
+        average(total_loss / seen, f"train.loss.{epoch}"),
+        average(correct / seen, f"train.accuracy.{epoch}"),
+        images,
+        average(seconds, f"train.seconds.{epoch}"),
+    )
 
 
 def test_accuracy(model: torch.nn.Module, test_set: TensorDataset, epoch: int) -> float:
@@ -129,10 +153,32 @@ def test_accuracy(model: torch.nn.Module, test_set: TensorDataset, epoch: int) -
     return (counts[0] / counts[1]).item()
 
 
+def write_summary(args: argparse.Namespace, accuracy: float, timed: list[tuple[int, float]], ranks: int) -> None:
+    """--summary-json: the final test accuracy, the settings that decide it, and the throughput of training
+    (images over all ranks per second; the first epoch, which warms up, is left out when later ones ran)."""
+    steady = timed[1:] or timed
+    summary = {
+        "example": "pytorch_train",
+        "ranks": ranks,
+        "global_batch_size": args.batch_size * args.batches_per_allreduce * ranks,
+        "learning_rate": args.lr * ranks * args.batches_per_allreduce,
+        "epochs": args.epochs,
+        "epochs_trained": len(timed),
+        "test_accuracy": accuracy,
+        "images_per_second": sum(i for i, _ in steady) / sum(s for _, s in steady) if steady else None,
+        "train_seconds": sum(s for _, s in timed),
+    }
+    with open(args.summary_json, "w") as f:
+        json.dump(summary, f, indent=2)
+
+
 def main() -> None:
     args = parse_args()
     hvd.init()
     root, ranks = hvd.rank() == 0, hvd.size()  # asked once: local calls fail once a peer has shut down
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torch takes a thread per core in every process: share the cores among the ranks on this machine instead.
+        torch.set_num_threads(max(1, torch.get_num_threads() // hvd.local_size()))
     torch.manual_seed(args.seed)
     train_set, test_set = load_data()
     sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank(), shuffle=True, seed=args.seed)
@@ -159,13 +205,15 @@ def main() -> None:
         backward_passes_per_step=args.batches_per_allreduce,
     )
 
+    timed = []  # (images, seconds) of each epoch trained
     for epoch in range(resume + 1, args.epochs + 1):
-        loss, accuracy = train_epoch(model, optimizer, loader, sampler, epoch, args)
+        loss, accuracy, images, seconds = train_epoch(model, optimizer, loader, sampler, epoch, args)
+        timed.append((images, seconds))
         accuracy_test = test_accuracy(model, test_set, epoch)
         if root:
             print(
                 f"Epoch {epoch}: train loss {loss:.4f}, train accuracy {accuracy:.4f}, "
-                f"test accuracy {accuracy_test:.4f}"
+                f"test accuracy {accuracy_test:.4f}, {images / seconds:.0f} images/s"
             )
             os.makedirs(args.checkpoint_dir, exist_ok=True)
             torch.save(
@@ -174,7 +222,9 @@ def main() -> None:
             )
     final = test_accuracy(model, test_set, args.epochs + 1)
     if root:
-        print(f"Final test accuracy: {final:.4f} ({ranks} ranks)")
+        print(f"Final test accuracy: {final:.4f} ({ranks} rank{'s' if ranks > 1 else ''})")
+        if args.summary_json:
+            write_summary(args, final, timed, ranks)
     hvd.shutdown()
 
 

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from tests.parallel.jobs import mpirun, run_job
+from tests.parallel.jobs import ROOT, mpirun, run_job, worker_env
 
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
@@ -51,12 +54,18 @@ def test_train_learns_digits_and_resumes_from_its_checkpoint(tmp_path):
     assert "Epoch 3:" in output and "Resuming" not in output
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"checkpoint-{e}.pt" for e in (1, 2, 3)]
 
-    code, output = run_job("mpi", 2, [TRAIN, "--epochs", "5", *checkpoints])
+    summary = tmp_path / "summary.json"
+    code, output = run_job("mpi", 2, [TRAIN, "--epochs", "5", *checkpoints, "--summary-json", str(summary)])
     assert code == 0, output[-5000:]
     assert output.count("Resuming from checkpoint of epoch 3") == 1
     assert "Epoch 3:" not in output and "Epoch 4:" in output and "Epoch 5:" in output
     # Measured 0.976 after 5 epochs on 2 ranks (the run is deterministic); a model that did not learn scores ~0.1.
     assert _final_accuracy(output) > 0.9, output[-5000:]
+    found = json.loads(summary.read_text())  # written by rank 0 alone
+    assert found["test_accuracy"] == pytest.approx(_final_accuracy(output), abs=5e-5)
+    assert (found["ranks"], found["epochs"], found["epochs_trained"]) == (2, 5, 2)
+    assert (found["global_batch_size"], found["learning_rate"]) == (64, pytest.approx(0.04))
+    assert found["images_per_second"] > 0 and found["train_seconds"] > 0
 
 
 @pytest.mark.parallel
@@ -80,6 +89,48 @@ def test_train_with_fp16_accumulation_and_sync_bn_over_gloo(tmp_path):
     assert code == 0, output[-5000:]
     assert _final_accuracy(output) > 0.2, output[-5000:]  # one short epoch: well above chance (0.1)
     assert (tmp_path / "checkpoint-1.pt").exists()
+
+
+def _one_process(argv: list[str]) -> str:
+    """Run `python argv` as one process with no launcher, as scripts/demo.sh does for its comparison; its output."""
+    done = subprocess.run(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        env=worker_env({"TF_ENABLE_ONEDNN_OPTS": "0"}),  # as demo.sh: else TensorFlow's oneDNN notice
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-5000:]
+    return output
+
+
+@pytest.mark.timeout(150)
+def test_train_examples_write_the_summary_json_that_the_demo_compares(tmp_path):
+    """scripts/demo.sh's single-process runs (one short epoch here): each example writes --summary-json with the
+    demo's global batch and learning rate, prints no warning, and scripts/demo_summary.py reads the files."""
+    pytest.importorskip("tensorflow")
+    same_step = ["--epochs", "1", "--batch-size", "64", "--lr", "0.04"]
+    runs = {
+        "pytorch": [TRAIN, "--checkpoint-dir", str(tmp_path / "pytorch")],
+        "keras": ["examples/keras_train.py", "--checkpoint", str(tmp_path / "keras" / "best.keras")],
+    }
+    for name, argv in runs.items():
+        output = _one_process([*argv, *same_step, "--summary-json", str(tmp_path / f"{name}-1.json")])
+        assert "Final test accuracy" in output and "(1 rank)" in output, output[-5000:]
+        assert "Warning" not in output and "warn" not in output and "I0000" not in output, output
+        found = json.loads((tmp_path / f"{name}-1.json").read_text())
+        assert (found["ranks"], found["epochs"], found["global_batch_size"]) == (1, 1, 64), found
+        assert found["learning_rate"] == pytest.approx(0.04) and found["images_per_second"] > 0
+        assert 0.1 < found["test_accuracy"] <= 1  # measured 0.246 (PyTorch), 0.68 (Keras) after one epoch
+        shutil.copy(tmp_path / f"{name}-1.json", tmp_path / f"{name}-2.json")  # stands in for the 2-rank run
+    summary = subprocess.run(
+        [sys.executable, "scripts/demo_summary.py", str(tmp_path)], cwd=ROOT, capture_output=True, text=True
+    )
+    assert summary.returncode == 0, summary.stderr
+    assert re.search(r"^PyTorch +test accuracy 0\.\d{3}, +\d+ images/s", summary.stdout, re.M), summary.stdout
+    assert re.search(r"^Keras +test accuracy 0\.\d{3}, +\d+ images/s", summary.stdout, re.M), summary.stdout
 
 
 @pytest.mark.parallel
