@@ -210,8 +210,11 @@ class Supervisor:
         process.watch_exit()
         if payload:
             assert proc.stdin is not None  # stdin=PIPE with a payload
-            proc.stdin.write(payload)
-            proc.stdin.flush()
+            try:
+                proc.stdin.write(payload)
+                proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass  # it exited already, or a failed peer made the supervisor close this lifeline: its exit reports it
         for name, stream, console in (
             ("stdout", proc.stdout, sys.stdout.buffer),
             ("stderr", proc.stderr, sys.stderr.buffer),

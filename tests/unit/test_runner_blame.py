@@ -77,6 +77,15 @@ def test_the_report_names_the_culprit_once_with_its_host_and_exit_status(capfd):
     ), line
 
 
+def test_a_rank_that_exits_before_reading_its_payload_is_reported_not_a_launcher_crash(capfd):
+    """A payload larger than the pipe's buffer makes the write wait for the child, which exits without reading it:
+    the write's broken pipe must not escape start() (it once did, when a slow launcher wrote after a rank's exit)."""
+    supervisor = Supervisor(hosts={0: "localhost"})
+    supervisor.start("rank 0 on localhost", _fail(CAUSE), rank=0, payload=b"{}" + b" " * (1 << 20) + b"\n")
+    line = _report(capfd, supervisor)
+    assert line.startswith("hvdplusrun: rank 0 on localhost failed with exit code 1"), line
+
+
 @pytest.mark.parametrize(
     "size,stopped", [(2, "; stopping 1 other worker."), (3, "; stopping 2 other workers."), (1, ".")]
 )
