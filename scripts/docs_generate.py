@@ -12,8 +12,8 @@ The fragments:
 - `horovodrun_flags.md`: every horovodrun flag (Horovod 0.28.1) and what hvdplusrun's parser does with it,
   then hvdplusrun's own flags; the descriptions are the parser's help texts.
 - `hvdplusrun_help.md`: `hvdplusrun --help`, as the parser prints it.
-- `api_torch.md`, `api_tensorflow.md`: the Horovod names of the API contract lists in tests/unit (and the
-  objects the contract tests check) and whether hvdplus exports each, with the same parameters.
+- `api_torch.md`, `api_tensorflow.md`: the Horovod names of the API contract (tests/unit/horovod_contract.py,
+  which the contract tests check too) and whether hvdplus exports each, with the same parameters.
 - `reference/torch.md`, ...: mkdocstrings blocks listing the names each package's `__init__` exports.
 
 hvdplus's packages are read statically with griffe (what mkdocstrings uses), so neither torch nor TensorFlow is
@@ -37,17 +37,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # document this checkout's hvdplus, not another one installed elsewhere
 
+from tests.unit.horovod_contract import contract  # noqa: E402 (the one reading of the contract lists)
+
 GENERATED_DIR = "docs_generated"
-TORCH_CONTRACT = ROOT / "tests" / "unit" / "horovod_torch_api.txt"
-TF_CONTRACT = ROOT / "tests" / "unit" / "horovod_tensorflow_api.txt"
-TORCH_CONTRACT_TEST = ROOT / "tests" / "unit" / "test_api_contract.py"
-TF_CONTRACT_TEST = ROOT / "tests" / "unit" / "test_tf_api_contract.py"
 
 # hvdplus.tensorflow.keras replaces itself in sys.modules by hvdplus.keras (its submodules included), which a
 # static reader cannot see; test_tf_api_contract.py checks `hvdplus.tensorflow.keras is hvdplus.keras`.
 MODULE_ALIASES = {"hvdplus.tensorflow.keras": "hvdplus.keras"}
-# test_tf_api_contract.py checks its objects (Average, Compression, ...) in these two modules.
-TF_OBJECT_MODULES = ("hvdplus.tensorflow", "hvdplus.tensorflow.keras")
 
 # The packages whose exports the API reference documents: page name -> package.
 REFERENCE_PACKAGES = {
@@ -310,45 +306,6 @@ def hvdplusrun_help() -> str:
 # --- API coverage -----------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class ContractEntry:
-    """One Horovod name of a contract list: hvdplus module, dotted name, parameters, and the comment above it."""
-
-    module: str
-    name: str
-    params: tuple[str, ...]
-    note: str
-
-
-def read_contract(path: Path, default_module: str | None) -> list[ContractEntry]:
-    """Parse a contract list as the contract tests do; a comment after the header belongs to the next entry."""
-    entries: list[ContractEntry] = []
-    comments: list[str] = []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        if line.startswith("#"):
-            if entries:  # the comments before the first entry are the file's header
-                comments.append(line.lstrip("# ").strip())
-            continue
-        module, call = (default_module, line) if default_module else line.split(" ", 1)
-        name, params = call.rstrip(")").split("(")
-        args = tuple(p.strip() for p in params.split(",") if p.strip())
-        entries.append(ContractEntry(str(module), name, args, " ".join(comments)))
-        comments = []
-    return entries
-
-
-def contract_objects(path: Path) -> list[str]:
-    """The names a contract test checks with hasattr: the strings of its `for attr in (...)` loops."""
-    names: list[str] = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id == "attr":
-            if isinstance(node.iter, ast.Tuple | ast.List):
-                names += [e.value for e in node.iter.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
-    return names
-
-
 class Api:
     """hvdplus's packages as griffe reads them from the source (nothing is imported)."""
 
@@ -423,13 +380,7 @@ def api_rows(framework: str) -> list[list[str]]:
     """Rows of the coverage table of `framework` ("torch" or "tensorflow")."""
     api = load_api()
     rows = []
-    if framework == "torch":
-        entries = read_contract(TORCH_CONTRACT, "hvdplus.torch")
-        objects = [("hvdplus.torch", name) for name in contract_objects(TORCH_CONTRACT_TEST)]
-    else:
-        entries = read_contract(TF_CONTRACT, None)
-        names = contract_objects(TF_CONTRACT_TEST)
-        objects = [(module, name) for module in TF_OBJECT_MODULES for name in names]
+    entries, objects = contract(framework)
     documented = documented_paths(api)
     for entry in entries:
         path = f"{entry.module}.{entry.name}"

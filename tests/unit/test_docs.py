@@ -16,6 +16,8 @@ from types import ModuleType
 
 import pytest
 
+from tests.unit.horovod_contract import contract
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCS_PACKAGES = ("mkdocs", "material", "mkdocstrings", "mkdocstrings_handlers.python", "griffe")
 
@@ -104,13 +106,7 @@ def test_flag_table_lists_every_horovodrun_and_hvdplusrun_flag(generator):
 
 @pytest.mark.parametrize("framework", ["torch", "tensorflow"])
 def test_api_table_lists_every_contract_name(generator, framework):
-    if framework == "torch":
-        entries = generator.read_contract(generator.TORCH_CONTRACT, "hvdplus.torch")
-        objects = [("hvdplus.torch", name) for name in generator.contract_objects(generator.TORCH_CONTRACT_TEST)]
-    else:
-        entries = generator.read_contract(generator.TF_CONTRACT, None)
-        names = generator.contract_objects(generator.TF_CONTRACT_TEST)
-        objects = [(module, name) for module in generator.TF_OBJECT_MODULES for name in names]
+    entries, objects = contract(framework)
     assert entries and objects
     rows = generator.api_rows(framework)
     assert len(rows) == len(entries) + len(objects)
