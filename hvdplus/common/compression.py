@@ -46,6 +46,11 @@ class CastCompressor:
     ) -> None:
         self._wire, self._is_floating, self._dtype_of, self._cast = wire_dtype, is_floating, dtype_of, cast
 
+    @property
+    def wire_dtype(self) -> Any:
+        """The dtype floating-point tensors travel in."""
+        return self._wire
+
     def compress(self, tensor: Any) -> tuple[Any, Any]:
         if not self._is_floating(tensor):
             return tensor, None

@@ -168,6 +168,10 @@ class Coordinator:
         self._wake.set()  # an idle thread settles it where it sleeps, without starting a round
         swap.wait()
 
+    def close_at_shutdown(self, channel: Any) -> None:
+        """Close `channel` (anything with close(), such as a planned group) when the thread stops."""
+        self._channels.append(channel)
+
     def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
         entry = self._sets.get(set_id)
         return entry.ranks if entry else None

@@ -88,6 +88,15 @@ SETTINGS: tuple[Setting, ...] = (
         "HVDPLUS_BUCKET_BYTES",
     ),
     Setting(
+        "planned_path",
+        _parse_bool,
+        True,
+        "Once every rank has run the same DistributedOptimizer step (PyTorch, CPU tensors), freeze it in one "
+        "agreement and reduce its gradient buckets straight from the backward hooks, non-blocking, with no "
+        "negotiation; 0 keeps every step on Horovod's negotiated path.",
+        "HVDPLUS_PLANNED_PATH",
+    ),
+    Setting(
         "cycle_time_ms",
         float,
         1.0,
@@ -441,6 +450,7 @@ class Settings:
 
     fusion_threshold: int = 128 * 1024 * 1024
     bucket_bytes: int | None = None  # None: the engine's (Engine.bucket_bytes)
+    planned_path: bool = True
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
     negotiation_doubling_ranks: int = 16

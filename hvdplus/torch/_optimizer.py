@@ -11,12 +11,15 @@ from typing import Any
 
 import torch
 
+from hvdplus.common import basics
 from hvdplus.common.basics import ProcessSet, elastic_worker, global_process_set, runtime, size
 from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.common.ops import Adasum, Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.torch.compression import Compressor
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
+from hvdplus.torch.planned import freeze_due, try_freeze
+from hvdplus.torch.reducer import Reducer
 from hvdplus.torch.sparse import sparse_allreduce_async
 
 __all__ = ["AllreduceInFlightError"]
@@ -74,6 +77,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
         self._handles: dict[torch.Tensor, tuple[Any, Any]] = {}
         self._requires_update = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+        self._groups_given = groups is not None
+        self._reducer: Reducer | None = None  # the planned path's, once the ranks froze a step plan
+        self._negotiated_steps = 0
         if groups is None and op != Adasum:  # Adasum reduces tensor by tensor
             groups = self._buckets()
         self._p_to_group = build_groups(self._requires_update, groups)
@@ -107,6 +113,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _make_hook(self, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
+            reducer = self._planned()
+            if reducer is not None:
+                if self._allreduce_delay[p] <= 0 and reducer.launched(p):
+                    raise AllreduceInFlightError(_TOO_MANY_PASSES)
+                self._allreduce_delay[p] -= 1
+                if self._allreduce_delay[p] == 0:
+                    reducer.mark_ready(p)
+                return
             if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
                 raise AllreduceInFlightError(_TOO_MANY_PASSES)
             self._allreduce_delay[p] -= 1
@@ -115,6 +129,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._gradient_ready(p)
 
         return hook
+
+    def _planned(self) -> Reducer | None:
+        """The reducer of the frozen step plan, if there is one for the current job (an elastic reset starts a new
+        job, whose ranks agree afresh)."""
+        reducer = self._reducer
+        if reducer is not None and reducer.runtime is not basics._runtime:
+            reducer.close()
+            reducer = self._reducer = None
+            self._negotiated_steps = 0
+        return reducer
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """Start p's allreduce, or its group's once every member of the group is ready."""
@@ -201,6 +225,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self.process_set.included():
             self._synchronized = True
             return
+        reducer = self._planned()
+        if reducer is not None:
+            try:
+                reducer.finish()
+            except Exception:
+                self._reducer, self._negotiated_steps = None, 0  # every rank raised: negotiate the next steps
+                reducer.close()
+                raise
+            finally:
+                self.discard_pending()
+            self._synchronized = True
+            return
         try:
             self._start_missing()
             for p, (handle, ctx) in self._handles.items():
@@ -215,6 +251,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self.discard_pending()
         self._synchronized = True
+        self._negotiated_steps += 1
+        if freeze_due(self._negotiated_steps) and size() > 1:
+            self._reducer = try_freeze(
+                self._requires_update,
+                self._parameter_names,
+                self.op,
+                self._scales(),
+                self._groups_given,
+                self._compression,
+                self.process_set,
+            )
 
     def discard_pending(self) -> None:
         """Forget the gradient allreduces in flight and the backward passes counted towards the next one: after
@@ -256,9 +303,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._base_step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's zero_grad; raises while gradient allreduces are pending."""
-        if self._handles:
+        """The wrapped optimizer's zero_grad; raises while gradient allreduces are pending. On the planned path
+        the gradients stay views of the reducer's buckets, zeroed in place (set_to_none changes nothing)."""
+        reducer = self._planned()
+        if self._handles or (reducer is not None and reducer.in_flight):
             raise AllreduceInFlightError(_ZERO_GRAD_IN_FLIGHT)
+        if reducer is not None:
+            return reducer.zero_grad()
         return self._hvd_base.zero_grad(self, set_to_none)
 
 

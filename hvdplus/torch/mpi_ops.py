@@ -808,8 +808,13 @@ def join(device: int = -1) -> int:
     """Declare that this rank has no more batches; block until every rank has joined.
 
     Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
-    Returns the rank that joined last. Collective: every rank must call it once per epoch."""
-    last_rank: int = core.submit_join().wait()
+    Returns the rank that joined last. Collective: every rank must call it once per epoch. DistributedOptimizers
+    on the planned path get their zeros from here too (torch/reducer.py: serve_joined)."""
+    from hvdplus.torch.reducer import serve_joined  # the reducer builds on this module
+
+    handle = core.submit_join()
+    serve_joined()
+    last_rank: int = handle.wait()
     return last_rank
 
 

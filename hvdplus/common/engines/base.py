@@ -14,7 +14,22 @@ import numpy as np
 
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["Engine", "DataEngine", "Group", "Pending", "Done", "Channel", "Transfer", "Doorbell", "bell_targets"]
+__all__ = [
+    "Engine",
+    "DataEngine",
+    "ControlPlane",
+    "Liveness",
+    "Channels",
+    "Group",
+    "Pending",
+    "Done",
+    "Channel",
+    "Transfer",
+    "Doorbell",
+    "PlannedGroup",
+    "PlannedRequest",
+    "bell_targets",
+]
 
 Group = Any  # an engine-specific communicator handle
 
@@ -87,6 +102,32 @@ class Channel(Protocol):
         """Release the channel's communicator."""
 
 
+class PlannedRequest(Protocol):
+    """A non-blocking collective of a `PlannedGroup`, started from the caller's thread."""
+
+    def test(self) -> bool:
+        """Without blocking: whether it has completed (raise the engine's error if it failed). Testing also moves
+        it along: MPI progresses a non-blocking collective only inside its calls."""
+
+    def wait(self, alive: Callable[[], None]) -> None:
+        """Return once it has completed. Engines that poll call `alive()` between polls, which may raise to give
+        up; the others block without using a core, up to the engine's timeout."""
+
+
+class PlannedGroup(Protocol):
+    """A communicator of one process set's ranks that only the planned path uses (torch/reducer.py): its
+    collectives are started from the caller's thread, several in flight, with no negotiation. Every member
+    starts the same collectives in the same order; that is what freezing a plan agrees on."""
+
+    size: int
+
+    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> PlannedRequest:
+        """Start reducing `buf` in place across the group; `buf` stays alive and untouched until it completes."""
+
+    def close(self) -> None:
+        """Release the communicator (collectives still in flight are abandoned)."""
+
+
 class DataEngine(Protocol):
     """The data collectives the executor runs on one kind of buffer. The host engine's buffers are flat numpy
     arrays; a device engine's are tensors of its framework on its device (common/buffer_ops.py)."""
@@ -125,24 +166,8 @@ class DataEngine(Protocol):
         """Release the engine's resources (process groups, communicators)."""
 
 
-@runtime_checkable
-class Engine(DataEngine, Protocol):
-    """The job's host engine: the data collectives on numpy buffers, and the control plane every rank runs."""
-
-    # Fusion policy, from what an engine call costs against a copy. A tensor of `alone_bytes` or more is reduced
-    # alone, in place, instead of being copied into and out of a fusion buffer (None: everything fuses); a
-    # DistributedOptimizer packs gradients into buckets of `bucket_bytes` unless HVDPLUS_BUCKET_BYTES is set.
-    alone_bytes: int | None
-    bucket_bytes: int
-
-    def alltoall(
-        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Group
-    ) -> None:
-        """Send send_counts[r] elements to rank r and receive recv_counts[r] from it."""
-
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group, source: int | None = None) -> None:
-        """Point to point: send `send` to rank `peer` of `group` and receive into `recv` what rank `source`
-        (default: `peer`) sends this rank in the same exchange (each message has the size its receiver expects)."""
+class ControlPlane(Protocol):
+    """What the coordinator's control rounds run on: small collectives on the world, and the doorbell."""
 
     def allgather_bytes(self, data: bytes, group: Group) -> list[bytes]:
         """Control plane: every rank's `data`, in rank order."""
@@ -150,6 +175,14 @@ class Engine(DataEngine, Protocol):
     def start_bitwise_and(self, words: np.ndarray, group: Group) -> Pending:
         """Control plane: start the bitwise AND of an int64 vector across `group`; non-blocking, so the
         coordinator waits for a late peer without polling a core (MPI's blocking calls spin)."""
+
+    def open_doorbell(self, on_ring: Callable[[], None]) -> Doorbell:
+        """Collective over all ranks (at the coordinator's start): this rank's doorbell, which calls `on_ring`
+        when a ring arrives unless it is `polled`."""
+
+
+class Liveness(Protocol):
+    """How ranks tell a frozen or failed peer from a slow one, beside the collectives."""
 
     def send_beacon(self, round_number: int) -> None:
         """Stall path: tell every other rank, without blocking, that this one is alive and waiting in control
@@ -165,10 +198,35 @@ class Engine(DataEngine, Protocol):
     def failures(self) -> dict[int, str]:
         """Failure path: the message of each other rank that has announced a failure (never blocks long)."""
 
-    def open_doorbell(self, on_ring: Callable[[], None]) -> Doorbell:
-        """Collective over all ranks (at the coordinator's start): this rank's doorbell, which calls `on_ring`
-        when a ring arrives unless it is `polled`."""
+
+class Channels(Protocol):
+    """Communicators of their own, used from other threads than the coordinator's."""
 
     def open_channel(self) -> Channel:
         """Collective over all ranks (run on the coordinator's thread, in the agreed order): a new point-to-point
         channel among all ranks."""
+
+    def open_planned(self, ranks: Sequence[int], key: int) -> PlannedGroup:
+        """Collective over `ranks` only (sorted global ranks, this rank among them), from any thread: a new
+        `PlannedGroup`. `key` (equal on every member) tells apart groups opened at the same time."""
+
+
+@runtime_checkable
+class Engine(DataEngine, ControlPlane, Liveness, Channels, Protocol):
+    """The job's host engine: the data collectives on numpy buffers, the control plane every rank runs, the
+    liveness signals and the channels. Each concern is a protocol of its own above."""
+
+    # Fusion policy, from what an engine call costs against a copy. A tensor of `alone_bytes` or more is reduced
+    # alone, in place, instead of being copied into and out of a fusion buffer (None: everything fuses); a
+    # DistributedOptimizer packs gradients into buckets of `bucket_bytes` unless HVDPLUS_BUCKET_BYTES is set.
+    alone_bytes: int | None
+    bucket_bytes: int
+
+    def alltoall(
+        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Group
+    ) -> None:
+        """Send send_counts[r] elements to rank r and receive recv_counts[r] from it."""
+
+    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group, source: int | None = None) -> None:
+        """Point to point: send `send` to rank `peer` of `group` and receive into `recv` what rank `source`
+        (default: `peer`) sends this rank in the same exchange (each message has the size its receiver expects)."""

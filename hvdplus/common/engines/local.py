@@ -78,6 +78,9 @@ class LocalEngine:
     def open_channel(self) -> LocalChannel:
         return LocalChannel()
 
+    def open_planned(self, ranks: Sequence[int], key: int) -> LocalPlannedGroup:
+        return LocalPlannedGroup()
+
     def shutdown(self) -> None:
         return None
 
@@ -106,6 +109,24 @@ class LocalChannel:
         raise ValueError(f"a job of one rank has no rank {peer} to send to")
 
     irecv = isend
+
+    def close(self) -> None:
+        return None
+
+
+class LocalPlannedGroup:
+    """A one-rank planned group: every reduction is the buffer itself, complete at once."""
+
+    size = 1
+
+    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> LocalPlannedGroup:
+        return self
+
+    def test(self) -> bool:
+        return True
+
+    def wait(self, alive: Callable[[], None]) -> None:
+        return None
 
     def close(self) -> None:
         return None

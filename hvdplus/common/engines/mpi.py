@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -69,6 +70,10 @@ class MPIEngine:
         self._heard: dict[int, int] = {}
         self._failure_sends: list[tuple[Any, np.ndarray]] = []
         self._failures: dict[int, str] = {}
+        # The parent of planned groups: `Create_group` is collective over the new group's members only, and
+        # runs on a communicator that no other thread's collective uses.
+        self._planned_parent = self.world.Dup()
+        self._planned_lock = threading.Lock()
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         member = self.rank in ranks
@@ -176,7 +181,15 @@ class MPIEngine:
     def open_channel(self) -> MPIChannel:
         return MPIChannel(self.world.Dup(), self._MPI)
 
+    def open_planned(self, ranks: Sequence[int], key: int) -> MPIPlannedGroup:
+        with self._planned_lock:
+            group = self._planned_parent.Get_group().Incl(list(ranks))
+            comm = self._planned_parent.Create_group(group, tag=key % int(self.world.Get_attr(self._MPI.TAG_UB)))
+            group.Free()
+        return MPIPlannedGroup(comm, self)
+
     def shutdown(self) -> None:
+        self._planned_parent.Free()
         for request, _ in self._beacon_recvs.values():  # a frozen peer never sends: cancel what waits for it
             request.Cancel()
             request.Wait()
@@ -251,6 +264,21 @@ class MPIChannel:
         self._comm.Free()
 
 
+class MPIPlannedGroup:
+    """The planned path's communicator: `Iallreduce` in place, started from the caller's thread."""
+
+    def __init__(self, comm: Any, engine: MPIEngine) -> None:
+        self._comm, self._engine = comm, engine
+        self.size = comm.Get_size()
+
+    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> _MPITransfer:
+        engine = self._engine
+        return _MPITransfer(self._comm.Iallreduce(engine._MPI.IN_PLACE, buf, op=engine._op(dtype, op)), buf)
+
+    def close(self) -> None:
+        self._comm.Free()
+
+
 class _MPITransfer:
     """An MPI request and the buffer it reads or writes (alive until the request completes). `wait` tests it:
     back to back for a moment, then with sleeps doubling up to 1 ms (MPI's own Wait would spin a core that
@@ -260,6 +288,9 @@ class _MPITransfer:
 
     def __init__(self, request: Any, buf: np.ndarray) -> None:
         self._request, self._buf = request, buf
+
+    def test(self) -> bool:
+        return bool(self._request.Test())
 
     def wait(self, alive: Callable[[], None]) -> None:
         started, delay = time.perf_counter(), 0.0

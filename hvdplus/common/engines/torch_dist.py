@@ -244,6 +244,14 @@ class TorchDistEngine:
     def open_channel(self) -> GlooChannel:
         return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
 
+    def open_planned(self, ranks: Sequence[int], key: int) -> GlooPlannedGroup:
+        # A Gloo process group of the members only, met through the job's store under a prefix of its own: the
+        # other ranks take no part (torch's new_group would need every rank of the job).
+        store = self._beacon_store or self._dist.distributed_c10d._get_default_store()
+        prefix = self._dist.PrefixStore(f"hvdplus/planned/{key}/{'.'.join(map(str, ranks))}/", store)
+        group = self._dist.ProcessGroupGloo(prefix, list(ranks).index(self.rank), len(ranks), self._timeout)
+        return GlooPlannedGroup(self._dist, self._torch, group, len(ranks))
+
     def shutdown(self) -> None:
         """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
         every reference: a Gloo group that outlives this call is torn down at interpreter exit, which
@@ -416,12 +424,45 @@ class GlooChannel:
         self._dist.destroy_process_group(self._group)
 
 
+class GlooPlannedGroup:
+    """The planned path's communicator: Gloo's asynchronous allreduce, run by the group's own threads."""
+
+    def __init__(self, dist: Any, torch: Any, group: Any, size: int) -> None:
+        self._dist, self._torch, self._group, self.size = dist, torch, group, size
+        self._options: dict[ReduceOp, Any] = {}
+        for op, torch_op in (
+            (ReduceOp.SUM, dist.ReduceOp.SUM),
+            (ReduceOp.MIN, dist.ReduceOp.MIN),
+            (ReduceOp.MAX, dist.ReduceOp.MAX),
+            (ReduceOp.PRODUCT, dist.ReduceOp.PRODUCT),
+        ):
+            self._options[op] = dist.AllreduceOptions()
+            self._options[op].reduceOp = torch_op
+
+    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> _GlooTransfer:
+        if dtype in _WIDENED:
+            raise TypeError(f"the planned path does not reduce {dtype} over Gloo")
+        tensor = self._torch.from_numpy(buf)
+        if dtype == "bfloat16":
+            tensor = tensor.view(self._torch.bfloat16)
+        return _GlooTransfer(self._group.allreduce([tensor], self._options[op]), tensor)
+
+    def close(self) -> None:
+        self._group = None  # the group's threads and connections go with its last reference
+
+
 class _GlooTransfer:
     """A Gloo send or receive and the tensor it reads or writes. Gloo's send/recv works report completion only
     through `wait`, which sleeps on a condition (no core spent) up to the engine's timeout."""
 
     def __init__(self, work: Any, tensor: Any) -> None:
         self._work, self._tensor = work, tensor
+
+    def test(self) -> bool:
+        if not self._work.is_completed():
+            return False
+        self._work.wait()  # raises the collective's error, if it failed
+        return True
 
     def wait(self, alive: Callable[[], None]) -> None:
         self._work.wait()  # a timed wait would close the connection to the peer when the time is up

@@ -1,0 +1,99 @@
+"""When a DistributedOptimizer leaves negotiation for the planned path (common/step_plan.py, torch/reducer.py).
+
+After its 2nd, 4th, 8th, ... negotiated step, every rank of the optimizer's process set checks that the planned
+path can carry its step and digests the plan; one MIN allreduce decides. The plan freezes only if every rank is
+eligible and has the same digest, so a model that differs between ranks stays on negotiation, whose errors name
+the mismatch. A rank in join() contributes zeros, which refuses the plan for now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hvdplus.common.basics import ProcessSet, runtime
+from hvdplus.common.compression import CastCompressor, NoneCompressor
+from hvdplus.common.grouping import bucket_indices
+from hvdplus.common.ops import Average, Min, ReduceOp, Sum
+from hvdplus.common.step_plan import agreed, agreement_words, plan_digest
+from hvdplus.torch.mpi_ops import _DTYPE_NAMES, allreduce
+from hvdplus.torch.reducer import Reducer
+
+__all__ = ["freeze_due", "try_freeze"]
+
+_FIRST_ATTEMPT = 2  # negotiated steps before the first agreement: the first may still build lazily created state
+
+
+def freeze_due(negotiated_steps: int) -> bool:
+    """Whether the agreement runs after this many negotiated steps: 2, 4, 8, ... (the same on every rank)."""
+    return negotiated_steps >= _FIRST_ATTEMPT and negotiated_steps & (negotiated_steps - 1) == 0
+
+
+def _wire_dtype(compression: Any) -> tuple[bool, torch.dtype | None]:
+    """(whether the planned path can apply it to whole buckets, the dtype buckets travel in)."""
+    if compression is NoneCompressor or isinstance(compression, NoneCompressor):
+        return True, None
+    if isinstance(compression, CastCompressor):  # elementwise: casting a bucket casts each gradient
+        return True, compression.wire_dtype
+    return False, None  # a user's compressor sees one gradient at a time, as in Horovod
+
+
+def _eligible(params: Sequence[torch.Tensor], op: ReduceOp, groups_given: bool, compression: Any) -> bool:
+    rt = runtime()
+    settings = rt.settings
+    if not settings.planned_path or settings.hierarchical_allreduce or settings.autotune:
+        return False  # the user asked for negotiation, or for what only the executor does
+    if settings.device_path_on_cpu or rt.coordinator.device_kinds or rt.bucket_bytes <= 0:
+        return False
+    if op not in (Average, Sum) or groups_given or not _wire_dtype(compression)[0] or not params:
+        return False
+    return all(
+        p.device.type == "cpu"
+        and p.layout == torch.strided
+        and p.dtype in _DTYPE_NAMES
+        and p.dtype.is_floating_point
+        and (p.grad is None or not p.grad.is_sparse)
+        for p in params
+    )
+
+
+def try_freeze(
+    params: Sequence[torch.Tensor],
+    names: dict[torch.Tensor, str],
+    op: ReduceOp,
+    scales: tuple[float, float],
+    groups_given: bool,
+    compression: Any,
+    process_set: ProcessSet,
+) -> Reducer | None:
+    """Collective over the process set: agree on freezing this optimizer's step plan; the reducer, or None to
+    stay on negotiation. `scales`: the (prescale, postscale) of the negotiated allreduces."""
+    rt = runtime()
+    set_id = process_set.process_set_id or 0
+    ranks = list(range(rt.size)) if set_id == 0 else list(process_set.ranks)
+    # In launch order: the last layers' gradients first, as backward makes them.
+    plan = bucket_indices(
+        [p.numel() * p.element_size() for p in params], [p.dtype for p in params], rt.bucket_bytes, None
+    )
+    wire = _wire_dtype(compression)[1]
+    prescale, postscale = scales
+    if op == Average:
+        postscale /= len(ranks)
+    digest = plan_digest(
+        [ranks, op.name, prescale, postscale, wire, plan] + [(names[p], tuple(p.shape), p.dtype) for p in params]
+    )
+    eligible = _eligible(params, op, groups_given, compression)
+    words = allreduce(
+        torch.from_numpy(agreement_words(eligible, digest)),
+        op=Min,
+        name=rt.auto_name("plan_agreement", set_id),
+        process_set=process_set,
+    )
+    if not agreed(words.numpy(), digest):
+        return None
+    key = set_id * 65536 + int(rt.auto_name("planned_group", set_id).rsplit(".", 1)[1])
+    group = rt.engine.open_planned(ranks, key)
+    rt.coordinator.close_at_shutdown(group)
+    return Reducer(params, names, plan, group, ranks, digest, wire, (prescale, postscale))

@@ -1,0 +1,305 @@
+"""The planned path's reducer: DistributedOptimizer's gradients live in flat bucket buffers, reduced straight from
+the backward hooks.
+
+Once the ranks have frozen a step plan (common/step_plan.py), the reducer owns the gradient memory, as DDP's
+Reducer does with `gradient_as_bucket_view`: each bucket is one persistent flat buffer per dtype, and every
+`p.grad` is a view into it, so backward accumulates into the buffer and nothing is copied in or out. When the
+last gradient of a bucket arrives, the hook starts the bucket's allreduce on the plan's own communicator
+(`PlannedGroup`) without waiting for it; buckets start in plan order, so every rank starts the same collectives
+in the same order even when its gradients arrive in another. `finish()` (from synchronize) starts what backward
+did not (unused parameters contribute zeros, as in Horovod), adds the step's consistency word, waits, and
+scales. Compression (fp16, bf16) casts the whole bucket into a persistent wire buffer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hvdplus.common import basics
+from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
+from hvdplus.common.exceptions import HorovodInternalError
+from hvdplus.common.ops import ReduceOp
+from hvdplus.common.step_plan import Consistency, PlanMismatchError, consistency_words, read_consistency
+from hvdplus.torch.mpi_ops import _dtype_name, _numpy
+
+__all__ = ["Reducer", "serve_joined"]
+
+log = logging.getLogger("hvdplus")
+
+# Reducers whose plan is frozen on this rank: join() runs their steps with zeros while other ranks still train.
+# Held strongly until their plan is dropped: every member must serve the same plans, and when the garbage
+# collector frees an unused optimizer differs from rank to rank.
+_FROZEN: set[Reducer] = set()
+_JOIN_POLL_S = 1e-3
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.Tensor]
+    flat: torch.Tensor  # the gradients' memory: each p.grad is a view into it
+    views: list[torch.Tensor]
+    addresses: list[int]  # where each view starts: a view whose data was swapped (module.double()) is no view
+    wire: torch.Tensor | None  # the compressed copy that travels, when compression casts
+    missing: int = 0  # gradients still to come this step
+    request: PlannedRequest | None = None
+    zeros: torch.Tensor | None = field(default=None, repr=False)  # what a joined rank sends, made at its first join
+
+    @property
+    def sent(self) -> torch.Tensor:
+        return self.flat if self.wire is None else self.wire
+
+
+class Reducer:
+    """The gradient buckets of one DistributedOptimizer with a frozen plan, on one process set."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: dict[torch.Tensor, str],
+        plan: Sequence[Sequence[int]],
+        group: PlannedGroup,
+        ranks: Sequence[int],
+        digest: int,
+        wire_dtype: torch.dtype | None,
+        scales: tuple[float, float],
+    ) -> None:
+        """`plan`: positions in `params` of each bucket's gradients, in launch order, covering every parameter.
+        `ranks`: the process set's global ranks. `scales`: (before, after) the sum."""
+        self.runtime = basics.runtime()
+        self._names = names
+        self._group, self._ranks, self._digest = group, tuple(ranks), digest
+        self._set_rank = self._ranks.index(self.runtime.rank)
+        self._prescale, self._postscale = scales
+        self._buckets: list[_Bucket] = []
+        self._where: dict[torch.Tensor, tuple[_Bucket, int]] = {}
+        for positions in plan:
+            members = [params[i] for i in positions]
+            flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype)
+            views, offset = [], 0
+            for p in members:
+                views.append(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            addresses = [view.data_ptr() for view in views]
+            wire = None
+            if wire_dtype is not None and flat.is_floating_point() and flat.dtype != wire_dtype:
+                wire = torch.empty(flat.numel(), dtype=wire_dtype)
+            bucket = _Bucket(members, flat, views, addresses, wire, len(members))
+            self._buckets.append(bucket)
+            for index, p in enumerate(members):
+                self._where[p] = (bucket, index)
+        self._next = 0  # the first bucket not started this step
+        self._differs: list[str] = []  # how this rank's step differs from the plan (a changed model)
+        self.copies = 0  # gradients copied into their bucket (p.grad replaced by something else than its view)
+        self.steps = 0  # planned steps completed
+        for bucket in self._buckets:
+            for index, p in enumerate(bucket.params):
+                if p.grad is not None:
+                    self._adopt(p, bucket, index)
+                    self.copies -= 1  # taking over the gradients of the last negotiated step is not a step's copy
+                else:
+                    p.grad = bucket.views[index]
+        _FROZEN.add(self)
+
+    # ----------------------------------------------------------------- backward
+    def launched(self, p: torch.Tensor) -> bool:
+        """Whether p's bucket has started its allreduce this step."""
+        return self._where[p][0].request is not None
+
+    @property
+    def in_flight(self) -> bool:
+        return any(bucket.request is not None for bucket in self._buckets)
+
+    def mark_ready(self, p: torch.Tensor) -> None:
+        """From p's hook, once its gradient for this step is complete: start its bucket (and the full buckets
+        queued behind it) if it was the last one missing."""
+        bucket, index = self._where[p]
+        self._adopt(p, bucket, index)
+        bucket.missing -= 1
+        if bucket.missing == 0:
+            self._start_ready()
+        elif self._next:
+            request = self._buckets[self._next - 1].request
+            if request is not None:
+                request.test()  # MPI moves a collective only inside its calls
+
+    def _adopt(self, p: torch.Tensor, bucket: _Bucket, index: int) -> None:
+        """Make p.grad its view again (the user may have set it to None or replaced it), copying if needed."""
+        grad, view = p.grad, bucket.views[index]
+        if grad is view:
+            if view.data_ptr() != bucket.addresses[index]:  # module.double() and the like swap a grad's data
+                self._differs.append(f"parameter {self._names[p]!r} now has a {view.dtype} gradient elsewhere")
+            return
+        if grad is None:
+            view.zero_()
+        elif grad.is_sparse or grad.shape != view.shape or grad.dtype != view.dtype or grad.device != view.device:
+            self._differs.append(
+                f"parameter {self._names[p]!r} has a {'sparse ' if grad.is_sparse else ''}gradient of shape "
+                f"{tuple(grad.shape)} {grad.dtype} on {grad.device}, the plan {tuple(view.shape)} {view.dtype}"
+            )
+            return
+        else:
+            view.copy_(grad)
+            self.copies += 1
+        try:
+            p.grad = view
+        except RuntimeError as exc:  # the parameter itself changed (model.half(), a new .data)
+            self._differs.append(f"parameter {self._names[p]!r} no longer matches the plan ({exc})")
+
+    def _start_ready(self) -> None:
+        while self._next < len(self._buckets) and self._buckets[self._next].missing == 0:
+            self._start(self._buckets[self._next])
+            self._next += 1
+
+    def _start(self, bucket: _Bucket, sent: torch.Tensor | None = None) -> None:
+        if sent is None:
+            if self._prescale != 1.0:
+                bucket.flat.mul_(self._prescale)
+            if bucket.wire is not None:
+                bucket.wire.copy_(bucket.flat)
+            sent = bucket.sent
+        bucket.request = self._group.start_allreduce(_numpy(sent), _dtype_name(sent), ReduceOp.SUM)
+
+    # ----------------------------------------------------------------- synchronize
+    def finish(self) -> None:
+        """Start the buckets backward left (their missing gradients are zeros or the values in place), check the
+        step's consistency word, wait, and leave the averaged gradients in p.grad. Collective over the set."""
+        for bucket in self._buckets[self._next :]:
+            if bucket.missing:
+                for index, p in enumerate(bucket.params):
+                    self._adopt(p, bucket, index)
+                bucket.missing = 0
+        self._start_ready()
+        words = consistency_words(self._set_rank, self._group.size, self._digest, True, bool(self._differs))
+        try:
+            consistency = self._complete(words)
+        finally:
+            differs, self._differs = self._differs, []
+            self._next = 0
+            for bucket in self._buckets:
+                bucket.missing, bucket.request = len(bucket.params), None
+        if not consistency.ok:
+            raise PlanMismatchError(self._mismatch_message(consistency, differs))
+        self.steps += 1
+        for bucket in self._buckets:
+            if bucket.wire is not None:
+                bucket.flat.copy_(bucket.wire)
+            if self._postscale != 1.0:
+                bucket.flat.mul_(self._postscale)
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not view:  # replaced after its bucket started: the average wins, as in Horovod
+                    p.grad = view
+
+    def _complete(self, words: np.ndarray) -> Consistency:
+        """Start the consistency word after the buckets, wait for everything, and read it."""
+        check = self._group.start_allreduce(words, "int64", ReduceOp.SUM)
+        requests = [bucket.request for bucket in self._buckets if bucket.request is not None] + [check]
+        alive = _Alive(self.runtime, self._group.size)
+        for request in requests:
+            request.wait(alive)
+        return self.read(words)
+
+    def _mismatch_message(self, consistency: Consistency, differs: list[str]) -> str:
+        who = [self._ranks[i] for i in consistency.differing]
+        text = (
+            f"the planned gradient allreduce of DistributedOptimizer cannot complete this step: the step of "
+            f"rank(s) {who} differs from the plan frozen on every rank (a changed model)"
+        )
+        if not consistency.digests_agree:
+            text += " (the ranks ran plans with different digests)"
+        if differs:
+            text += f"; here: {'; '.join(differs[:3])}"
+        return text + ". The step's gradients were not averaged; the next step negotiates again."
+
+    def zero_grad(self) -> None:
+        """Zero the buckets in place, keeping every p.grad a view (the planned path never drops the memory)."""
+        for bucket in self._buckets:
+            bucket.flat.zero_()
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is not view:
+                    try:
+                        p.grad = view
+                    except RuntimeError as exc:  # the parameter changed: the step's consistency word says so
+                        self._differs.append(f"parameter {self._names[p]!r} no longer matches the plan ({exc})")
+
+    # ----------------------------------------------------------------- join and shutdown
+    def start_joined_step(self) -> np.ndarray:
+        """In join(): start this plan's collectives with zeros, as the training ranks start theirs; returns the
+        consistency word whose sum `joined_step_done` reads."""
+        for bucket in self._buckets:
+            if bucket.zeros is None:
+                bucket.zeros = torch.zeros_like(bucket.sent)
+            else:
+                bucket.zeros.zero_()  # the last step left the others' sum in it
+            self._start(bucket, bucket.zeros)
+        words = consistency_words(self._set_rank, self._group.size, self._digest, False, False)
+        self._joined_check = self._group.start_allreduce(words, "int64", ReduceOp.SUM)
+        return words
+
+    def joined_step_done(self) -> bool:
+        """Without blocking: whether the step `start_joined_step` started has completed."""
+        done = self._joined_check.test() and all(
+            bucket.request is None or bucket.request.test() for bucket in self._buckets
+        )
+        if done:
+            for bucket in self._buckets:
+                bucket.request = None
+        return done
+
+    def read(self, summed: np.ndarray) -> Consistency:
+        return read_consistency(summed, self._group.size, self._digest)
+
+    def close(self) -> None:
+        _FROZEN.discard(self)
+        self._group.close()
+
+
+class _Alive:
+    """Called between polls while a planned step waits: raise once hvdplus has failed, warn once about a stall."""
+
+    def __init__(self, runtime: basics.Runtime, size: int) -> None:
+        self._runtime, self._started, self._warned = runtime, time.monotonic(), False
+        self._size = size
+
+    def __call__(self) -> None:
+        if not self._runtime.coordinator.running:
+            raise HorovodInternalError("hvdplus stopped while a planned gradient allreduce was in flight")
+        settings = self._runtime.settings
+        waited = time.monotonic() - self._started
+        if not self._warned and not settings.stall_check_disable and waited > settings.stall_check_time_seconds:
+            self._warned = True
+            log.warning(
+                "a planned gradient allreduce has waited %.0f s for the other %d rank(s) of its process set: "
+                "a rank may have stopped calling optimizer.step() (or join())",
+                waited,
+                self._size - 1,
+            )
+        limit = settings.stall_shutdown_time_seconds
+        if limit > 0 and waited > limit:
+            raise HorovodInternalError(
+                f"a planned gradient allreduce stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}"
+            )
+
+
+def serve_joined() -> None:
+    """join(): while other ranks still train, run every frozen plan's steps with zeros, as the negotiated path
+    contributes zeros to their allreduces. Each plan is served until a step's consistency word shows that no
+    rank trains any more (every rank then stops at that same step)."""
+    current = basics.runtime()
+    for stale in [reducer for reducer in _FROZEN if reducer.runtime is not current]:  # an earlier job's
+        stale.close()
+    serving = {reducer: reducer.start_joined_step() for reducer in list(_FROZEN)}
+    while serving:
+        time.sleep(_JOIN_POLL_S)
+        for reducer, words in list(serving.items()):
+            if not reducer.joined_step_done():
+                continue
+            if reducer.read(words).everyone_joined:
+                del serving[reducer]
+            else:
+                serving[reducer] = reducer.start_joined_step()

@@ -1,0 +1,217 @@
+"""The planned path of DistributedOptimizer (torch/reducer.py): after two negotiated steps the ranks freeze the
+step plan, and from then on gradients live in the reducer's buckets and travel with no negotiation.
+
+Each scenario runs twice in the same job, once on the planned path and once with it switched off (Horovod's
+negotiated path, checked against single-process training in test_torch_optimizer.py), and the two must give
+the same parameters. Written to pass at any world size; run on 2 and 3 ranks over MPI and Gloo."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+STEPS = 6
+PER_RANK = 4
+
+
+@contextmanager
+def planned(enabled: bool):
+    """Run with HVDPLUS_PLANNED_PATH on or off (the agreement reads the setting when it runs)."""
+    from hvdplus.common.basics import runtime
+
+    rt = runtime()
+    saved = rt.settings
+    rt.settings = dataclasses.replace(saved, planned_path=enabled)
+    try:
+        yield
+    finally:
+        rt.settings = saved
+
+
+class Branchy(torch.nn.Module):
+    """Two heads; `forward(x, use_b)` leaves head b without a gradient when use_b is false."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = torch.nn.Linear(4, 8)
+        self.a = torch.nn.Linear(8, 2)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        return self.a(h) + self.b(h) if use_b else self.a(h)
+
+
+def batches(size: int, steps: int = STEPS):
+    generator = torch.Generator().manual_seed(7)
+    return [
+        (torch.randn(size * PER_RANK, 4, generator=generator), torch.randn(size * PER_RANK, 2, generator=generator))
+        for _ in range(steps)
+    ]
+
+
+def train(
+    hvd, prefix: str, *, steps: int = STEPS, use_b=lambda step, rank: True, process_set=None, after=None, **kwargs
+):
+    """Rank r trains on its rows of each batch, calling `after(step)` after each; returns (model, optimizer)."""
+    process_set = process_set or hvd.global_process_set
+    size, rank = process_set.size(), process_set.rank()
+    model = Branchy()
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=[(f"{prefix}.{n}", p) for n, p in model.named_parameters()],
+        process_set=process_set,
+        **kwargs,
+    )
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    for step, (x, y) in enumerate(batches(size, steps)):
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x[rows], use_b(step, rank)), y[rows]).backward()
+        optimizer.step()
+        if after is not None:
+            after(step)
+    return model, optimizer
+
+
+def parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def both_paths(hvd, prefix: str, **kwargs):
+    """(planned parameters, negotiated parameters, the planned optimizer)."""
+    with planned(True):
+        model, optimizer = train(hvd, f"{prefix}.planned", **kwargs)
+    with planned(False):
+        reference, negotiated = train(hvd, f"{prefix}.negotiated", **kwargs)
+    assert negotiated._reducer is None
+    return parameters(model), parameters(reference), optimizer
+
+
+# Both paths sum the same float32 gradients over the same engine; only the order of additions in a fused
+# buffer may differ (a few ulps), which 6 steps of momentum SGD at lr 0.1 keep below 1e-6.
+SAME = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def test_planned_steps_match_negotiated_with_no_copies_and_no_rounds(hvd):
+    from hvdplus.common.basics import runtime
+
+    rounds = []
+
+    def count_rounds(step: int) -> None:
+        if step == 2:  # let the background thread finish the round after the agreement (it finds no more work)
+            time.sleep(0.1)
+        rounds.append(runtime().coordinator.rounds)
+
+    with planned(True):
+        model, optimizer = train(hvd, "plan.a", after=count_rounds)
+    with planned(False):
+        reference, _ = train(hvd, "plan.a.negotiated")
+    for got, want in zip(parameters(model), parameters(reference)):
+        torch.testing.assert_close(got, want, **SAME)
+    reducer = optimizer._reducer
+    assert reducer is not None, "the plan did not freeze after two negotiated steps"
+    assert reducer.steps == STEPS - 2 and reducer.copies == 0
+    # Steps 4 to 6 ran no control round: no negotiation, no hand-off to the background thread.
+    assert rounds[2] == rounds[-1] > rounds[0], rounds
+    # Every gradient is a view of a bucket: backward wrote into the buffer that was reduced.
+    flats = {bucket.flat.untyped_storage().data_ptr() for bucket in reducer._buckets}
+    assert all(p.grad.untyped_storage().data_ptr() in flats for p in model.parameters())
+
+
+def test_unused_parameters_contribute_zeros(hvd):
+    # Rank 0 never uses head b after step 1; the other ranks do on odd steps. Buckets still start in the same
+    # order everywhere (head b's gradients are zeros on the ranks that skipped it).
+    got, want, optimizer = both_paths(hvd, "plan.unused", use_b=lambda step, rank: step < 1 or (rank and step % 2))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **SAME)
+    assert optimizer._reducer is not None
+
+
+def test_fp16_buckets_round_on_the_wire(hvd):
+    got, want, optimizer = both_paths(hvd, "plan.fp16", compression=hvd.Compression.fp16)
+    assert all(bucket.wire is not None and bucket.wire.dtype == torch.float16 for bucket in optimizer._reducer._buckets)
+    for g, w in zip(got, want):  # the same fp16 values reduced on both paths
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
+
+
+def test_gradient_accumulation_and_predivide(hvd):
+    got, want, _ = both_paths(hvd, "plan.predivide", gradient_predivide_factor=float(hvd.size()))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **SAME)
+    with planned(True):
+        _, optimizer = train(hvd, "plan.passes", backward_passes_per_step=2)
+    assert optimizer._reducer is not None  # (passes are checked against a reference in test_torch_optimizer.py)
+
+
+def test_model_zero_grad_costs_one_copy_per_gradient(hvd):
+    with planned(True):
+        model, optimizer = train(hvd, "plan.copy", steps=3)
+    reducer = optimizer._reducer
+    assert reducer is not None and reducer.copies == 0
+    model.zero_grad()  # set_to_none: backward then makes new gradient tensors, copied into the buckets
+    model(torch.randn(PER_RANK, 4)).sum().backward()
+    optimizer.step()
+    assert reducer.copies == sum(1 for _ in model.parameters()) and reducer.steps == 2
+
+
+def test_changed_model_fails_the_step_on_every_rank(hvd):
+    with planned(True):
+        model, optimizer = train(hvd, "plan.changed", steps=2)
+    assert optimizer._reducer is not None
+    changed = hvd.size() - 1
+    x = torch.randn(PER_RANK, 4)
+    if hvd.rank() == changed:
+        model.double()  # float64 parameters and gradients where the plan has float32 ones
+        x = x.double()
+    optimizer.zero_grad()
+    model(x).sum().backward()
+    with pytest.raises(RuntimeError, match=rf"rank\(s\) \[{changed}\] differs from the plan") as info:
+        optimizer.step()
+    assert type(info.value).__name__ == "PlanMismatchError"
+    assert optimizer._reducer is None  # the next step negotiates again
+
+
+def test_join_contributes_zeros_to_planned_steps(hvd):
+    # Rank 0 runs out of data after 3 steps and joins; the others train 3 more planned steps, then join.
+    def train_and_join(prefix: str):
+        model = Branchy()
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            named_parameters=[(f"{prefix}.{n}", p) for n, p in model.named_parameters()],
+        )
+        rows = slice(hvd.rank() * PER_RANK, (hvd.rank() + 1) * PER_RANK)
+        for step, (x, y) in enumerate(batches(hvd.size())):
+            if hvd.rank() == 0 and step == 3:
+                break
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+            optimizer.step()
+        last = hvd.join()
+        return parameters(model), optimizer, last
+
+    with planned(True):
+        got, optimizer, last = train_and_join("plan.join.planned")
+    with planned(False):
+        want, _, last_negotiated = train_and_join("plan.join.negotiated")
+    assert optimizer._reducer is not None
+    assert last == last_negotiated
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **SAME)
+
+
+def test_process_set_without_rank_0(hvd):
+    rest = hvd.add_process_set(list(range(1, hvd.size())))
+    try:
+        if hvd.rank() == 0:
+            return
+        got, want, optimizer = both_paths(hvd, "plan.set", process_set=rest)
+        assert optimizer._reducer is not None
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, **SAME)
+    finally:
+        hvd.remove_process_set(rest)
