@@ -3,19 +3,22 @@
 Negotiation (coordinator.py) lets ranks submit any collectives in any order, at the price of a control round and
 a hand-off to the background thread for each. A training step repeats the same collectives every time, so once
 every rank has seen the same step, the ranks freeze it in one agreement (`agreement_words`: each rank's plan
-digest, through one negotiated MIN allreduce) and from then on start each bucket's collective themselves, in
-plan order, on a communicator of their own (engines/base.py `PlannedGroup`).
+digest, through one negotiated MIN allreduce after each negotiated step, `decide`) and from then on start each
+bucket's collective themselves, in plan order, on a communicator of their own (engines/base.py `PlannedGroup`).
 
-The agreement must keep holding. Every planned step ends with one small SUM allreduce on the same communicator,
-started after the buckets (so that it never delays them), carrying each rank's `consistency_words`: its digest,
-whether it is still training (a rank in `join()` runs the same collectives with zeros) and whether its step
-differs from the plan (a changed model). `read_consistency` turns the sum back into who joined and who differs;
-a rank that differs makes the step fail with the same error on every rank, never a wrong sum or a hang.
+The agreement must keep holding, at no extra collective. The last bucket of every planned step carries one more
+element, the guard: 1 from a rank that trains, 0 from a rank in `join()` (which runs the same collectives with
+zeros) and NaN from a rank whose step differs from the plan (a changed model, noticed locally before the last
+bucket starts). Every rank reads the same sum (`read_guard`): NaN makes every rank exchange one
+`consistency_words` allreduce, learn who differs, and raise the same error, never a wrong sum or a hang; 0 tells
+the ranks in `join()` that every rank has joined.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -23,10 +26,15 @@ import numpy as np
 
 __all__ = [
     "PlanMismatchError",
+    "Guard",
+    "GUARD_TRAINING",
+    "GUARD_DIFFERS",
+    "read_guard",
     "Consistency",
     "plan_digest",
+    "Decision",
     "agreement_words",
-    "agreed",
+    "decide",
     "consistency_words",
     "read_consistency",
 ]
@@ -46,15 +54,47 @@ def plan_digest(parts: Iterable[object]) -> int:
     return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> (64 - _DIGEST_BITS)
 
 
+class Decision(enum.Enum):
+    """What the freeze agreement decided, identically on every rank."""
+
+    FREEZE = "freeze"  # every rank can take the planned path, with the same plan
+    RETRY = "retry"  # a rank is in join() (its zeros): agree again after the next negotiated step
+    NEVER = "never"  # a rank cannot take the planned path, or the plans differ: stay on negotiation
+
+
+_ELIGIBLE, _INELIGIBLE = 2, 1  # a rank in join() contributes 0
+
+
 def agreement_words(eligible: bool, digest: int) -> np.ndarray:
-    """This rank's part of the freeze agreement, reduced with MIN across the process set (`agreed`). A rank in
-    `join()` contributes zeros, which refuses the plan, as does any rank that cannot take the planned path."""
-    return np.array([1, digest, -digest] if eligible else [0, 0, 0], dtype=np.int64)
+    """This rank's part of the freeze agreement, reduced with MIN across the process set (`decide`)."""
+    return np.array([_ELIGIBLE if eligible else _INELIGIBLE, digest, -digest], dtype=np.int64)
 
 
-def agreed(minimum: np.ndarray, digest: int) -> bool:
-    """Whether every rank was eligible and had this digest (the MIN of `agreement_words`)."""
-    return bool(minimum[0] == 1 and minimum[1] == digest and -minimum[2] == digest)
+def decide(minimum: np.ndarray, digest: int) -> Decision:
+    """The decision of the MIN of every rank's `agreement_words`."""
+    if minimum[0] == 0:
+        return Decision.RETRY
+    if minimum[0] == _ELIGIBLE and minimum[1] == digest and -minimum[2] == digest:
+        return Decision.FREEZE
+    return Decision.NEVER
+
+
+GUARD_TRAINING, GUARD_DIFFERS = 1.0, math.nan  # a rank in join() sends 0
+
+
+class Guard(enum.Enum):
+    """What a planned step's summed guard says, identically on every rank."""
+
+    TRAINING = "training"  # at least one rank trains, none differs
+    EVERYONE_JOINED = "everyone joined"
+    DIFFERS = "differs"
+
+
+def read_guard(summed: float) -> Guard:
+    """Decode the sum of every rank's guard (exact: 0 and NaN survive any float type and any rounding)."""
+    if math.isnan(summed):
+        return Guard.DIFFERS
+    return Guard.EVERYONE_JOINED if summed == 0 else Guard.TRAINING
 
 
 def _words(size: int) -> int:

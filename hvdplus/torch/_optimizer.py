@@ -18,7 +18,8 @@ from hvdplus.common.ops import Adasum, Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.torch.compression import Compressor
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
-from hvdplus.torch.planned import freeze_due, try_freeze
+from hvdplus.common.step_plan import Decision
+from hvdplus.torch.planned import try_freeze
 from hvdplus.torch.reducer import Reducer
 from hvdplus.torch.sparse import sparse_allreduce_async
 
@@ -79,7 +80,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._requires_update = [p for group in self.param_groups for p in group["params"] if p.requires_grad]
         self._groups_given = groups is not None
         self._reducer: Reducer | None = None  # the planned path's, once the ranks froze a step plan
-        self._negotiated_steps = 0
+        self._plan_decision = Decision.RETRY  # NEVER once the ranks agreed that they cannot freeze one
         if groups is None and op != Adasum:  # Adasum reduces tensor by tensor
             groups = self._buckets()
         self._p_to_group = build_groups(self._requires_update, groups)
@@ -137,7 +138,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if reducer is not None and reducer.runtime is not basics._runtime:
             reducer.close()
             reducer = self._reducer = None
-            self._negotiated_steps = 0
         return reducer
 
     def _gradient_ready(self, p: torch.Tensor) -> None:
@@ -230,7 +230,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             try:
                 reducer.finish()
             except Exception:
-                self._reducer, self._negotiated_steps = None, 0  # every rank raised: negotiate the next steps
+                self._reducer = None  # every rank raised: negotiate the next steps
                 reducer.close()
                 raise
             finally:
@@ -251,9 +251,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self.discard_pending()
         self._synchronized = True
-        self._negotiated_steps += 1
-        if freeze_due(self._negotiated_steps) and size() > 1:
-            self._reducer = try_freeze(
+        if self._plan_decision == Decision.RETRY and size() > 1:
+            plan = try_freeze(
                 self._requires_update,
                 self._parameter_names,
                 self.op,
@@ -262,6 +261,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._compression,
                 self.process_set,
             )
+            if isinstance(plan, Reducer):
+                self._reducer = plan
+            else:
+                self._plan_decision = plan
 
     def discard_pending(self) -> None:
         """Forget the gradient allreduces in flight and the backward passes counted towards the next one: after

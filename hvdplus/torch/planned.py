@@ -1,9 +1,10 @@
 """When a DistributedOptimizer leaves negotiation for the planned path (common/step_plan.py, torch/reducer.py).
 
-After its 2nd, 4th, 8th, ... negotiated step, every rank of the optimizer's process set checks that the planned
-path can carry its step and digests the plan; one MIN allreduce decides. The plan freezes only if every rank is
-eligible and has the same digest, so a model that differs between ranks stays on negotiation, whose errors name
-the mismatch. A rank in join() contributes zeros, which refuses the plan for now.
+After each negotiated step, every rank of the optimizer's process set checks that the planned path can carry its
+step and digests the plan; one MIN allreduce decides, by a name that depends on nothing a rank counts (ranks in
+join() or in a new elastic generation have counted different steps). The plan freezes only if every rank is
+eligible and has the same digest; a rank that cannot, or plans that differ, keep the optimizer on negotiation for
+good (whose errors name any mismatch). A rank in join() contributes zeros: the ranks agree again next step.
 """
 
 from __future__ import annotations
@@ -17,18 +18,11 @@ from hvdplus.common.basics import ProcessSet, runtime
 from hvdplus.common.compression import CastCompressor, NoneCompressor
 from hvdplus.common.grouping import bucket_indices
 from hvdplus.common.ops import Average, Min, ReduceOp, Sum
-from hvdplus.common.step_plan import agreed, agreement_words, plan_digest
+from hvdplus.common.step_plan import Decision, agreement_words, decide, plan_digest
 from hvdplus.torch.mpi_ops import _DTYPE_NAMES, allreduce
 from hvdplus.torch.reducer import Reducer
 
-__all__ = ["freeze_due", "try_freeze"]
-
-_FIRST_ATTEMPT = 2  # negotiated steps before the first agreement: the first may still build lazily created state
-
-
-def freeze_due(negotiated_steps: int) -> bool:
-    """Whether the agreement runs after this many negotiated steps: 2, 4, 8, ... (the same on every rank)."""
-    return negotiated_steps >= _FIRST_ATTEMPT and negotiated_steps & (negotiated_steps - 1) == 0
+__all__ = ["try_freeze"]
 
 
 def _wire_dtype(compression: Any) -> tuple[bool, torch.dtype | None]:
@@ -67,9 +61,9 @@ def try_freeze(
     groups_given: bool,
     compression: Any,
     process_set: ProcessSet,
-) -> Reducer | None:
-    """Collective over the process set: agree on freezing this optimizer's step plan; the reducer, or None to
-    stay on negotiation. `scales`: the (prescale, postscale) of the negotiated allreduces."""
+) -> Reducer | Decision:
+    """Collective over the process set: agree on freezing this optimizer's step plan; the reducer, or why not.
+    `scales`: the (prescale, postscale) of the negotiated allreduces."""
     rt = runtime()
     set_id = process_set.process_set_id or 0
     ranks = list(range(rt.size)) if set_id == 0 else list(process_set.ranks)
@@ -88,11 +82,13 @@ def try_freeze(
     words = allreduce(
         torch.from_numpy(agreement_words(eligible, digest)),
         op=Min,
-        name=rt.auto_name("plan_agreement", set_id),
+        name=f"hvdplus.plan_agreement.{names[params[0]]}",
         process_set=process_set,
     )
-    if not agreed(words.numpy(), digest):
-        return None
+    decision = decide(words.numpy(), digest)
+    if decision != Decision.FREEZE:
+        return decision
+    # Freezes happen on every member together, so each member counts the same groups (per job and set).
     key = set_id * 65536 + int(rt.auto_name("planned_group", set_id).rsplit(".", 1)[1])
     group = rt.engine.open_planned(ranks, key)
     rt.coordinator.close_at_shutdown(group)

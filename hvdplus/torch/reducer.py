@@ -18,14 +18,21 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from hvdplus.common import basics
 from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.ops import ReduceOp
-from hvdplus.common.step_plan import Consistency, PlanMismatchError, consistency_words, read_consistency
+from hvdplus.common.step_plan import (
+    GUARD_DIFFERS,
+    GUARD_TRAINING,
+    Guard,
+    PlanMismatchError,
+    consistency_words,
+    read_consistency,
+    read_guard,
+)
 from hvdplus.torch.mpi_ops import _dtype_name, _numpy
 
 __all__ = ["Reducer", "serve_joined"]
@@ -78,9 +85,10 @@ class Reducer:
         self._prescale, self._postscale = scales
         self._buckets: list[_Bucket] = []
         self._where: dict[torch.Tensor, tuple[_Bucket, int]] = {}
-        for positions in plan:
+        for number, positions in enumerate(plan):
             members = [params[i] for i in positions]
-            flat = torch.zeros(sum(p.numel() for p in members), dtype=members[0].dtype)
+            guard = 1 if number == len(plan) - 1 else 0  # the last bucket to start carries the step's guard
+            flat = torch.zeros(sum(p.numel() for p in members) + guard, dtype=members[0].dtype)
             views, offset = [], 0
             for p in members:
                 views.append(flat[offset : offset + p.numel()].view_as(p))
@@ -97,6 +105,7 @@ class Reducer:
         self._differs: list[str] = []  # how this rank's step differs from the plan (a changed model)
         self.copies = 0  # gradients copied into their bucket (p.grad replaced by something else than its view)
         self.steps = 0  # planned steps completed
+        self._joined = False  # running a step with zeros for join()
         for bucket in self._buckets:
             for index, p in enumerate(bucket.params):
                 if p.grad is not None:
@@ -160,6 +169,8 @@ class Reducer:
         if sent is None:
             if self._prescale != 1.0:
                 bucket.flat.mul_(self._prescale)
+            if bucket is self._buckets[-1]:
+                bucket.flat[-1] = GUARD_DIFFERS if self._differs else GUARD_TRAINING
             if bucket.wire is not None:
                 bucket.wire.copy_(bucket.flat)
             sent = bucket.sent
@@ -167,24 +178,23 @@ class Reducer:
 
     # ----------------------------------------------------------------- synchronize
     def finish(self) -> None:
-        """Start the buckets backward left (their missing gradients are zeros or the values in place), check the
-        step's consistency word, wait, and leave the averaged gradients in p.grad. Collective over the set."""
+        """Start the buckets backward left (their missing gradients are zeros or the values in place), wait, read
+        the step's guard, and leave the averaged gradients in p.grad. Collective over the process set."""
         for bucket in self._buckets[self._next :]:
             if bucket.missing:
                 for index, p in enumerate(bucket.params):
                     self._adopt(p, bucket, index)
                 bucket.missing = 0
         self._start_ready()
-        words = consistency_words(self._set_rank, self._group.size, self._digest, True, bool(self._differs))
+        differs, self._differs = self._differs, []
         try:
-            consistency = self._complete(words)
+            guard = self._wait()
+            if read_guard(guard) == Guard.DIFFERS:
+                self._fail(differs, training=True)
         finally:
-            differs, self._differs = self._differs, []
             self._next = 0
             for bucket in self._buckets:
                 bucket.missing, bucket.request = len(bucket.params), None
-        if not consistency.ok:
-            raise PlanMismatchError(self._mismatch_message(consistency, differs))
         self.steps += 1
         for bucket in self._buckets:
             if bucket.wire is not None:
@@ -195,26 +205,31 @@ class Reducer:
                 if p.grad is not view:  # replaced after its bucket started: the average wins, as in Horovod
                     p.grad = view
 
-    def _complete(self, words: np.ndarray) -> Consistency:
-        """Start the consistency word after the buckets, wait for everything, and read it."""
-        check = self._group.start_allreduce(words, "int64", ReduceOp.SUM)
-        requests = [bucket.request for bucket in self._buckets if bucket.request is not None] + [check]
+    def _wait(self) -> float:
+        """Wait for this step's collectives; the summed guard."""
         alive = _Alive(self.runtime, self._group.size)
-        for request in requests:
-            request.wait(alive)
-        return self.read(words)
+        for bucket in self._buckets:
+            if bucket.request is not None:
+                bucket.request.wait(alive)
+                bucket.request = None
+        last = self._buckets[-1]
+        sent = last.zeros if self._joined and last.zeros is not None else last.sent
+        return float(sent[-1])
 
-    def _mismatch_message(self, consistency: Consistency, differs: list[str]) -> str:
+    def _fail(self, differs: list[str], training: bool) -> None:
+        """A rank's step differed: every rank exchanges one consistency word to learn which, and raises."""
+        words = consistency_words(self._set_rank, self._group.size, self._digest, training, bool(differs))
+        self._group.start_allreduce(words, "int64", ReduceOp.SUM).wait(_Alive(self.runtime, self._group.size))
+        consistency = read_consistency(words, self._group.size, self._digest)
         who = [self._ranks[i] for i in consistency.differing]
         text = (
             f"the planned gradient allreduce of DistributedOptimizer cannot complete this step: the step of "
             f"rank(s) {who} differs from the plan frozen on every rank (a changed model)"
         )
-        if not consistency.digests_agree:
-            text += " (the ranks ran plans with different digests)"
         if differs:
             text += f"; here: {'; '.join(differs[:3])}"
-        return text + ". The step's gradients were not averaged; the next step negotiates again."
+        self.close()
+        raise PlanMismatchError(text + ". The step's gradients were not averaged; the next step negotiates again.")
 
     def zero_grad(self) -> None:
         """Zero the buckets in place, keeping every p.grad a view (the planned path never drops the memory)."""
@@ -228,35 +243,37 @@ class Reducer:
                         self._differs.append(f"parameter {self._names[p]!r} no longer matches the plan ({exc})")
 
     # ----------------------------------------------------------------- join and shutdown
-    def start_joined_step(self) -> np.ndarray:
-        """In join(): start this plan's collectives with zeros, as the training ranks start theirs; returns the
-        consistency word whose sum `joined_step_done` reads."""
+    def start_joined_step(self) -> None:
+        """In join(): start this plan's collectives with zeros (guard 0), as the training ranks start theirs."""
+        self._joined = True
         for bucket in self._buckets:
             if bucket.zeros is None:
                 bucket.zeros = torch.zeros_like(bucket.sent)
             else:
                 bucket.zeros.zero_()  # the last step left the others' sum in it
             self._start(bucket, bucket.zeros)
-        words = consistency_words(self._set_rank, self._group.size, self._digest, False, False)
-        self._joined_check = self._group.start_allreduce(words, "int64", ReduceOp.SUM)
-        return words
 
     def joined_step_done(self) -> bool:
         """Without blocking: whether the step `start_joined_step` started has completed."""
-        done = self._joined_check.test() and all(
-            bucket.request is None or bucket.request.test() for bucket in self._buckets
-        )
-        if done:
-            for bucket in self._buckets:
-                bucket.request = None
-        return done
+        return all(bucket.request is None or bucket.request.test() for bucket in self._buckets)
 
-    def read(self, summed: np.ndarray) -> Consistency:
-        return read_consistency(summed, self._group.size, self._digest)
+    def end_joined_step(self) -> bool:
+        """After a completed joined step: whether every rank of the set has joined. A step whose guard says
+        that a rank differs ends this plan here too, as it does on the training ranks (after their word)."""
+        guard = read_guard(self._wait())
+        self._joined = False
+        if guard == Guard.DIFFERS:
+            try:
+                self._fail([], training=False)
+            except PlanMismatchError:
+                return True
+        return guard == Guard.EVERYONE_JOINED
 
     def close(self) -> None:
-        _FROZEN.discard(self)
-        self._group.close()
+        """Drop the plan: release its communicator (once; later calls do nothing)."""
+        if self in _FROZEN:
+            _FROZEN.discard(self)
+            self._group.close()
 
 
 class _Alive:
@@ -288,18 +305,18 @@ class _Alive:
 
 def serve_joined() -> None:
     """join(): while other ranks still train, run every frozen plan's steps with zeros, as the negotiated path
-    contributes zeros to their allreduces. Each plan is served until a step's consistency word shows that no
-    rank trains any more (every rank then stops at that same step)."""
+    contributes zeros to their allreduces. Each plan is served until a step's guard shows that no rank trains
+    any more (every rank then stops at that same step)."""
     current = basics.runtime()
     for stale in [reducer for reducer in _FROZEN if reducer.runtime is not current]:  # an earlier job's
         stale.close()
-    serving = {reducer: reducer.start_joined_step() for reducer in list(_FROZEN)}
+    serving = list(_FROZEN)
+    for reducer in serving:
+        reducer.start_joined_step()
     while serving:
         time.sleep(_JOIN_POLL_S)
-        for reducer, words in list(serving.items()):
-            if not reducer.joined_step_done():
-                continue
-            if reducer.read(words).everyone_joined:
-                del serving[reducer]
+        for reducer in [reducer for reducer in serving if reducer.joined_step_done()]:
+            if reducer.end_joined_step():
+                serving.remove(reducer)
             else:
-                serving[reducer] = reducer.start_joined_step()
+                reducer.start_joined_step()

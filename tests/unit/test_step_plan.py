@@ -6,7 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdplus.common.step_plan import agreed, agreement_words, consistency_words, plan_digest, read_consistency
+from hvdplus.common.step_plan import (
+    Decision,
+    Guard,
+    agreement_words,
+    consistency_words,
+    decide,
+    plan_digest,
+    read_consistency,
+    read_guard,
+)
 
 
 def test_digest_is_stable_and_tells_plans_apart():
@@ -18,11 +27,21 @@ def test_digest_is_stable_and_tells_plans_apart():
 
 @pytest.mark.parametrize(
     "ranks, expected",
-    [([(True, 5), (True, 5), (True, 5)], True), ([(True, 5), (False, 5)], False), ([(True, 5), (True, 6)], False)],
+    [
+        ([(True, 5), (True, 5), (True, 5)], Decision.FREEZE),
+        ([(True, 5), (False, 5)], Decision.NEVER),
+        ([(True, 5), (True, 6)], Decision.NEVER),
+        ([(True, 5), None, (False, 5)], Decision.RETRY),  # None: a rank in join() contributes zeros
+    ],
 )
 def test_freeze_needs_every_rank_eligible_with_one_digest(ranks, expected):
-    minimum = np.minimum.reduce([agreement_words(eligible, digest) for eligible, digest in ranks])
-    assert agreed(minimum, 5) is expected
+    words = [agreement_words(*rank) if rank else np.zeros(3, dtype=np.int64) for rank in ranks]
+    assert decide(np.minimum.reduce(words), 5) is expected
+
+
+def test_guard_sums_tell_training_joined_and_differing_steps():
+    assert read_guard(2.0) is Guard.TRAINING and read_guard(0.0) is Guard.EVERYONE_JOINED
+    assert read_guard(float("nan")) is Guard.DIFFERS and read_guard(1.0 + float("nan")) is Guard.DIFFERS
 
 
 @pytest.mark.parametrize("size", [2, 3, 130])

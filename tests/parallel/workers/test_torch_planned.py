@@ -1,5 +1,5 @@
-"""The planned path of DistributedOptimizer (torch/reducer.py): after two negotiated steps the ranks freeze the
-step plan, and from then on gradients live in the reducer's buckets and travel with no negotiation.
+"""The planned path of DistributedOptimizer (torch/reducer.py): after the first negotiated step the ranks freeze
+the step plan, and from then on gradients live in the reducer's buckets and travel with no negotiation.
 
 Each scenario runs twice in the same job, once on the planned path and once with it switched off (Horovod's
 negotiated path, checked against single-process training in test_torch_optimizer.py), and the two must give
@@ -103,7 +103,7 @@ def test_planned_steps_match_negotiated_with_no_copies_and_no_rounds(hvd):
     rounds = []
 
     def count_rounds(step: int) -> None:
-        if step == 2:  # let the background thread finish the round after the agreement (it finds no more work)
+        if step == 1:  # let the background thread finish the round after the agreement (it finds no more work)
             time.sleep(0.1)
         rounds.append(runtime().coordinator.rounds)
 
@@ -114,10 +114,10 @@ def test_planned_steps_match_negotiated_with_no_copies_and_no_rounds(hvd):
     for got, want in zip(parameters(model), parameters(reference)):
         torch.testing.assert_close(got, want, **SAME)
     reducer = optimizer._reducer
-    assert reducer is not None, "the plan did not freeze after two negotiated steps"
-    assert reducer.steps == STEPS - 2 and reducer.copies == 0
-    # Steps 4 to 6 ran no control round: no negotiation, no hand-off to the background thread.
-    assert rounds[2] == rounds[-1] > rounds[0], rounds
+    assert reducer is not None, "the plan did not freeze after the first negotiated step"
+    assert reducer.steps == STEPS - 1 and reducer.copies == 0
+    # Steps 3 to 6 ran no control round: no negotiation, no hand-off to the background thread.
+    assert rounds[1] == rounds[-1] > 0, rounds
     # Every gradient is a view of a bucket: backward wrote into the buffer that was reduced.
     flats = {bucket.flat.untyped_storage().data_ptr() for bucket in reducer._buckets}
     assert all(p.grad.untyped_storage().data_ptr() in flats for p in model.parameters())
@@ -156,7 +156,7 @@ def test_model_zero_grad_costs_one_copy_per_gradient(hvd):
     model.zero_grad()  # set_to_none: backward then makes new gradient tensors, copied into the buckets
     model(torch.randn(PER_RANK, 4)).sum().backward()
     optimizer.step()
-    assert reducer.copies == sum(1 for _ in model.parameters()) and reducer.steps == 2
+    assert reducer.copies == sum(1 for _ in model.parameters()) and reducer.steps == 3
 
 
 def test_changed_model_fails_the_step_on_every_rank(hvd):
