@@ -16,9 +16,9 @@ from hvdplus.common.basics import ProcessSet, elastic_worker, global_process_set
 from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.common.ops import Adasum, Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
+from hvdplus.common.step_plan import Decision
 from hvdplus.torch.compression import Compressor
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
-from hvdplus.common.step_plan import Decision
 from hvdplus.torch.planned import try_freeze
 from hvdplus.torch.reducer import Reducer
 from hvdplus.torch.sparse import sparse_allreduce_async
