@@ -11,10 +11,12 @@ import dataclasses
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
 import torch
 
 STEPS = 6
+LONG = 40  # steps of the test of rounds on ranks outside the process set
 PER_RANK = 4
 
 
@@ -205,13 +207,36 @@ def test_join_contributes_zeros_to_planned_steps(hvd):
 
 
 def test_process_set_without_rank_0(hvd):
+    from hvdplus.common.basics import open_channel, runtime
+
     rest = hvd.add_process_set(list(range(1, hvd.size())))
     try:
-        if hvd.rank() == 0:
-            return
-        got, want, optimizer = both_paths(hvd, "plan.set", process_set=rest)
-        assert optimizer._reducer is not None
-        for g, w in zip(got, want):
-            torch.testing.assert_close(g, w, **SAME)
+        if hvd.rank() != 0:
+            got, want, optimizer = both_paths(hvd, "plan.set", process_set=rest)
+            assert optimizer._reducer is not None
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w, **SAME)
+        # The set's planned steps need nothing from rank 0. Negotiated, every step takes at least one control round
+        # on every rank of the job, members or not; planned, rank 0's background thread runs only the rounds of
+        # the first (negotiated) step and the agreement, however many steps the others train. Rank 0 waits for
+        # the end on a channel (point to point, no round), not in a collective, which would run rounds itself.
+        channel = open_channel()
+        for enabled in (False, True):
+            hvd.barrier()
+            time.sleep(0.05)  # the barrier's last round, in which every rank finds no more work
+            before = runtime().coordinator.rounds
+            done = np.zeros(1, dtype=np.int64)
+            if hvd.rank() != 0:
+                with planned(enabled):
+                    train(hvd, f"plan.set.long.{enabled}", steps=LONG, process_set=rest)
+                if hvd.rank() == 1:
+                    channel.isend(done, 0, 0).wait(lambda: None)
+            else:
+                channel.irecv(done, 1, 0).wait(lambda: None)
+                rounds = runtime().coordinator.rounds - before
+                if enabled:
+                    assert rounds < 12, f"rank 0 ran {rounds} control rounds during {LONG} planned steps of others"
+                else:
+                    assert rounds >= LONG, f"rank 0 ran {rounds} control rounds during {LONG} negotiated steps"
     finally:
         hvd.remove_process_set(rest)
