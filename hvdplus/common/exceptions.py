@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "CollectiveMismatchError", "NotInitializedError"]
+__all__ = [
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
+    "CollectiveMismatchError",
+    "PlanMismatchError",
+    "NotInitializedError",
+]
 
 
 class HorovodInternalError(RuntimeError):
@@ -11,6 +17,11 @@ class HorovodInternalError(RuntimeError):
 
 class CollectiveMismatchError(HorovodInternalError, ValueError):
     """Ranks submitted the same collective with different shapes, dtypes, ops or roots."""
+
+
+class PlanMismatchError(RuntimeError):
+    """A planned DistributedOptimizer step differed between ranks (common/step_plan.py): raised on every rank of
+    the process set, for the same step; the next step negotiates again."""
 
 
 class HostsUpdatedInterrupt(RuntimeError):

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
-    "PlanMismatchError",
     "Guard",
     "GUARD_TRAINING",
     "GUARD_DIFFERS",
@@ -41,10 +40,6 @@ __all__ = [
 
 _DIGEST_BITS = 40  # a sum over up to 2**23 ranks of 40-bit digests fits an int64
 _BITS_PER_WORD = 62
-
-
-class PlanMismatchError(RuntimeError):
-    """A planned step differed between ranks: raised on every rank of the process set, for the same step."""
 
 
 def plan_digest(parts: Iterable[object]) -> int:

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from hvdplus.common import basics
 from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
-from hvdplus.common.exceptions import HorovodInternalError
+from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.step_plan import (
     GUARD_DIFFERS,
     GUARD_TRAINING,
     Guard,
-    PlanMismatchError,
     consistency_words,
     read_consistency,
     read_guard,
@@ -174,7 +174,8 @@ class Reducer:
             if bucket.wire is not None:
                 bucket.wire.copy_(bucket.flat)
             sent = bucket.sent
-        bucket.request = self._group.start_allreduce(_numpy(sent), _dtype_name(sent), ReduceOp.SUM)
+        with self._engine_errors():
+            bucket.request = self._group.start_allreduce(_numpy(sent), _dtype_name(sent), ReduceOp.SUM)
 
     # ----------------------------------------------------------------- synchronize
     def finish(self) -> None:
@@ -208,18 +209,35 @@ class Reducer:
     def _wait(self) -> float:
         """Wait for this step's collectives; the summed guard."""
         alive = _Alive(self.runtime, self._group.size)
-        for bucket in self._buckets:
-            if bucket.request is not None:
-                bucket.request.wait(alive)
-                bucket.request = None
+        with self._engine_errors():
+            for bucket in self._buckets:
+                if bucket.request is not None:
+                    bucket.request.wait(alive)
+                    bucket.request = None
         last = self._buckets[-1]
         sent = last.zeros if self._joined and last.zeros is not None else last.sent
         return float(sent[-1])
 
+    @contextmanager
+    def _engine_errors(self) -> Iterator[None]:
+        """An engine's error (a peer died: Gloo's connection closed) becomes the HorovodInternalError the
+        negotiated path raises, which elastic training recovers from; the plan is dropped."""
+        try:
+            yield
+        except HorovodInternalError:
+            self.close()
+            raise
+        except Exception as exc:
+            self.close()
+            raise HorovodInternalError(
+                f"planned gradient allreduce failed on rank {self.runtime.rank}: {type(exc).__name__}: {exc}"
+            ) from exc
+
     def _fail(self, differs: list[str], training: bool) -> None:
         """A rank's step differed: every rank exchanges one consistency word to learn which, and raises."""
         words = consistency_words(self._set_rank, self._group.size, self._digest, training, bool(differs))
-        self._group.start_allreduce(words, "int64", ReduceOp.SUM).wait(_Alive(self.runtime, self._group.size))
+        with self._engine_errors():
+            self._group.start_allreduce(words, "int64", ReduceOp.SUM).wait(_Alive(self.runtime, self._group.size))
         consistency = read_consistency(words, self._group.size, self._digest)
         who = [self._ranks[i] for i in consistency.differing]
         text = (
@@ -255,7 +273,8 @@ class Reducer:
 
     def joined_step_done(self) -> bool:
         """Without blocking: whether the step `start_joined_step` started has completed."""
-        return all(bucket.request is None or bucket.request.test() for bucket in self._buckets)
+        with self._engine_errors():
+            return all(bucket.request is None or bucket.request.test() for bucket in self._buckets)
 
     def end_joined_step(self) -> bool:
         """After a completed joined step: whether every rank of the set has joined. A step whose guard says
