@@ -19,7 +19,6 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -34,12 +33,13 @@ from hvdplus.common.executor import Executor, Work
 from hvdplus.common.frozen import FrozenPeerInspector, peer_failure
 from hvdplus.common.fusion import plan_batches
 from hvdplus.common.handles import Handle
-from hvdplus.common.hierarchical import HierarchicalGroups, hierarchical_groups
 from hvdplus.common.messages import Key, Request, Response
-from hvdplus.common.negotiation import JOIN_KEY, MessageTable, device_kind
+from hvdplus.common.negotiation import MessageTable, device_kind
 from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
 from hvdplus.common.response_cache import Lookup, ResponseCache
+from hvdplus.common.set_table import ProcessSetTable
 from hvdplus.common.settings import Settings
+from hvdplus.common.stall import StallInspector
 from hvdplus.common.timeline import Timeline, TimelineSlot
 from hvdplus.common.topology import Topology
 from hvdplus.common.tunables import Tunables
@@ -65,15 +65,6 @@ _FAILED_JOIN_S = 2.0
 _DATA_KINDS = frozenset({OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.REDUCESCATTER})
 
 
-@dataclass
-class _ProcessSet:
-    ranks: tuple[int, ...]
-    group: Any
-    index: int | None  # this rank's position in `ranks`; None if it is not a member
-    hierarchy: HierarchicalGroups | None = None  # its local and cross groups, when its ranks span hosts evenly
-    device_groups: dict[str, Any] = field(default_factory=dict)  # its group on each device plane, by plane name
-
-
 class Coordinator:
     """Owns the engine after init: all collectives of this process run on its thread."""
 
@@ -86,18 +77,14 @@ class Coordinator:
         self._topology = topology
         self.rank, self.size = engine.rank, engine.size
         self.tunables = Tunables.from_settings(settings)
-        everyone = tuple(range(self.size))
         # Device kinds every rank can reduce on a plane of their own: their tensors go to the core as they are
         # (adapters read `device_kinds` per tensor: a tuple). A plane is built at its kind's first collective.
         self._device_kinds: dict[str, DeviceKind] = device_kinds or {}
         self.device_kinds = tuple(self._device_kinds)
         self._planes: dict[str, DataPlane] = {}
-        self._sets: dict[int, _ProcessSet] = {
-            0: _ProcessSet(everyone, engine.world, self.rank, self._hierarchy_of(everyone))
-        }
+        self._sets = ProcessSetTable(engine, settings, topology)
         self._wake = threading.Event()
         self._doorbell = engine.open_doorbell(self._wake.set)
-        self._next_set_id = 1
         self._start_autotune(settings, topology)
         self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables, self._planes)
         self._frozen = FrozenPeerInspector(engine, settings)
@@ -106,6 +93,7 @@ class Coordinator:
         self._inflight: dict[Key, Work] = {}
         self._names_in_flight: set[str] = set()
         self._table = MessageTable()
+        self._stalls = StallInspector(self.rank, settings, self._table, self._sets.members)
         self._cache = ResponseCache(-(-settings.cache_capacity // 64) * 64)
         self._words = self._cache.capacity // 64
         self._full = (1 << self._cache.capacity) - 1
@@ -113,14 +101,12 @@ class Coordinator:
         # Cache bits of responses on process sets this rank is not in: it raises them in the all-hit word every
         # round (it has nothing to announce there), or the members' cached collectives would never be ready.
         self._foreign = 0
-        self._partial_cycles: dict[int, int] = {}
         self._to_send: list[Work] = []
         self._invalid: set[int] = set()
         self._joined = False
         self._shutdown_requested = False
         self._fatal: BaseException | None = None
         self._channels: list[Any] = []  # point-to-point channels opened for the user (closed at shutdown)
-        self._last_stall_warning = 0.0
         self.rounds = 0  # control rounds run so far (a test checks that idle ranks run none)
         # Only this thread writes the timeline; others replace it through the slot, between cycles (set_timeline).
         self._timeline = TimelineSlot(
@@ -173,8 +159,7 @@ class Coordinator:
         self._channels.append(channel)
 
     def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
-        entry = self._sets.get(set_id)
-        return entry.ranks if entry else None
+        return self._sets.ranks(set_id)
 
     def shutdown(self) -> None:
         """Stop the thread once every rank's cycle sees the request (any rank's request stops all)."""
@@ -252,8 +237,7 @@ class Coordinator:
                     release()
                 except Exception as exc:  # pragma: no cover - best effort at exit
                     log.debug("shutdown of %s failed: %s", release, exc)
-            for entry in self._sets.values():  # the engine destroyed the groups: keep no handle alive
-                entry.group = entry.hierarchy = None
+            self._sets.release()
 
     def _failure(self, exc: BaseException) -> HorovodInternalError:
         """The error every pending and later call on this rank raises. A failure of this rank's own is announced
@@ -292,15 +276,6 @@ class Coordinator:
         if not own and self._wake.wait(_BELL_GRACE_S):
             self._wake.clear()
 
-    def _members(self, set_id: int) -> tuple[int, ...]:
-        entry = self._sets.get(set_id)
-        return entry.ranks if entry else ()
-
-    def _index_in(self, set_id: int) -> int | None:
-        """This rank's position in a process set; None if it is not a member or the set was removed."""
-        entry = self._sets.get(set_id)
-        return entry.index if entry else None
-
     def _queued(self) -> Iterator[Work]:
         """Take every work submitted since the last call, recording it as in flight."""
         while True:
@@ -315,7 +290,7 @@ class Coordinator:
         for work in self._queued():
             if timeline:
                 timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
-            status, bit = self._cache.lookup(self._index_in(work.request.process_set), work.request)
+            status, bit = self._cache.lookup(self._sets.index_in(work.request.process_set), work.request)
             if status == Lookup.HIT:
                 self._hits[bit] = work
             else:
@@ -330,14 +305,14 @@ class Coordinator:
         if self._joined:
             for bit in self._cache.bits():
                 response = self._cache.peek(bit)
-                if self._index_in(response.key[0]) is not None:
+                if self._sets.index_in(response.key[0]) is not None:
                     if response.kind == OpKind.ALLREDUCE:
                         hits |= 1 << bit
                     else:
                         invalid |= 1 << bit
         flags = (_HAS_UNCACHED if self._to_send else 0) | (_SHUTDOWN if self._shutdown_requested else 0)
         flags |= _BUSY if self._inflight or self._joined else 0
-        flags |= _STALL_ABORT if self._stall_abort_due() else 0
+        flags |= _STALL_ABORT if self._stalls.abort_due() else 0
         words = np.empty(1 + 3 * self._words + (self._tuning is not None), dtype=np.int64)
         words[0] = ~flags
         if self._tuning is not None:  # rank 0's configuration; the others' -1 leaves it as it is in the AND
@@ -368,7 +343,7 @@ class Coordinator:
         if flags & (_SHUTDOWN | _STALL_ABORT):
             self._stop(flags)
             return None
-        for bit in bits(any_invalid | self._stale_partials(all_hit, any_hit)):
+        for bit in bits(any_invalid | self._stalls.stale_partials(all_hit, any_hit)):
             self._evict(bit)
         ready_bits = list(bits(all_hit & ~any_invalid))
         responses = [self._cache.get(bit) for bit in ready_bits]
@@ -381,14 +356,14 @@ class Coordinator:
             if evicted is not None:
                 self._evict(evicted)
             cached_bit = self._cache.bit_of(response.key)
-            if cached_bit is not None and self._index_in(response.key[0]) is None:
+            if cached_bit is not None and self._sets.index_in(response.key[0]) is None:
                 self._foreign |= 1 << cached_bit
         if len(self._planes) < len(self._device_kinds):
             self._build_planes(responses)
         self._execute(responses, timeline)
         if self._tuning is not None:
             self._autotune(self._tuning, int(words[-1]), responses)
-        self._warn_stalls()
+        self._stalls.warn()
         return bool(flags & _BUSY)
 
     def _exchange(self, words: np.ndarray, spin: bool) -> np.ndarray:
@@ -407,25 +382,10 @@ class Coordinator:
     def _evict(self, bit: int) -> None:
         self._cache.erase(bit)
         self._foreign &= ~(1 << bit)
-        self._partial_cycles.pop(bit, None)
+        self._stalls.forget(bit)
         work = self._hits.pop(bit, None)
         if work is not None:
             self._to_send.append(work)
-
-    def _stale_partials(self, all_hit: int, any_hit: int) -> int:
-        """Cached collectives only some ranks announced for many cycles: evict them (on every rank
-        alike) so full negotiation can name the missing ranks. Bit masks in, bit mask out."""
-        limit = max(10, int(self._settings.stall_check_time_seconds * 250 / self._settings.cycle_time_ms))
-        partial, stale = any_hit & ~all_hit, 0
-        for bit in list(self._partial_cycles):
-            if not partial >> bit & 1:
-                del self._partial_cycles[bit]
-        for bit in bits(partial):
-            count = self._partial_cycles.get(bit, 0) + 1
-            self._partial_cycles[bit] = count
-            if count >= limit:
-                stale |= 1 << bit
-        return stale
 
     def _negotiate(self) -> list[Response]:
         requests = [work.request for work in self._to_send]
@@ -438,10 +398,14 @@ class Coordinator:
             if problem:
                 errors.append(
                     Response(
-                        request.key, request.kind, (request,), error=problem, members=self._members(request.process_set)
+                        request.key,
+                        request.kind,
+                        (request,),
+                        error=problem,
+                        members=self._sets.members(request.process_set),
                     )
                 )
-        return errors + self._table.take_ready(self._members)
+        return errors + self._table.take_ready(self._sets.members)
 
     def _build_planes(self, responses: list[Response]) -> None:
         """Build the plane of each device kind at its first agreed collective, with a group for every process set.
@@ -450,10 +414,7 @@ class Coordinator:
             kind = device_kind(response.first.device)
             if kind in self._device_kinds and kind not in self._planes:
                 plane = self._device_kinds[kind].build(self._engine, self._settings, self._topology)
-                for set_id, entry in self._sets.items():
-                    entry.device_groups[plane.name] = (
-                        plane.engine.world if set_id == 0 else plane.engine.new_group(entry.ranks)
-                    )
+                self._sets.add_plane(plane)
                 self._planes[kind] = plane
 
     def _execute(self, responses: list[Response], timeline: Timeline | None) -> None:
@@ -530,41 +491,15 @@ class Coordinator:
             self._joined = False
             return response.join_last_rank
         if response.kind == OpKind.ADD_PROCESS_SET:
-            return self._add_process_set(tuple(sorted(work.request.ranks or ())))
+            return self._sets.add(tuple(sorted(work.request.ranks or ())), self._planes.values())
         if response.kind == OpKind.OPEN_CHANNEL:
             self._channels.append(self._engine.open_channel())
             return self._channels[-1]
         if response.kind == OpKind.REMOVE_PROCESS_SET:
             removed = work.request.root  # the id of the set to remove travels in `root`
-            self._sets.pop(removed, None)
+            self._sets.remove(removed)
             return removed
         return self._executor.run(response, work, response.members.index(self.rank))
-
-    def _add_process_set(self, ranks: tuple[int, ...]) -> int:
-        """Collective over all ranks (it runs in the agreed order): create the set's engine group."""
-        set_id = self._next_set_id
-        index = ranks.index(self.rank) if self.rank in ranks else None
-        self._sets[set_id] = _ProcessSet(
-            ranks,
-            self._engine.new_group(ranks),
-            index,
-            self._hierarchy_of(ranks),
-            {plane.name: plane.engine.new_group(ranks) for plane in self._planes.values()},
-        )
-        self._next_set_id += 1
-        return set_id
-
-    def _hierarchy_of(self, ranks: tuple[int, ...]) -> HierarchicalGroups | None:
-        """Collective over all ranks: a process set's hierarchical groups, unless hierarchical collectives are off
-        or its layout cannot use them (the reason is logged when the user asked for them)."""
-        settings = self._settings
-        asked = settings.hierarchical_allreduce or settings.hierarchical_allgather
-        if not (asked or settings.autotune):
-            return None
-        groups, reason = hierarchical_groups(self._engine, self._topology, ranks)
-        if groups is None and asked and self.rank == ranks[0]:
-            log.warning("hierarchical collectives on ranks %s fall back to flat: %s", list(ranks), reason)
-        return groups
 
     def _start_autotune(self, settings: Settings, topology: Topology) -> None:
         """With HOROVOD_AUTOTUNE: every rank starts from the same configuration of the same grid (settings and
@@ -603,47 +538,10 @@ class Coordinator:
         """Called by join(): from now on this rank contributes zeros to every allreduce."""
         self._joined = True
 
-    # ----------------------------------------------------------------- stalls and shutdown
-    def _stall_abort_due(self) -> bool:
-        limit = self._settings.stall_shutdown_time_seconds
-        return self.rank == 0 and limit > 0 and bool(self._table.stalls(limit, self._members))
-
-    def _warn_stalls(self) -> None:
-        if self.rank != 0 or self._settings.stall_check_disable or len(self._table) == 0:
-            return
-        threshold = self._settings.stall_check_time_seconds
-        now = time.monotonic()
-        if now - self._last_stall_warning < threshold:
-            return
-        stalls = [s for s in self._table.stalls(threshold, self._members) if s.key != JOIN_KEY]
-        if stalls:
-            self._last_stall_warning = now
-            lines = [
-                f"  {s.description} on process set {s.key[0]}: submitted by ranks {list(s.submitted)}, "
-                f"missing ranks {list(s.missing)} (waiting {s.seconds:.0f} s)"
-                for s in stalls
-            ]
-            log.warning(
-                "One or more collectives were submitted by only some ranks; the others may be "
-                "stuck or running a different code path:\n%s",
-                "\n".join(lines),
-            )
-
+    # ----------------------------------------------------------------- shutdown
     def _stop(self, flags: int) -> None:
         if flags & _STALL_ABORT:
-            limit = self._settings.stall_shutdown_time_seconds
-            # every rank holds the same table, so every rank can name what stalled and who is missing (at half
-            # the limit: each rank dates an entry by its own clock)
-            stalled = "; ".join(
-                sorted(
-                    f"{s.description} (missing ranks {list(s.missing)})"  # same text everywhere
-                    for s in self._table.stalls(limit / 2, self._members)
-                    if s.key != JOIN_KEY
-                )
-            )
-            reason = f"a collective stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}" + (
-                f": {stalled}" if stalled else ""
-            )
+            reason = self._stalls.abort_reason()
         else:
             reason = f"hvdplus was shut down on {self._shutdown_ranks()}"
         self._fatal = HorovodInternalError(reason)
