@@ -43,6 +43,18 @@ def test_optimizer_without_buckets():
     assert_every_rank_ran("mpi", 3, output, at_least=10)
 
 
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
+def test_optimizer_negotiated_every_step():
+    """HVDPLUS_PLANNED_PATH=0: every DistributedOptimizer step takes Horovod's negotiated path (with the planned
+    path on, the optimizer tests negotiate only their first step)."""
+    _skip_if_missing("mpi")
+    files = [str(WORKERS / name) for name in ("test_torch_optimizer.py", "test_torch_sparse_groups.py")]
+    code, output = run_job("mpi", 3, pytest_argv(*files), extra_env={"HVDPLUS_PLANNED_PATH": "0"})
+    assert code == 0, f"job failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran("mpi", 3, output, at_least=20)
+
+
 DEVICE_PLANE_FILES = (
     "test_torch_device_plane.py",
     "test_torch_ops.py",
