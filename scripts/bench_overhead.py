@@ -19,8 +19,10 @@ its slowest rank. Medians over all blocks are reported, with each overhead's rat
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -170,17 +172,35 @@ def main(argv: list[str] | None = None) -> int:
     for round_index in range(args.rounds):
         for mode in MODES if round_index % 2 == 0 else MODES[::-1]:
             samples[mode] += run_job(args, mode)
-    median = {mode: float(np.median(times)) for mode, times in samples.items()}
-    overhead = {mode: median[mode] - median["single"] - median[raw] for mode, raw in _RAW.items()}
+    report = summarize(samples, args)
+    median, overhead = report["median_s"], report["overhead_s"]
     print(f"\n{TENSORS} tensors of {FLOATS} floats, {args.np} ranks; medians of {args.rounds} x {args.reps} blocks")
     print(f"{'mode':14} {'step (ms)':>10} {'overhead (ms)':>14} {'vs ddp':>8}")
     for mode in MODES:
-        extra = f"{1000 * overhead[mode]:14.2f} {overhead[mode] / overhead['ddp']:7.2f}x" if mode in _RAW else ""
+        extra = f"{1000 * overhead[mode]:14.2f} {report['ratio_to_ddp'][mode]:7.2f}x" if mode in _RAW else ""
         print(f"{mode:14} {1000 * median[mode]:10.3f} {extra}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps({"median_s": median, "overhead_s": overhead, "samples_s": samples}))
+    Path(args.json).write_text(json.dumps(report, indent=1))
     print(f"\nwrote {args.json}")
     return 0
+
+
+def summarize(samples: dict[str, list[float]], args: argparse.Namespace) -> dict[str, Any]:
+    """The JSON report: medians, overheads (step - single - raw) and their ratios to DDP's, and every sample."""
+    median = {mode: float(np.median(times)) for mode, times in samples.items()}
+    overhead = {mode: median[mode] - median["single"] - median[raw] for mode, raw in _RAW.items()}
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "args": {k: v for k, v in vars(args).items() if k not in ("worker", "mode", "result_file")},
+        "tensors": TENSORS,
+        "floats": FLOATS,
+        "median_s": median,
+        "overhead_s": overhead,
+        "ratio_to_ddp": {mode: overhead[mode] / overhead["ddp"] for mode in _RAW},
+        "samples_s": samples,
+    }
 
 
 if __name__ == "__main__":

@@ -471,6 +471,21 @@ def zero_figure(plt: Any, by_ranks: dict[str, Doc]) -> Any:
     return fig
 
 
+def render_overhead(doc: Doc, figures: Figures) -> list[str]:
+    """What each distributed step adds beyond compute and one raw allreduce, against DDP's."""
+    median, overhead, ratios = doc["median_s"], doc["overhead_s"], doc["ratio_to_ddp"]
+    rows = [[mode, ms(median[mode]), "", ""] for mode in ("single", "raw_mpi", "raw_gloo")]
+    rows += [[mode, ms(median[mode]), ms(overhead[mode]), ratio(ratios[mode])] for mode in overhead]
+    return [
+        f"{doc['tensors']} parameters of {doc['floats']} floats, {doc['args']['np']} ranks: a step's overhead is its "
+        "time minus the same step in one process (`single`) minus one raw allreduce of all the gradients' bytes "
+        "(`raw_mpi`, `raw_gloo`).",
+        "",
+        *table(["mode", "step (ms)", "overhead (ms)", "overhead vs DDP's"], rows),
+        "",
+    ]
+
+
 def render_zero(doc: Doc, figures: Figures) -> list[str]:
     """bench_zero.json: the README's table per rank count (ranks are JSON string keys, sorted as numbers)."""
     by_ranks = dict(sorted(doc["ranks"].items(), key=lambda item: int(item[0])))
@@ -718,6 +733,12 @@ BENCHMARKS = (
         "bench_training.json",
         "python scripts/bench_training.py --json results/bench_training.json",
         render_training,
+    ),
+    Benchmark(
+        "Framework overhead per step",
+        "bench_overhead.json",
+        "python scripts/bench_overhead.py --json results/bench_overhead.json",
+        render_overhead,
     ),
     Benchmark(
         "Training throughput, Keras",

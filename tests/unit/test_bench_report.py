@@ -20,6 +20,7 @@ SECTIONS = (
     "## Allreduce against the raw engine call",
     "## Multi-host allreduce against the cost model",
     "## Training throughput, PyTorch",
+    "## Framework overhead per step",
     "## Training throughput, Keras",
     "## ZeRO optimizer-state sharding",
     "## ZeRO-3 parameter sharding against FSDP2",
@@ -42,6 +43,7 @@ def scripts(monkeypatch):
         "bench_zero",
         "bench_zero3",
         "bench_pipeline",
+        "bench_overhead",
     )
     return SimpleNamespace(**{name: importlib.import_module(name) for name in names})
 
@@ -282,6 +284,20 @@ def assert_png(path: Path) -> None:
     assert data.startswith(PNG_MAGIC) and len(data) > 1000, path
 
 
+def write_overhead(scripts, path: Path) -> None:
+    """bench_overhead.py's report from made-up medians: one process 3 ms, raw MPI 0.5 ms, raw Gloo 1 ms."""
+    steps = {
+        "single": 3e-3,
+        "raw_mpi": 0.5e-3,
+        "raw_gloo": 1e-3,
+        "ddp": 5e-3,
+        "hvdplus_mpi": 4e-3,
+        "hvdplus_gloo": 5e-3,
+    }
+    args = argparse.Namespace(np=2, rounds=1, reps=1, steps=1, warmup=0, timeout=1, json=str(path), worker=False)
+    path.write_text(json.dumps(scripts.bench_overhead.summarize({k: [v] for k, v in steps.items()}, args)))
+
+
 def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
@@ -294,6 +310,7 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
         ("bench_zero3", write_zero3),
         ("bench_pipeline", write_pipeline),
         ("bench_elastic", write_elastic),
+        ("bench_overhead", write_overhead),
     ):
         write(scripts, results / f"{name}.json")
     text = run_report(scripts, results, tmp_path)
@@ -309,6 +326,9 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     # training: step time, throughput and its ratio to DDP; Keras's step-time ratios to MWMS and one process
     assert "| mlp | hvdplus | 32.0 | 32.0-32.0 | 2000 | 1.25x |" in text
     assert "| mlp | hvdplus | 26.0 | 26.0-26.0 | 2462 | 0.65x | 1.73x |" in text
+    # overhead: step minus one process minus the raw allreduce, against DDP's
+    assert "| hvdplus_mpi | 4.00 | 0.50 | 0.50 |" in text
+    assert "| ddp | 5.00 | 1.00 | 1.00 |" in text
     # multi-host: measured and predicted per size, and the issue's ratios
     assert "| 64M | 700 | 600 | 480 | 240 |" in text
     assert "| 64M | 0.80 | 0.50 | 1.12 |" in text
