@@ -81,6 +81,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups_given = groups is not None
         self._reducer: Reducer | None = None  # the planned path's, once the ranks froze a step plan
         self._plan_decision = Decision.RETRY  # NEVER once the ranks agreed that they cannot freeze one
+        self._backward_since_step = False  # a planned hook ran since the last synchronize
         if groups is None and op != Adasum:  # Adasum reduces tensor by tensor
             groups = self._buckets()
         self._p_to_group = build_groups(self._requires_update, groups)
@@ -118,6 +119,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if reducer is not None:
                 if self._allreduce_delay[p] <= 0 and reducer.launched(p):
                     raise AllreduceInFlightError(_TOO_MANY_PASSES)
+                self._backward_since_step = True
                 self._allreduce_delay[p] -= 1
                 if self._allreduce_delay[p] == 0:
                     reducer.mark_ready(p)
@@ -135,7 +137,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The reducer of the frozen step plan, if there is one for the current job (an elastic reset starts a new
         job, whose ranks agree afresh)."""
         reducer = self._reducer
-        if reducer is not None and reducer.runtime is not basics._runtime:
+        if reducer is not None and (reducer.closed or reducer.runtime is not basics._runtime):
             reducer.close()
             reducer = self._reducer = None
         return reducer
@@ -270,6 +272,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Forget the gradient allreduces in flight and the backward passes counted towards the next one: after
         synchronize(), and after an elastic reset, whose new job never finishes the old job's handles."""
         self._handles.clear()
+        self._backward_since_step = False
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self.backward_passes_per_step
         for group in self._group_counts:
@@ -309,11 +312,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's zero_grad; raises while gradient allreduces are pending. On the planned path
         the gradients stay views of the reducer's buckets, zeroed in place (set_to_none changes nothing)."""
         reducer = self._planned()
-        if self._handles or (reducer is not None and reducer.in_flight):
+        if self._handles or self._backward_since_step:
             raise AllreduceInFlightError(_ZERO_GRAD_IN_FLIGHT)
-        if reducer is not None:
-            return reducer.zero_grad()
-        return self._hvd_base.zero_grad(self, set_to_none)
+        if reducer is None:
+            return self._hvd_base.zero_grad(self, set_to_none)
+        reducer.zero_grad()
+        for group in self.param_groups:  # parameters outside the plan (trainable later, added later): as torch
+            for p in group["params"]:
+                if p.grad is not None and not reducer.owns(p):
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().requires_grad_(False).zero_()
 
 
 def _constructor_kwargs(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:

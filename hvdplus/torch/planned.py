@@ -27,9 +27,9 @@ __all__ = ["try_freeze"]
 
 def _wire_dtype(compression: Any) -> tuple[bool, torch.dtype | None]:
     """(whether the planned path can apply it to whole buckets, the dtype buckets travel in)."""
-    if compression is NoneCompressor or isinstance(compression, NoneCompressor):
+    if compression is NoneCompressor or type(compression) is NoneCompressor:
         return True, None
-    if isinstance(compression, CastCompressor):  # elementwise: casting a bucket casts each gradient
+    if type(compression) is CastCompressor:  # elementwise: casting a bucket casts each gradient (not a subclass's)
         return True, compression.wire_dtype
     return False, None  # a user's compressor sees one gradient at a time, as in Horovod
 
@@ -82,7 +82,7 @@ def try_freeze(
     words = allreduce(
         torch.from_numpy(agreement_words(eligible, digest)),
         op=Min,
-        name=f"hvdplus.plan_agreement.{names[params[0]]}",
+        name=f"hvdplus.plan_agreement.{names[params[0]] if params else ''}",
         process_set=process_set,
     )
     decision = decide(words.numpy(), digest)

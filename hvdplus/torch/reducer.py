@@ -124,6 +124,15 @@ class Reducer:
     def in_flight(self) -> bool:
         return any(bucket.request is not None for bucket in self._buckets)
 
+    @property
+    def closed(self) -> bool:
+        """Whether the plan was dropped (a failed step, an engine error, a new job): the optimizer negotiates."""
+        return self not in _FROZEN
+
+    def owns(self, p: torch.Tensor) -> bool:
+        """Whether p's gradient lives in one of the plan's buckets."""
+        return p in self._where
+
     def mark_ready(self, p: torch.Tensor) -> None:
         """From p's hook, once its gradient for this step is complete: start its bucket (and the full buckets
         queued behind it) if it was the last one missing."""
@@ -244,10 +253,14 @@ class Reducer:
             f"the planned gradient allreduce of DistributedOptimizer cannot complete this step: the step of "
             f"rank(s) {who} differs from the plan frozen on every rank (a changed model)"
         )
+        if not consistency.digests_agree:
+            text += " (and the ranks ran plans with different digests)"
         if differs:
             text += f"; here: {'; '.join(differs[:3])}"
         self.close()
-        raise PlanMismatchError(text + ". The step's gradients were not averaged; the next step negotiates again.")
+        raise PlanMismatchError(
+            text + ". The step's gradients are partly reduced and not usable; the next step negotiates again."
+        )
 
     def zero_grad(self) -> None:
         """Zero the buckets in place, keeping every p.grad a view (the planned path never drops the memory)."""
@@ -263,6 +276,11 @@ class Reducer:
     # ----------------------------------------------------------------- join and shutdown
     def start_joined_step(self) -> None:
         """In join(): start this plan's collectives with zeros (guard 0), as the training ranks start theirs."""
+        if self._next or self.in_flight:
+            raise RuntimeError(
+                "hvd.join() was called between loss.backward() and optimizer.step() while DistributedOptimizer's "
+                "planned step was in flight; call optimizer.step() (or optimizer.synchronize()) before join()"
+            )
         self._joined = True
         for bucket in self._buckets:
             if bucket.zeros is None:
@@ -332,8 +350,10 @@ def serve_joined() -> None:
     serving = list(_FROZEN)
     for reducer in serving:
         reducer.start_joined_step()
+    alive = _Alive(current, current.size)
     while serving:
         time.sleep(_JOIN_POLL_S)
+        alive()
         for reducer in [reducer for reducer in serving if reducer.joined_step_done()]:
             if reducer.end_joined_step():
                 serving.remove(reducer)

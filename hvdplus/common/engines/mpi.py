@@ -276,7 +276,8 @@ class MPIPlannedGroup:
         return _MPITransfer(self._comm.Iallreduce(engine._MPI.IN_PLACE, buf, op=engine._op(dtype, op)), buf)
 
     def close(self) -> None:
-        self._comm.Free()
+        if self._comm != self._engine._MPI.COMM_NULL:  # closed once, by its reducer or at shutdown
+            self._comm.Free()
 
 
 class _MPITransfer:

@@ -24,7 +24,9 @@ __all__ = ["TorchDistEngine", "gather_bytes"]
 
 log = logging.getLogger("hvdplus")
 
-_SUPERSEDED_POLL_SECONDS = 0.5  # an elastic worker's store reads look this often for a newer generation
+_SUPERSEDED_POLL_SECONDS = 0.5
+_PLANNED_TIMEOUT = datetime.timedelta(days=365)  # the planned path's groups: stalls are watched, not timed out
+_WAIT_SLICE = datetime.timedelta(seconds=1)  # an elastic worker's store reads look this often for a newer generation
 
 # Gloo cannot reduce these; they are widened for the reduction and narrowed back.
 _WIDENED = {"int16": np.int32, "uint16": np.int32}
@@ -249,7 +251,9 @@ class TorchDistEngine:
         # other ranks take no part (torch's new_group would need every rank of the job).
         store = self._beacon_store or self._dist.distributed_c10d._get_default_store()
         prefix = self._dist.PrefixStore(f"hvdplus/planned/{key}/{'.'.join(map(str, ranks))}/", store)
-        group = self._dist.ProcessGroupGloo(prefix, list(ranks).index(self.rank), len(ranks), self._timeout)
+        # No timeout of Gloo's own: a step's buckets start while a peer may still be busy (a checkpoint, say);
+        # the waits watch for stalls and failures instead (_GloPlannedWork).
+        group = self._dist.ProcessGroupGloo(prefix, list(ranks).index(self.rank), len(ranks), _PLANNED_TIMEOUT)
         return GlooPlannedGroup(self._dist, self._torch, group, len(ranks))
 
     def shutdown(self) -> None:
@@ -439,13 +443,13 @@ class GlooPlannedGroup:
             self._options[op] = dist.AllreduceOptions()
             self._options[op].reduceOp = torch_op
 
-    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> _GlooTransfer:
+    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> _GloPlannedWork:
         if dtype in _WIDENED:
             raise TypeError(f"the planned path does not reduce {dtype} over Gloo")
         tensor = self._torch.from_numpy(buf)
         if dtype == "bfloat16":
             tensor = tensor.view(self._torch.bfloat16)
-        return _GlooTransfer(self._group.allreduce([tensor], self._options[op]), tensor)
+        return _GloPlannedWork(self._group.allreduce([tensor], self._options[op]), tensor)
 
     def close(self) -> None:
         self._group = None  # the group's threads and connections go with its last reference
@@ -458,6 +462,17 @@ class _GlooTransfer:
     def __init__(self, work: Any, tensor: Any) -> None:
         self._work, self._tensor = work, tensor
 
+    def wait(self, alive: Callable[[], None]) -> None:
+        self._work.wait()  # a timed wait would close the connection to the peer when the time is up
+
+
+class _GloPlannedWork:
+    """A planned allreduce in flight: Gloo's threads move it; `wait` sleeps on it in one-second slices (a timed
+    wait of a collective raises when the time is up and leaves it running), calling `alive()` in between."""
+
+    def __init__(self, work: Any, tensor: Any) -> None:
+        self._work, self._tensor = work, tensor  # the tensor stays alive until the work completes
+
     def test(self) -> bool:
         if not self._work.is_completed():
             return False
@@ -465,7 +480,15 @@ class _GlooTransfer:
         return True
 
     def wait(self, alive: Callable[[], None]) -> None:
-        self._work.wait()  # a timed wait would close the connection to the peer when the time is up
+        while True:
+            try:
+                self._work.wait(_WAIT_SLICE)
+                return
+            except RuntimeError:
+                if self._work.is_completed():
+                    self._work.wait()  # it failed (or finished just now): raise its error, or return
+                    return
+            alive()
 
 
 class _GlooPending:

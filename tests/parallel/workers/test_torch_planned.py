@@ -240,3 +240,21 @@ def test_process_set_without_rank_0(hvd):
                     assert rounds >= LONG, f"rank 0 ran {rounds} control rounds during {LONG} negotiated steps"
     finally:
         hvd.remove_process_set(rest)
+
+
+def test_zero_grad_while_gradients_are_pending_raises_and_clears_parameters_outside_the_plan(hvd):
+    with planned(True):
+        model, optimizer = train(hvd, "plan.pending", steps=2)
+    assert optimizer._reducer is not None
+    model(torch.randn(PER_RANK, 4)).sum().backward()
+    with pytest.raises(AssertionError, match="zero_grad"):  # AllreduceInFlightError, as Horovod raises
+        optimizer.zero_grad()  # as on the negotiated path: the hooks have run, step() has not
+    optimizer.step()
+    # A parameter that the optimizer holds but the plan does not (it needed no gradient when wrapped) is still
+    # cleared by zero_grad, as torch does.
+    extra = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    optimizer.param_groups[0]["params"].append(extra)
+    extra.grad = torch.ones(3)
+    optimizer.zero_grad()
+    assert extra.grad is None
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())  # zeroed views
