@@ -90,6 +90,6 @@ def try_freeze(
         return decision
     # Freezes happen on every member together, so each member counts the same groups (per job and set).
     key = set_id * 65536 + int(rt.auto_name("planned_group", set_id).rsplit(".", 1)[1])
-    group = rt.engine.open_planned(ranks, key)
+    group = rt.engine.open_planned(ranks, key, rt.settings.stall_shutdown_time_seconds or None)
     rt.coordinator.close_at_shutdown(group)
     return Reducer(params, names, plan, group, ranks, digest, wire, (prescale, postscale))

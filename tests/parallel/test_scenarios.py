@@ -59,6 +59,18 @@ def test_stall_warning_names_missing_rank(engine):
 
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
+def test_a_planned_step_waits_for_a_paused_rank_beyond_the_engine_timeout():
+    """Gloo's planned groups have no timeout of their own: the peers' buckets wait for a rank that pauses for
+    twice HVDPLUS_TIMEOUT, and the stall check (1 s here) reports the wait meanwhile."""
+    env = {"HVDPLUS_TIMEOUT": "2", "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"}
+    code, output = run_job("gloo", 2, [str(SCENARIOS / "planned_pause.py")], env, timeout=60)
+    assert code == 0, output
+    assert output.count("planned True, steps done, weights agree True") == 2, output
+    assert "a planned gradient allreduce has waited" in output, output
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
 def test_dead_worker_raises_on_the_others_within_seconds():
     code, output = run_job("gloo", 3, [str(SCENARIOS / "dead_worker.py")], timeout=60)
     assert code == 3, output  # the dead rank's own exit status; the survivors exited 0

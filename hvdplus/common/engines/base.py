@@ -206,9 +206,10 @@ class Channels(Protocol):
         """Collective over all ranks (run on the coordinator's thread, in the agreed order): a new point-to-point
         channel among all ranks."""
 
-    def open_planned(self, ranks: Sequence[int], key: int) -> PlannedGroup:
+    def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> PlannedGroup:
         """Collective over `ranks` only (sorted global ranks, this rank among them), from any thread: a new
-        `PlannedGroup`. `key` (equal on every member) tells apart groups opened at the same time."""
+        `PlannedGroup`. `key` (equal on every member) tells apart groups opened at the same time; `timeout_s`
+        ends a collective that waits longer (None: never; engines whose waits poll check stalls themselves)."""
 
 
 @runtime_checkable
