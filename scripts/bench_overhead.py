@@ -23,16 +23,13 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import training_bench as tb
-from bench_collectives import child_env
 
 TENSORS, FLOATS = 161, 64
 MODES = ("single", "raw_mpi", "raw_gloo", "ddp", "hvdplus_mpi", "hvdplus_gloo")
@@ -54,19 +51,6 @@ def model() -> Any:
     return Tensors161()
 
 
-def _timed(args: argparse.Namespace, step: Any, barrier: Any) -> np.ndarray:
-    for _ in range(args.warmup):
-        step()
-    times = np.empty(args.reps)
-    for rep in range(args.reps):
-        barrier()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            step()
-        times[rep] = (time.perf_counter() - start) / args.steps
-    return times
-
-
 def worker(args: argparse.Namespace) -> list[float]:
     """Time one mode in this process; the slowest rank's block times on rank 0 (empty elsewhere)."""
     import torch
@@ -78,14 +62,14 @@ def worker(args: argparse.Namespace) -> list[float]:
         from mpi4py import MPI
 
         comm = MPI.COMM_WORLD
-        times = _timed(args, lambda: comm.Allreduce(MPI.IN_PLACE, grads), comm.Barrier)
+        times = tb.timed_blocks(args, lambda: comm.Allreduce(MPI.IN_PLACE, grads), comm.Barrier)
         comm.Allreduce(MPI.IN_PLACE, times, op=MPI.MAX)
         return times.tolist() if comm.Get_rank() == 0 else []
     net, optimizer_of = model(), lambda m: torch.optim.SGD(m.parameters(), lr=1e-3)
     x = torch.randn(FLOATS)
     if mode == "single":
         optimizer = optimizer_of(net)
-        return _timed(args, _step(net, optimizer, x), lambda: None).tolist()
+        return tb.timed_blocks(args, _step(net, optimizer, x), lambda: None).tolist()
     if mode in ("raw_gloo", "ddp"):
         import torch.distributed as dist
 
@@ -94,10 +78,10 @@ def worker(args: argparse.Namespace) -> list[float]:
         dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
         if mode == "raw_gloo":
             tensor = torch.from_numpy(grads)
-            times = _timed(args, lambda: dist.all_reduce(tensor), dist.barrier)
+            times = tb.timed_blocks(args, lambda: dist.all_reduce(tensor), dist.barrier)
         else:
             ddp = torch.nn.parallel.DistributedDataParallel(net)
-            times = _timed(args, _step(ddp, optimizer_of(ddp), x), dist.barrier)
+            times = tb.timed_blocks(args, _step(ddp, optimizer_of(ddp), x), dist.barrier)
         slowest = torch.from_numpy(times)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return slowest.tolist() if rank == 0 else []
@@ -105,7 +89,7 @@ def worker(args: argparse.Namespace) -> list[float]:
 
     hvd.init()
     optimizer = hvd.DistributedOptimizer(optimizer_of(net), named_parameters=net.named_parameters())
-    times = _timed(args, _step(net, optimizer, x), hvd.barrier)
+    times = tb.timed_blocks(args, _step(net, optimizer, x), hvd.barrier)
     slowest = hvd.allreduce(torch.from_numpy(times), op=hvd.Max, name="bench.overhead.max").numpy()
     planned = getattr(optimizer, "_reducer", None) is not None
     rank = hvd.rank()
@@ -133,23 +117,7 @@ def run_job(args: argparse.Namespace, mode: str) -> list[float]:
         if mode in ("raw_mpi", "hvdplus_mpi"):
             procs = tb.start_mpi_job(args.np, command, threads)
         else:
-            ranks = 1 if mode == "single" else args.np
-            procs = [
-                subprocess.Popen(
-                    command,
-                    start_new_session=True,
-                    env=child_env(
-                        {
-                            **threads,
-                            "HOROVOD_CPU_OPERATIONS": "gloo",
-                            "HOROVOD_RANK": str(rank),
-                            "HOROVOD_SIZE": str(ranks),
-                            "HVDPLUS_RENDEZVOUS_FILE": os.path.join(workdir, "rendezvous"),
-                        }
-                    ),
-                )
-                for rank in range(ranks)
-            ]
+            procs = tb.start_gloo_job(1 if mode == "single" else args.np, command, threads, workdir)
         return tb.finish_job(mode, procs, args.timeout, result_file)["times"]
 
 

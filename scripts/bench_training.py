@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,6 @@ from typing import Any
 
 import numpy as np
 import training_bench as tb
-from bench_collectives import child_env
 
 
 @dataclass(frozen=True)
@@ -123,16 +121,7 @@ def torch_worker(args: argparse.Namespace) -> dict[str, list[float]]:
             torch.nn.functional.cross_entropy(model(x), y).backward()
             optimizer.step()
 
-        for _ in range(args.warmup):
-            step()
-        times = np.empty(args.reps)
-        for rep in range(args.reps):
-            barrier()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step()
-            times[rep] = time.perf_counter() - start
-        results[model_name] = (slowest(times) / args.steps).tolist()
+        results[model_name] = slowest(tb.timed_blocks(args, step, barrier)).tolist()
     if args.mode == "ddp":
         dist.destroy_process_group()
     else:
@@ -156,22 +145,7 @@ def run_job(args: argparse.Namespace, mode: str) -> dict[str, list[float]]:
         if FRAMEWORKS[args.framework].uses_hvdplus(mode) and args.engine == "mpi":
             procs = tb.start_mpi_job(args.np, command, threads)
         else:
-            procs = [
-                subprocess.Popen(
-                    command,
-                    start_new_session=True,
-                    env=child_env(
-                        {
-                            **threads,
-                            "HOROVOD_CPU_OPERATIONS": "gloo",
-                            "HOROVOD_RANK": str(rank),
-                            "HOROVOD_SIZE": str(args.np),
-                            "HVDPLUS_RENDEZVOUS_FILE": os.path.join(workdir, "rendezvous"),
-                        }
-                    ),
-                )
-                for rank in range(args.np)
-            ]
+            procs = tb.start_gloo_job(args.np, command, threads, workdir)
         return tb.finish_job(mode, procs, args.timeout, result_file)
 
 

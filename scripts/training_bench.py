@@ -85,6 +85,41 @@ def start_mpi_job(np_ranks: int, command: list[str], env: dict[str, str]) -> lis
     return [subprocess.Popen(mpirun + command, env=full_env, start_new_session=True)]
 
 
+def timed_blocks(args: argparse.Namespace, step: Callable[[], None], barrier: Callable[[], Any]) -> np.ndarray:
+    """--warmup steps, then --reps blocks of --steps steps, each after a barrier: seconds per step in each block."""
+    for _ in range(args.warmup):
+        step()
+    times = np.empty(args.reps)
+    for rep in range(args.reps):
+        barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        times[rep] = (time.perf_counter() - start) / args.steps
+    return times
+
+
+def start_gloo_job(np_ranks: int, command: list[str], env: dict[str, str], workdir: str) -> list[subprocess.Popen]:
+    """`command` as `np_ranks` local processes that meet through a rendezvous file in `workdir`: torch.distributed's
+    Gloo for a DDP baseline, hvdplus's Gloo engine otherwise."""
+    return [
+        subprocess.Popen(
+            command,
+            start_new_session=True,
+            env=child_env(
+                {
+                    **env,
+                    "HOROVOD_CPU_OPERATIONS": "gloo",
+                    "HOROVOD_RANK": str(rank),
+                    "HOROVOD_SIZE": str(np_ranks),
+                    "HVDPLUS_RENDEZVOUS_FILE": os.path.join(workdir, "rendezvous"),
+                }
+            ),
+        )
+        for rank in range(np_ranks)
+    ]
+
+
 def finish_job(mode: str, procs: list[subprocess.Popen], timeout_s: float, result_file: str) -> dict[str, list[float]]:
     """Wait for a job's processes; rank 0's step times by model, or RuntimeError if the job failed."""
     codes = wait_all(procs, timeout_s)
