@@ -18,6 +18,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, cast
 
@@ -107,6 +108,7 @@ class Coordinator:
         self._shutdown_requested = False
         self._fatal: BaseException | None = None
         self._channels: list[Any] = []  # point-to-point channels opened for the user (closed at shutdown)
+        self._owned_elsewhere: weakref.WeakSet[Any] = weakref.WeakSet()  # planned groups, closed at shutdown
         self.rounds = 0  # control rounds run so far (a test checks that idle ranks run none)
         # Only this thread writes the timeline; others replace it through the slot, between cycles (set_timeline).
         self._timeline = TimelineSlot(
@@ -155,8 +157,9 @@ class Coordinator:
         swap.wait()
 
     def close_at_shutdown(self, channel: Any) -> None:
-        """Close `channel` (anything with close(), such as a planned group) when the thread stops."""
-        self._channels.append(channel)
+        """Close `channel` (a planned group) when the thread stops, if it is still alive then (held weakly: its
+        owner may release it earlier)."""
+        self._owned_elsewhere.add(channel)
 
     def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
         return self._sets.ranks(set_id)
@@ -228,7 +231,7 @@ class Coordinator:
         finally:
             for release in [
                 self._timeline.retire,
-                *(channel.close for channel in self._channels),
+                *(channel.close for channel in [*self._channels, *self._owned_elsewhere]),
                 self._doorbell.close,
                 *(plane.engine.shutdown for plane in self._planes.values()),
                 self._engine.shutdown,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -93,6 +94,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hook_handles = [
                 p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in self._requires_update
             ]
+            weakref.finalize(self, _remove_hooks, self._hook_handles)
 
     def _buckets(self) -> list[list[torch.Tensor]] | None:
         """Default groups: DDP-style buckets of `HVDPLUS_BUCKET_BYTES`, each allreduced as one packed buffer once
@@ -114,24 +116,34 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._allreduce_delay[p] = passes
 
     def _make_hook(self, p: torch.Tensor) -> Callable[[torch.Tensor], None]:
+        # The parameters outlive an optimizer the program drops: their hooks hold it weakly (so that it, its plan
+        # and its communicator are freed), and its finalizer removes them.
+        owner = weakref.ref(self)
+
         def hook(_: torch.Tensor) -> None:
-            reducer = self._planned()
-            if reducer is not None:
-                if self._allreduce_delay[p] <= 0 and reducer.launched(p):
-                    raise AllreduceInFlightError(_TOO_MANY_PASSES)
-                self._backward_since_step = True
-                self._allreduce_delay[p] -= 1
-                if self._allreduce_delay[p] == 0:
-                    reducer.mark_ready(p)
-                return
-            if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
-                raise AllreduceInFlightError(_TOO_MANY_PASSES)
-            self._allreduce_delay[p] -= 1
-            self._handles[p] = (None, None)
-            if self._allreduce_delay[p] == 0:
-                self._gradient_ready(p)
+            optimizer = owner()
+            if optimizer is not None:
+                optimizer._on_gradient(p)
 
         return hook
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        """p's post-accumulate-grad hook: count the pass, and hand p on once its gradient is complete."""
+        reducer = self._planned()
+        if reducer is not None:
+            if self._allreduce_delay[p] <= 0 and reducer.launched(p):
+                raise AllreduceInFlightError(_TOO_MANY_PASSES)
+            self._backward_since_step = True
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                reducer.mark_ready(p)
+            return
+        if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
+            raise AllreduceInFlightError(_TOO_MANY_PASSES)
+        self._allreduce_delay[p] -= 1
+        self._handles[p] = (None, None)
+        if self._allreduce_delay[p] == 0:
+            self._gradient_ready(p)
 
     def _planned(self) -> Reducer | None:
         """The reducer of the frozen step plan, if there is one for the current job (an elastic reset starts a new
@@ -324,6 +336,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().requires_grad_(False).zero_()
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    """A dropped optimizer's hooks leave its parameters (which a new optimizer may wrap)."""
+    for handle in handles:
+        handle.remove()
 
 
 def _constructor_kwargs(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:

@@ -13,8 +13,10 @@ scales. Compression (fp16, bf16) casts the whole bucket into a persistent wire b
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -40,9 +42,10 @@ __all__ = ["Reducer", "serve_joined"]
 log = logging.getLogger("hvdplus")
 
 # Reducers whose plan is frozen on this rank: join() runs their steps with zeros while other ranks still train.
-# Held strongly until their plan is dropped: every member must serve the same plans, and when the garbage
-# collector frees an unused optimizer differs from rank to rank.
-_FROZEN: set[Reducer] = set()
+# Held weakly: an optimizer the program dropped releases its buffers and communicator with it (weakref.finalize).
+# Every member must serve the same plans, so join() first runs a full garbage collection, after which the plans
+# left are those the program still holds, the same on every rank.
+_FROZEN: weakref.WeakSet[Reducer] = weakref.WeakSet()
 _JOIN_POLL_S = 1e-3
 
 
@@ -114,6 +117,7 @@ class Reducer:
                 else:
                     p.grad = bucket.views[index]
         _FROZEN.add(self)
+        self._release = weakref.finalize(self, group.close)  # at close(), or when the optimizer is collected
 
     # ----------------------------------------------------------------- backward
     def launched(self, p: torch.Tensor) -> bool:
@@ -308,9 +312,8 @@ class Reducer:
 
     def close(self) -> None:
         """Drop the plan: release its communicator (once; later calls do nothing)."""
-        if self in _FROZEN:
-            _FROZEN.discard(self)
-            self._group.close()
+        _FROZEN.discard(self)
+        self._release()
 
 
 class _Alive:
@@ -345,6 +348,7 @@ def serve_joined() -> None:
     contributes zeros to their allreduces. Each plan is served until a step's guard shows that no rank trains
     any more (every rank then stops at that same step)."""
     current = basics.runtime()
+    gc.collect()  # plans of optimizers the program dropped go now, on every rank alike
     for stale in [reducer for reducer in _FROZEN if reducer.runtime is not current]:  # an earlier job's
         stale.close()
     serving = list(_FROZEN)

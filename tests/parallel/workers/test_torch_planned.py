@@ -258,3 +258,20 @@ def test_zero_grad_while_gradients_are_pending_raises_and_clears_parameters_outs
     optimizer.zero_grad()
     assert extra.grad is None
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())  # zeroed views
+
+
+def test_a_dropped_optimizer_releases_its_plan(hvd):
+    import gc
+    import weakref
+
+    from hvdplus.torch import reducer as reducers
+
+    with planned(True):
+        model, optimizer = train(hvd, "plan.dropped", steps=2)
+    reducer = weakref.ref(optimizer._reducer)
+    group = weakref.ref(optimizer._reducer._group)
+    del model, optimizer
+    gc.collect()  # the hooks hold the optimizer in a cycle with the parameters
+    assert reducer() is None and group() is None, "the plan's buffers and communicator outlived its optimizer"
+    assert all(r().runtime is not None for r in map(weakref.ref, reducers._FROZEN))
+    hvd.join()  # serves only the plans still held, the same on every rank
