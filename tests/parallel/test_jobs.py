@@ -49,10 +49,11 @@ def test_optimizer_negotiated_every_step():
     """HVDPLUS_PLANNED_PATH=0: every DistributedOptimizer step takes Horovod's negotiated path (with the planned
     path on, the optimizer tests negotiate only their first step)."""
     _skip_if_missing("mpi")
-    files = [str(WORKERS / name) for name in ("test_torch_optimizer.py", "test_torch_sparse_groups.py")]
+    # (The sparse and grouped optimizer tests never plan: explicit groups and sparse gradients stay negotiated.)
+    files = [str(WORKERS / "test_torch_optimizer.py")]
     code, output = run_job("mpi", 3, pytest_argv(*files), extra_env={"HVDPLUS_PLANNED_PATH": "0"})
     assert code == 0, f"job failed (exit {code}):\n{output[-20000:]}"
-    assert_every_rank_ran("mpi", 3, output, at_least=20)
+    assert_every_rank_ran("mpi", 3, output, at_least=10)
 
 
 DEVICE_PLANE_FILES = (

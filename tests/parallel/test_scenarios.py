@@ -61,8 +61,9 @@ def test_stall_warning_names_missing_rank(engine):
 @pytest.mark.timeout(200)
 def test_a_planned_step_waits_for_a_paused_rank_beyond_the_engine_timeout():
     """Gloo's planned groups have no timeout of their own: the peers' buckets wait for a rank that pauses for
-    twice HVDPLUS_TIMEOUT, and the stall check (1 s here) reports the wait meanwhile."""
-    env = {"HVDPLUS_TIMEOUT": "2", "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"}
+    longer than HVDPLUS_TIMEOUT (3 s here: the rendezvous at init waits that long too), and the stall check (1 s
+    here) reports the wait meanwhile."""
+    env = {"HVDPLUS_TIMEOUT": "3", "HOROVOD_STALL_CHECK_TIME_SECONDS": "1"}
     code, output = run_job("gloo", 2, [str(SCENARIOS / "planned_pause.py")], env, timeout=60)
     assert code == 0, output
     assert output.count("planned True, steps done, weights agree True") == 2, output

@@ -13,7 +13,7 @@ hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters())
 for step in range(4):
     if step == 2 and hvd.rank() == 1:
-        time.sleep(4)  # twice the job's engine timeout
+        time.sleep(4)  # longer than the job's engine timeout
     optimizer.zero_grad()
     model(torch.ones(3, 4)).sum().backward()
     optimizer.step()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 STEPS = 6
-LONG = 40  # steps of the test of rounds on ranks outside the process set
+LONG = 30  # steps of the test of rounds on ranks outside the process set
 PER_RANK = 4
 
 
