@@ -125,14 +125,6 @@ class Consistency:
     differing: tuple[int, ...]  # positions of the ranks whose step differed from the plan
     digests_agree: bool  # every training rank ran the plan with the same digest
 
-    @property
-    def everyone_joined(self) -> bool:
-        return not self.training
-
-    @property
-    def ok(self) -> bool:
-        return not self.differing and self.digests_agree
-
 
 def read_consistency(summed: np.ndarray, size: int, digest: int) -> Consistency:
     """Decode the SUM of every rank's `consistency_words`."""

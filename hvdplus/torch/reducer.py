@@ -7,8 +7,8 @@ Reducer does with `gradient_as_bucket_view`: each bucket is one persistent flat 
 last gradient of a bucket arrives, the hook starts the bucket's allreduce on the plan's own communicator
 (`PlannedGroup`) without waiting for it; buckets start in plan order, so every rank starts the same collectives
 in the same order even when its gradients arrive in another. `finish()` (from synchronize) starts what backward
-did not (unused parameters contribute zeros, as in Horovod), adds the step's consistency word, waits, and
-scales. Compression (fp16, bf16) casts the whole bucket into a persistent wire buffer.
+did not (unused parameters contribute zeros, as in Horovod), waits, reads the step's guard (common/step_plan.py)
+and scales. Compression (fp16, bf16) casts the whole bucket into a persistent wire buffer.
 """
 
 from __future__ import annotations
@@ -108,7 +108,6 @@ class Reducer:
         self._differs: list[str] = []  # how this rank's step differs from the plan (a changed model)
         self.copies = 0  # gradients copied into their bucket (p.grad replaced by something else than its view)
         self.steps = 0  # planned steps completed
-        self._joined = False  # running a step with zeros for join()
         for bucket in self._buckets:
             for index, p in enumerate(bucket.params):
                 if p.grad is not None:
@@ -219,8 +218,8 @@ class Reducer:
                 if p.grad is not view:  # replaced after its bucket started: the average wins, as in Horovod
                     p.grad = view
 
-    def _wait(self) -> float:
-        """Wait for this step's collectives; the summed guard."""
+    def _wait(self, joined: bool = False) -> float:
+        """Wait for this step's collectives; the summed guard (of the zeros a rank in join() sent, if `joined`)."""
         alive = _Alive(self.runtime, self._group.size)
         with self._engine_errors():
             for bucket in self._buckets:
@@ -228,7 +227,7 @@ class Reducer:
                     bucket.request.wait(alive)
                     bucket.request = None
         last = self._buckets[-1]
-        sent = last.zeros if self._joined and last.zeros is not None else last.sent
+        sent = last.zeros if joined and last.zeros is not None else last.sent
         return float(sent[-1])
 
     @contextmanager
@@ -285,7 +284,6 @@ class Reducer:
                 "hvd.join() was called between loss.backward() and optimizer.step() while DistributedOptimizer's "
                 "planned step was in flight; call optimizer.step() (or optimizer.synchronize()) before join()"
             )
-        self._joined = True
         for bucket in self._buckets:
             if bucket.zeros is None:
                 bucket.zeros = torch.zeros_like(bucket.sent)
@@ -301,8 +299,7 @@ class Reducer:
     def end_joined_step(self) -> bool:
         """After a completed joined step: whether every rank of the set has joined. A step whose guard says
         that a rank differs ends this plan here too, as it does on the training ranks (after their word)."""
-        guard = read_guard(self._wait())
-        self._joined = False
+        guard = read_guard(self._wait(joined=True))
         if guard == Guard.DIFFERS:
             try:
                 self._fail([], training=False)

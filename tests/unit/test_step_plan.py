@@ -55,11 +55,11 @@ def test_consistency_names_joined_and_differing_ranks(size):
     result = read_consistency(np.sum(words, axis=0), size, digest)
     assert result.training == tuple(r for r in range(size) if r not in joined)
     assert result.differing == tuple(sorted(differing - joined))
-    assert result.digests_agree and not result.ok and not result.everyone_joined
+    assert result.digests_agree and result.differing and result.training
 
 
 def test_a_digest_that_differs_is_caught_and_everyone_joined_is_seen():
     words = [consistency_words(0, 2, 7, True, False), consistency_words(1, 2, 8, True, False)]
     assert not read_consistency(np.sum(words, axis=0), 2, 7).digests_agree
     idle = [consistency_words(r, 3, 7, False, False) for r in range(3)]
-    assert read_consistency(np.sum(idle, axis=0), 3, 7).everyone_joined
+    assert read_consistency(np.sum(idle, axis=0), 3, 7).training == ()

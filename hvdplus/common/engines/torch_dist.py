@@ -252,10 +252,10 @@ class TorchDistEngine:
         store = self._beacon_store or self._dist.distributed_c10d._get_default_store()
         prefix = self._dist.PrefixStore(f"hvdplus/planned/{key}/{'.'.join(map(str, ranks))}/", store)
         # A step's buckets start while a peer may still be busy (a checkpoint, say): no timeout but the stall
-        # shutdown time, if set; a long wait is reported as a stall (_GloPlannedWork).
+        # shutdown time, if set; a long wait is reported as a stall (_GlooPlannedWork).
         timeout = _PLANNED_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         group = self._dist.ProcessGroupGloo(prefix, list(ranks).index(self.rank), len(ranks), timeout)
-        return GlooPlannedGroup(self._dist, self._torch, group, len(ranks))
+        return GlooPlannedGroup(self._dist, self._torch, group, len(ranks), self._ops)
 
     def shutdown(self) -> None:
         """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
@@ -432,25 +432,21 @@ class GlooChannel:
 class GlooPlannedGroup:
     """The planned path's communicator: Gloo's asynchronous allreduce, run by the group's own threads."""
 
-    def __init__(self, dist: Any, torch: Any, group: Any, size: int) -> None:
-        self._dist, self._torch, self._group, self.size = dist, torch, group, size
+    def __init__(self, dist: Any, torch: Any, group: Any, size: int, ops: dict[ReduceOp, Any]) -> None:
+        """`ops`: the engine's map from hvdplus's reduce ops to torch's."""
+        self._torch, self._group, self.size = torch, group, size
         self._options: dict[ReduceOp, Any] = {}
-        for op, torch_op in (
-            (ReduceOp.SUM, dist.ReduceOp.SUM),
-            (ReduceOp.MIN, dist.ReduceOp.MIN),
-            (ReduceOp.MAX, dist.ReduceOp.MAX),
-            (ReduceOp.PRODUCT, dist.ReduceOp.PRODUCT),
-        ):
+        for op, torch_op in ops.items():
             self._options[op] = dist.AllreduceOptions()
             self._options[op].reduceOp = torch_op
 
-    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> _GloPlannedWork:
+    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> _GlooPlannedWork:
         if dtype in _WIDENED:
             raise TypeError(f"the planned path does not reduce {dtype} over Gloo")
         tensor = self._torch.from_numpy(buf)
         if dtype == "bfloat16":
             tensor = tensor.view(self._torch.bfloat16)
-        return _GloPlannedWork(self._group.allreduce([tensor], self._options[op]), tensor)
+        return _GlooPlannedWork(self._group.allreduce([tensor], self._options[op]), tensor)
 
     def close(self) -> None:
         self._group = None  # the group's threads and connections go with its last reference
@@ -467,7 +463,7 @@ class _GlooTransfer:
         self._work.wait()  # a timed wait would close the connection to the peer when the time is up
 
 
-class _GloPlannedWork:
+class _GlooPlannedWork:
     """A planned allreduce in flight: Gloo's threads move it, and `wait` sleeps on it (no core spent, woken the
     moment it completes). A wait that lasts is watched from the side (`_WATCHDOG`): Gloo's timed wait, the other
     way to look up now and then, costs ~0.4 ms more per wait here, and polling more still on a busy host."""
