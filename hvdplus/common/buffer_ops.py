@@ -156,9 +156,10 @@ class DataPlane:
 
 @dataclass
 class DeviceKind:
-    """A device kind an adapter can reduce on a plane of its own: its buffer operations, the plane's name,
-    whether this process can use it (`available(settings)`, local and cheap), and how to build the plane's engine
-    (`build_engine(host_engine, settings, topology)`, collective over all ranks)."""
+    """A device kind an adapter can reduce on a plane of its own: its buffer operations, the plane's usual name
+    (for messages; a built plane takes its engine's name), whether this process can use it (`available(settings)`,
+    local and cheap), and how to build the plane's engine (`build_engine(host_engine, settings, topology)`,
+    collective over all ranks)."""
 
     ops: BufferOps
     plane: str
@@ -166,7 +167,9 @@ class DeviceKind:
     build_engine: Callable[[Any, Any, Any], Any]
 
     def build(self, host_engine: Any, settings: Any, topology: Any) -> DataPlane:
-        return DataPlane(self.plane, self.build_engine(host_engine, settings, topology), self.ops, host=False)
+        """The plane, named after its engine (the settings may pick the engine: NCCL or Gloo for CUDA tensors)."""
+        engine = self.build_engine(host_engine, settings, topology)
+        return DataPlane(engine.name, engine, self.ops, host=False)
 
 
 _device_kinds: dict[str, DeviceKind] = {}

@@ -193,6 +193,11 @@ class Coordinator:
         """The device planes built so far: each at its device kind's first collective."""
         return tuple(plane.name for plane in self._planes.values())
 
+    def plane_engine(self, kind: str) -> Any | None:
+        """The engine of device kind `kind`'s plane, once built (the planned path opens its groups on it)."""
+        plane = self._planes.get(kind)
+        return None if plane is None else plane.engine
+
     @property
     def hierarchical_runs(self) -> dict[str, int]:
         """Engine calls run hierarchically so far, by kind and cross-host algorithm (tests and benchmarks)."""

@@ -247,8 +247,9 @@ SETTINGS: tuple[Setting, ...] = (
         "gpu_operations",
         _parse_library,
         "nccl",
-        "Engine for CUDA tensors: 'nccl' (torch.distributed's NCCL, on the GPU) or 'mpi' (staged through host "
-        "memory to the CPU engine).",
+        "Engine for CUDA tensors: 'nccl' (torch.distributed's NCCL, on the GPU), 'gloo' (torch.distributed's Gloo "
+        "on CUDA tensors: several ranks may share one GPU, which NCCL refuses) or 'mpi' (staged through host memory "
+        "to the CPU engine).",
         "HVDPLUS_GPU_OPERATIONS",
         "HOROVOD_GPU_OPERATIONS",
     ),
@@ -494,8 +495,8 @@ class Settings:
             raise ValueError(f"autotune_bayes_opt_max_samples must be >= 1, got {self.autotune_bayes_opt_max_samples}")
         if self.cpu_operations not in ("", "mpi", "gloo"):
             raise ValueError(f"cpu_operations must be 'mpi' or 'gloo', got {self.cpu_operations!r}")
-        if self.gpu_operations not in ("nccl", "mpi"):
-            raise ValueError(f"gpu_operations must be 'nccl' or 'mpi', got {self.gpu_operations!r}")
+        if self.gpu_operations not in ("nccl", "gloo", "mpi"):
+            raise ValueError(f"gpu_operations must be 'nccl', 'gloo' or 'mpi', got {self.gpu_operations!r}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -13,14 +13,14 @@ from typing import Any
 import torch
 
 from hvdplus.common import basics
-from hvdplus.common.basics import ProcessSet, elastic_worker, global_process_set, runtime, size
+from hvdplus.common.basics import ProcessSet, elastic_worker, global_process_set, size
 from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.common.ops import Adasum, Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.common.step_plan import Decision
 from hvdplus.torch.compression import Compressor
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
-from hvdplus.torch.planned import try_freeze
+from hvdplus.torch.planned import bucket_sizes, try_freeze
 from hvdplus.torch.reducer import Reducer
 from hvdplus.torch.sparse import sparse_allreduce_async
 
@@ -101,10 +101,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         backward has produced all of its gradients (None, one allreduce per gradient, when set to 0)."""
         params = self._requires_update
         plan = bucket_indices(
-            [p.numel() * p.element_size() for p in params],
-            [p.dtype for p in params],
-            runtime().bucket_bytes,
-            runtime().engine.alone_bytes,
+            [p.numel() * p.element_size() for p in params], [p.dtype for p in params], *bucket_sizes(params)
         )
         return [[params[i] for i in bucket] for bucket in plan] or None
 
@@ -265,7 +262,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self.discard_pending()
         self._synchronized = True
-        if self._plan_decision == Decision.RETRY and size() > 1:
+        if self._plan_decision == Decision.RETRY and size() > 1:  # alone: no backward to overlap
             plan = try_freeze(
                 self._requires_update,
                 self._parameter_names,

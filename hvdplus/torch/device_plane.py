@@ -1,13 +1,14 @@
 """The torch device plane: collectives on CUDA tensors run on NCCL with no trip through host memory.
 
 `TorchBufferOps` gives the core's executor torch's kernels for packing, scaling and allocation on the tensors'
-own device, and `engines/nccl.py` reduces them. With HVDPLUS_DEVICE_PATH_ON_CPU=1 the same plane takes CPU
+own device, and `engines/nccl.py` reduces them (HOROVOD_GPU_OPERATIONS=gloo: Gloo on the GPU's tensors, for ranks
+that share a GPU). With HVDPLUS_DEVICE_PATH_ON_CPU=1 the same plane takes CPU
 tensors over Gloo: the GPU code path, tested on machines without one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,10 +56,11 @@ class TorchBufferOps:
     def zeros(self, shape: tuple[int, ...], dtype: str) -> torch.Tensor:
         """On the device this rank's tensors came from; before any came, Horovod's rule: GPU local_rank."""
         device = self.device
-        if device is None:
+        if device is None and self._device_type == "cuda":
             from hvdplus.common.basics import local_rank
 
-            device = torch.device("cuda", local_rank()) if self._device_type == "cuda" else torch.device("cpu")
+            # (ranks sharing GPUs over Gloo: local_rank modulo the GPUs there are)
+            device = torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
         return torch.zeros(shape, dtype=_STORAGE[dtype], device=device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -125,37 +127,46 @@ class StreamEvent:
             buf.record_stream(self._stream)
 
 
-def _engine(backend: str) -> Any:
-    """A builder of the plane's engine on `backend`. Rank 0 serves its rendezvous (when torch.distributed has none
-    yet) under its host name (as init gathered it, HOROVOD_HOSTNAME included), which the other hosts resolve as they
-    resolve it for ssh and MPI; on loopback when the whole job is on its host."""
+def _engine(choose: Callable[[Settings], tuple[str, str]]) -> Any:
+    """A builder of the plane's engine on the (backend, plane name) `choose` picks. Rank 0 serves its rendezvous
+    (when torch.distributed has none yet) under its host name (as init gathered it, HOROVOD_HOSTNAME included),
+    which the other hosts resolve as they resolve it for ssh and MPI; on loopback when the whole job is on its host."""
 
     def build(host: Engine, settings: Settings, topology: Topology) -> Any:
         from hvdplus.common.engines.nccl import TorchTensorEngine
 
+        backend, name = choose(settings)
         address = "127.0.0.1" if topology.cross_size == 1 else topology.hostnames[topology.rank]
-        return TorchTensorEngine(host, backend, settings.timeout_seconds, address)
+        return TorchTensorEngine(host, backend, settings.timeout_seconds, address, name)
 
     return build
 
 
-def _nccl_available(settings: Settings) -> bool:
-    """NCCL for CUDA tensors, where torch has NCCL and this process a GPU (HOROVOD_GPU_OPERATIONS=mpi: none)."""
+def _cuda_backend(settings: Settings) -> tuple[str, str]:
+    """NCCL, or Gloo on CUDA tensors (HOROVOD_GPU_OPERATIONS=gloo: ranks sharing a GPU) as plane 'cudagloo'."""
+    return ("gloo", "cudagloo") if settings.gpu_operations == "gloo" else ("nccl", "nccl")
+
+
+def _cuda_available(settings: Settings) -> bool:
+    """Whether this process reduces CUDA tensors on the GPU: it has one, and torch the backend
+    (HOROVOD_GPU_OPERATIONS=mpi: neither; they are staged through host memory)."""
     import torch.distributed as dist
 
-    return (
-        settings.gpu_operations == "nccl"
-        and dist.is_available()
-        and dist.is_nccl_available()
-        and torch.cuda.is_available()
-    )
+    if settings.gpu_operations == "mpi" or not (dist.is_available() and torch.cuda.is_available()):
+        return False
+    return settings.gpu_operations == "gloo" or dist.is_nccl_available()
 
 
 def register() -> None:
-    """Offer the torch device kinds to the core; idempotent. CUDA tensors: NCCL. CPU tensors, with
+    """Offer the torch device kinds to the core; idempotent. CUDA tensors: NCCL (or Gloo). CPU tensors, with
     HVDPLUS_DEVICE_PATH_ON_CPU=1 only: Gloo through the same code."""
-    register_device_plane("cuda", DeviceKind(TorchBufferOps("cuda"), "nccl", _nccl_available, _engine("nccl")))
+    register_device_plane("cuda", DeviceKind(TorchBufferOps("cuda"), "nccl", _cuda_available, _engine(_cuda_backend)))
     register_device_plane(
         CPU_TEST_KIND,
-        DeviceKind(TorchBufferOps("cpu"), "torchgloo", lambda settings: settings.device_path_on_cpu, _engine("gloo")),
+        DeviceKind(
+            TorchBufferOps("cpu"),
+            "torchgloo",
+            lambda settings: settings.device_path_on_cpu,
+            _engine(lambda settings: ("gloo", "torchgloo")),
+        ),
     )

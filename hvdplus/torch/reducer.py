@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,20 +79,23 @@ class Reducer:
         digest: int,
         wire_dtype: torch.dtype | None,
         scales: tuple[float, float],
+        host: bool = True,
     ) -> None:
         """`plan`: positions in `params` of each bucket's gradients, in launch order, covering every parameter.
-        `ranks`: the process set's global ranks. `scales`: (before, after) the sum."""
+        `ranks`: the process set's global ranks. `scales`: (before, after) the sum. `host`: whether `group` is the
+        host engine's, which takes numpy views of CPU buffers (else a device plane's, which takes the tensors)."""
         self.runtime = basics.runtime()
         self._names = names
         self._group, self._ranks, self._digest = group, tuple(ranks), digest
         self._set_rank = self._ranks.index(self.runtime.rank)
         self._prescale, self._postscale = scales
+        self._host, self._device = host, params[0].device
         self._buckets: list[_Bucket] = []
         self._where: dict[torch.Tensor, tuple[_Bucket, int]] = {}
         for number, positions in enumerate(plan):
             members = [params[i] for i in positions]
             guard = 1 if number == len(plan) - 1 else 0  # the last bucket to start carries the step's guard
-            flat = torch.zeros(sum(p.numel() for p in members) + guard, dtype=members[0].dtype)
+            flat = torch.zeros(sum(p.numel() for p in members) + guard, dtype=members[0].dtype, device=self._device)
             views, offset = [], 0
             for p in members:
                 views.append(flat[offset : offset + p.numel()].view_as(p))
@@ -99,7 +103,7 @@ class Reducer:
             addresses = [view.data_ptr() for view in views]
             wire = None
             if wire_dtype is not None and flat.is_floating_point() and flat.dtype != wire_dtype:
-                wire = torch.empty(flat.numel(), dtype=wire_dtype)
+                wire = torch.empty(flat.numel(), dtype=wire_dtype, device=self._device)
             bucket = _Bucket(members, flat, views, addresses, wire, len(members))
             self._buckets.append(bucket)
             for index, p in enumerate(members):
@@ -179,15 +183,19 @@ class Reducer:
 
     def _start(self, bucket: _Bucket, sent: torch.Tensor | None = None) -> None:
         if sent is None:
-            if self._prescale != 1.0:
-                bucket.flat.mul_(self._prescale)
-            if bucket is self._buckets[-1]:
-                bucket.flat[-1] = GUARD_DIFFERS if self._differs else GUARD_TRAINING
-            if bucket.wire is not None:
-                bucket.wire.copy_(bucket.flat)
             sent = bucket.sent
+            if bucket.wire is not None:
+                sent.copy_(bucket.flat)
+            if self._prescale != 1.0:  # on the wire's dtype, as Horovod scales a compressed gradient
+                sent.mul_(self._prescale)
+            if bucket is self._buckets[-1]:
+                sent[-1] = GUARD_DIFFERS if self._differs else GUARD_TRAINING
         with self._engine_errors():
-            bucket.request = self._group.start_allreduce(_numpy(sent), _dtype_name(sent), ReduceOp.SUM)
+            bucket.request = self._group.start_allreduce(self._buffer(sent), _dtype_name(sent), ReduceOp.SUM)
+
+    def _buffer(self, tensor: torch.Tensor) -> Any:
+        """What the plan's group reduces: a numpy view of a CPU tensor for the host engine, else the tensor."""
+        return _numpy(tensor) if self._host else tensor
 
     # ----------------------------------------------------------------- synchronize
     def finish(self) -> None:
@@ -201,8 +209,10 @@ class Reducer:
         self._start_ready()
         differs, self._differs = self._differs, []
         try:
-            guard = self._wait()
-            if read_guard(guard) == Guard.DIFFERS:
+            self._wait()
+            # Alone, the guard tells nothing that `differs` does not (and reading it makes the host wait for the
+            # GPU): a process set of one rank skips it.
+            if differs if self._group.size == 1 else read_guard(self._guard()) == Guard.DIFFERS:
                 self._fail(differs, training=True)
         finally:
             self._next = 0
@@ -210,22 +220,25 @@ class Reducer:
                 bucket.missing, bucket.request = len(bucket.params), None
         self.steps += 1
         for bucket in self._buckets:
+            if self._postscale != 1.0:  # on the wire's dtype, as Horovod scales a compressed sum
+                bucket.sent.mul_(self._postscale)
             if bucket.wire is not None:
                 bucket.flat.copy_(bucket.wire)
-            if self._postscale != 1.0:
-                bucket.flat.mul_(self._postscale)
             for p, view in zip(bucket.params, bucket.views):
                 if p.grad is not view:  # replaced after its bucket started: the average wins, as in Horovod
                     p.grad = view
 
-    def _wait(self, joined: bool = False) -> float:
-        """Wait for this step's collectives; the summed guard (of the zeros a rank in join() sent, if `joined`)."""
+    def _wait(self) -> None:
+        """Wait for this step's collectives."""
         alive = _Alive(self.runtime, self._group.size)
         with self._engine_errors():
             for bucket in self._buckets:
                 if bucket.request is not None:
                     bucket.request.wait(alive)
                     bucket.request = None
+
+    def _guard(self, joined: bool = False) -> float:
+        """The step's summed guard (in the zeros a rank in join() sent, if `joined`), once it has completed."""
         last = self._buckets[-1]
         sent = last.zeros if joined and last.zeros is not None else last.sent
         return float(sent[-1])
@@ -248,9 +261,12 @@ class Reducer:
     def _fail(self, differs: list[str], training: bool) -> None:
         """A rank's step differed: every rank exchanges one consistency word to learn which, and raises."""
         words = consistency_words(self._set_rank, self._group.size, self._digest, training, bool(differs))
+        sent = torch.from_numpy(words).to(self._device)  # on the host: the same memory
         with self._engine_errors():
-            self._group.start_allreduce(words, "int64", ReduceOp.SUM).wait(_Alive(self.runtime, self._group.size))
-        consistency = read_consistency(words, self._group.size, self._digest)
+            self._group.start_allreduce(self._buffer(sent), "int64", ReduceOp.SUM).wait(
+                _Alive(self.runtime, self._group.size)
+            )
+        consistency = read_consistency(sent.cpu().numpy(), self._group.size, self._digest)
         who = [self._ranks[i] for i in consistency.differing]
         text = (
             f"the planned gradient allreduce of DistributedOptimizer cannot complete this step: the step of "
@@ -299,7 +315,8 @@ class Reducer:
     def end_joined_step(self) -> bool:
         """After a completed joined step: whether every rank of the set has joined. A step whose guard says
         that a rank differs ends this plan here too, as it does on the training ranks (after their word)."""
-        guard = read_guard(self._wait(joined=True))
+        self._wait()
+        guard = read_guard(self._guard(joined=True))
         if guard == Guard.DIFFERS:
             try:
                 self._fail([], training=False)

@@ -214,6 +214,7 @@ def test_operations_libraries_are_named_without_case_as_in_horovod():
     s = Settings.from_env({"HOROVOD_CPU_OPERATIONS": "MPI", "HOROVOD_GPU_OPERATIONS": "NCCL"})
     assert (s.cpu_operations, s.gpu_operations) == ("mpi", "nccl")
     assert Settings.from_env({"HOROVOD_CPU_OPERATIONS": "Gloo"}).cpu_operations == "gloo"
+    assert Settings.from_env({"HOROVOD_GPU_OPERATIONS": "Gloo"}).gpu_operations == "gloo"  # ranks sharing a GPU
     with pytest.raises(ValueError, match="HOROVOD_GPU_OPERATIONS"):
         Settings.from_env({"HOROVOD_GPU_OPERATIONS": "RCCL"})
 

@@ -12,7 +12,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from hvdplus.common.engines.base import Engine
-from hvdplus.common.engines.torch_dist import gather_bytes
+from hvdplus.common.engines.torch_dist import (
+    TorchPlannedGroup,
+    gather_bytes,
+    open_torch_planned,
+    reduce_scatter_single,
+)
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["TorchTensorEngine"]
@@ -22,27 +27,32 @@ _WIDENED = {"int16": "int32", "uint16": "int32"}
 
 
 class TorchTensorEngine:
-    """Runs allreduce, allgather, broadcast, reduce-scatter and barrier on torch tensors with `backend`
-    ('nccl', or 'gloo' for CPU tensors), on process groups of its own beside the host engine's."""
+    """Runs allreduce, allgather, broadcast, reduce-scatter and barrier on torch tensors with `backend` ('nccl',
+    or 'gloo': CUDA tensors on a GPU that several ranks share, or CPU tensors on the test path), on process groups
+    of its own beside the host engine's."""
 
-    def __init__(self, host: Engine, backend: str, timeout_seconds: float, address: str) -> None:
-        """`address`: where rank 0 serves the rendezvous when torch.distributed is not initialised yet."""
+    def __init__(self, host: Engine, backend: str, timeout_seconds: float, address: str, name: str) -> None:
+        """`address`: where rank 0 serves the rendezvous when torch.distributed is not initialised yet. `name`: the
+        plane's (counters and messages)."""
         import torch
         import torch.distributed as dist
 
         self._torch, self._dist, self.backend = torch, dist, backend
-        self.name = backend
+        self.name = name
         self.rank, self.size = host.rank, host.size
         self._timeout = datetime.timedelta(seconds=timeout_seconds)
         self._owns_default = not dist.is_initialized()
         if self._owns_default:  # started by mpirun: no torch.distributed yet, so rendezvous over the host engine
+            self._store = self._store_over(host, address)
             dist.init_process_group(
                 backend,
-                store=self._store_over(host, address),
+                store=self._store,
                 rank=self.rank,
                 world_size=self.size,
                 timeout=self._timeout,
             )
+        else:
+            self._store = dist.distributed_c10d._get_default_store()
         self.world = self.new_group(range(self.size))
         self._ops = {
             ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -70,6 +80,12 @@ class TorchTensorEngine:
         ranks = sorted(ranks)
         group = self._dist.new_group(ranks, backend=self.backend, timeout=self._timeout)
         return group if self.rank in ranks else None
+
+    def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
+        """The planned path's group of `ranks` on this engine's backend: its buffers are the tensors themselves."""
+        return open_torch_planned(
+            self._dist, self.backend, self._store, ranks, self.rank, key, timeout_s, self._ops, _as_is
+        )
 
     def allreduce(self, buf: Any, dtype: str, op: ReduceOp, group: Any, send: Any | None = None) -> None:
         if send is not None:  # both backends reduce in place
@@ -105,10 +121,10 @@ class TorchTensorEngine:
         if self.backend == "nccl" and dtype not in _WIDENED and len(set(counts)) == 1:
             if send is None:  # in place: the output must not alias the input, so reduce into a copy of the slice
                 mine = recv[start : start + count].clone()
-                self._dist.reduce_scatter_single(mine, recv, op=self._ops[op], group=group)
+                reduce_scatter_single(self._dist)(mine, recv, op=self._ops[op], group=group)
                 recv[start : start + count] = mine
             else:
-                self._dist.reduce_scatter_single(recv, send, op=self._ops[op], group=group)
+                reduce_scatter_single(self._dist)(recv, send, op=self._ops[op], group=group)
             return
         if send is None:  # in place: this rank's slice of the reduced buffer is already at its offset
             self.allreduce(recv, dtype, op, group)
@@ -124,7 +140,11 @@ class TorchTensorEngine:
         """Destroy this engine's groups (and the default group, when this engine made it)."""
         if self._dist.is_initialized():
             self._dist.destroy_process_group(None if self._owns_default else self.world)
-        self.world = None
+        self.world = self._store = None
+
+
+def _as_is(tensor: Any, dtype: str) -> Any:
+    return tensor
 
 
 def _bytes(tensor: Any) -> Any:

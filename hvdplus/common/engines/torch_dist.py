@@ -20,7 +20,14 @@ from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.settings import LaunchEnv
 
-__all__ = ["TorchDistEngine", "gather_bytes"]
+__all__ = [
+    "TorchDistEngine",
+    "TorchPlannedGroup",
+    "all_gather_single",
+    "gather_bytes",
+    "open_torch_planned",
+    "reduce_scatter_single",
+]
 
 log = logging.getLogger("hvdplus")
 
@@ -202,7 +209,7 @@ class TorchDistEngine:
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         n = self._dist.get_world_size(group)
         sizes = self._torch.zeros(n, dtype=self._torch.int64)
-        self._dist.all_gather_single(sizes, self._torch.tensor([len(data)], dtype=self._torch.int64), group=group)
+        all_gather_single(self._dist)(sizes, self._torch.tensor([len(data)], dtype=self._torch.int64), group=group)
         counts = sizes.tolist()
         recv = np.empty(sum(counts), dtype=np.uint8)
         self.allgather(np.frombuffer(data, dtype=np.uint8).copy(), recv, counts, group)
@@ -246,16 +253,9 @@ class TorchDistEngine:
     def open_channel(self) -> GlooChannel:
         return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
 
-    def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> GlooPlannedGroup:
-        # A Gloo process group of the members only, met through the job's store under a prefix of its own: the
-        # other ranks take no part (torch's new_group would need every rank of the job).
+    def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
         store = self._beacon_store or self._dist.distributed_c10d._get_default_store()
-        prefix = self._dist.PrefixStore(f"hvdplus/planned/{key}/{'.'.join(map(str, ranks))}/", store)
-        # A step's buckets start while a peer may still be busy (a checkpoint, say): no timeout but the stall
-        # shutdown time, if set; a long wait is reported as a stall (_GlooPlannedWork).
-        timeout = _PLANNED_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        group = self._dist.ProcessGroupGloo(prefix, list(ranks).index(self.rank), len(ranks), timeout)
-        return GlooPlannedGroup(self._dist, self._torch, group, len(ranks), self._ops)
+        return open_torch_planned(self._dist, "gloo", store, ranks, self.rank, key, timeout_s, self._ops, self._tensor)
 
     def shutdown(self) -> None:
         """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
@@ -270,17 +270,28 @@ class TorchDistEngine:
                 os.unlink(self._srun_secret_file)
 
 
+def all_gather_single(dist: Any) -> Any:
+    """torch.distributed's allgather into one tensor: `all_gather_single` since torch 2.13, which deprecates
+    the `all_gather_into_tensor` of earlier releases (2.11 on the GPU machines has only that one)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_single(dist: Any) -> Any:
+    """Likewise `reduce_scatter_single` (torch 2.13), else `reduce_scatter_tensor`."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def gather_bytes(dist: Any, send: Any, recv: Any, byte_counts: Sequence[int], group: Any) -> None:
     """Allgather of flat uint8 tensors, byte_counts[r] bytes from rank r into `recv` end to end (`send` must not
     alias `recv`). Uneven parts travel padded to the longest: Gloo's allgather needs equal sizes."""
     longest = max(byte_counts)
     if all(count == longest for count in byte_counts):
-        dist.all_gather_single(recv, send, group=group)
+        all_gather_single(dist)(recv, send, group=group)
         return
     padded = recv.new_zeros(longest)
     padded[: send.numel()] = send
     gathered = recv.new_empty(len(byte_counts) * longest)
-    dist.all_gather_single(gathered, padded, group=group)
+    all_gather_single(dist)(gathered, padded, group=group)
     offset = 0
     for row, count in zip(gathered.view(len(byte_counts), longest), byte_counts):
         recv[offset : offset + count] = row[:count]
@@ -429,24 +440,57 @@ class GlooChannel:
         self._dist.destroy_process_group(self._group)
 
 
-class GlooPlannedGroup:
-    """The planned path's communicator: Gloo's asynchronous allreduce, run by the group's own threads."""
+def open_torch_planned(
+    dist: Any,
+    backend: str,
+    store: Any,
+    ranks: Sequence[int],
+    rank: int,
+    key: int,
+    timeout_s: float | None,
+    ops: dict[ReduceOp, Any],
+    tensor_of: Callable[[Any, str], Any],
+) -> TorchPlannedGroup:
+    """A planned-path group ('gloo' or 'nccl') of `ranks` only, met through the job's `store` under a prefix of
+    its own: the other ranks take no part (torch's new_group would need every rank of the job). A step's buckets
+    start while a peer may still be busy (a checkpoint, say): no timeout but the stall shutdown time, if set; a
+    long wait is reported as a stall (_TorchPlannedWork). `tensor_of(buf, dtype)`: the caller's buffer as a tensor."""
+    prefix = dist.PrefixStore(f"hvdplus/planned/{backend}/{key}/{'.'.join(map(str, ranks))}/", store)
+    timeout = _PLANNED_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+    index = list(ranks).index(rank)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
+    else:
+        import torch
 
-    def __init__(self, dist: Any, torch: Any, group: Any, size: int, ops: dict[ReduceOp, Any]) -> None:
+        group = dist.ProcessGroupGloo(prefix, index, len(ranks), timeout)
+        # Gloo's constructor can return on one rank while a peer still connects to it: a group dropped at once (an
+        # optimizer made for one step) would close that connection under the peer. Leave once every pair is up.
+        group.allreduce([torch.zeros(1)]).wait()
+    return TorchPlannedGroup(dist, group, len(ranks), ops, tensor_of)
+
+
+class TorchPlannedGroup:
+    """The planned path's communicator: torch.distributed's asynchronous allreduce on a group of its own (Gloo's
+    threads move it; NCCL, on a stream of its own)."""
+
+    def __init__(
+        self, dist: Any, group: Any, size: int, ops: dict[ReduceOp, Any], tensor_of: Callable[[Any, str], Any]
+    ) -> None:
         """`ops`: the engine's map from hvdplus's reduce ops to torch's."""
-        self._torch, self._group, self.size = torch, group, size
+        self._group, self.size, self._tensor_of = group, size, tensor_of
         self._options: dict[ReduceOp, Any] = {}
         for op, torch_op in ops.items():
             self._options[op] = dist.AllreduceOptions()
             self._options[op].reduceOp = torch_op
 
-    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> _GlooPlannedWork:
+    def start_allreduce(self, buf: Any, dtype: str, op: ReduceOp) -> _TorchPlannedWork:
         if dtype in _WIDENED:
-            raise TypeError(f"the planned path does not reduce {dtype} over Gloo")
-        tensor = self._torch.from_numpy(buf)
-        if dtype == "bfloat16":
-            tensor = tensor.view(self._torch.bfloat16)
-        return _GlooPlannedWork(self._group.allreduce([tensor], self._options[op]), tensor)
+            raise TypeError(f"the planned path does not reduce {dtype} over torch.distributed")
+        tensor = self._tensor_of(buf, dtype)
+        return _TorchPlannedWork(self._group.allreduce([tensor], self._options[op]), tensor)
 
     def close(self) -> None:
         self._group = None  # the group's threads and connections go with its last reference
@@ -463,10 +507,11 @@ class _GlooTransfer:
         self._work.wait()  # a timed wait would close the connection to the peer when the time is up
 
 
-class _GlooPlannedWork:
-    """A planned allreduce in flight: Gloo's threads move it, and `wait` sleeps on it (no core spent, woken the
-    moment it completes). A wait that lasts is watched from the side (`_WATCHDOG`): Gloo's timed wait, the other
-    way to look up now and then, costs ~0.4 ms more per wait here, and polling more still on a busy host."""
+class _TorchPlannedWork:
+    """A planned allreduce in flight. Over Gloo, `wait` sleeps on it (no core spent, woken the moment it
+    completes); over NCCL, it makes the caller's current stream wait for it and returns. A wait that lasts is
+    watched from the side (`_WATCHDOG`): Gloo's timed wait, the other way to look up now and then, costs ~0.4 ms
+    more per wait here, and polling more still on a busy host."""
 
     def __init__(self, work: Any, tensor: Any) -> None:
         self._work, self._tensor = work, tensor  # the tensor stays alive until the work completes

@@ -237,7 +237,8 @@ def test_set_backward_passes_per_step_and_too_many_passes(hvd):
 def test_buckets_follow_the_engine_unless_set(hvd):
     """With HVDPLUS_BUCKET_BYTES unset, buckets follow the engine's costs: over Gloo (a call costs milliseconds) a
     1.6 MB gradient shares DDP's 25 MiB bucket with the small ones; over MPI (a call costs microseconds) it goes
-    alone, in place, and only the small ones go in buckets. A value set for the job wins (0: Horovod's path)."""
+    alone, in place, and only the small ones go in buckets. Tensors on a device plane (CUDA tensors on NCCL; CPU
+    tensors with HVDPLUS_DEVICE_PATH_ON_CPU=1) share DDP's bucket on every engine. A value set for the job wins."""
     from hvdplus.common.basics import runtime
 
     model = torch.nn.Sequential(torch.nn.Linear(640, 640), torch.nn.ReLU(), torch.nn.Linear(640, 3))
@@ -249,6 +250,8 @@ def test_buckets_follow_the_engine_unless_set(hvd):
     assert large.numel() * 4 > 1 << 20
     if runtime().settings.bucket_bytes is not None:
         assert runtime().bucket_bytes == runtime().settings.bucket_bytes
+    elif runtime().settings.device_path_on_cpu:
+        assert buckets == {frozenset(model.parameters())}
     elif hvd.gloo_enabled():
         assert runtime().bucket_bytes == 25 << 20 and buckets == {frozenset(model.parameters())}
     else:  # alone: a group of its own

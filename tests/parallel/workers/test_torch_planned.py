@@ -118,6 +118,9 @@ def test_planned_steps_match_negotiated_with_no_copies_and_no_rounds(hvd):
     reducer = optimizer._reducer
     assert reducer is not None, "the plan did not freeze after the first negotiated step"
     assert reducer.steps == STEPS - 1 and reducer.copies == 0
+    # On the plane the gradients travel on: the host engine, or (HVDPLUS_DEVICE_PATH_ON_CPU=1, the CUDA code
+    # path on CPU tensors) the device plane's torch.distributed engine, whose group takes the tensors themselves.
+    assert reducer._host is not runtime().settings.device_path_on_cpu
     # Steps 3 to 6 ran no control round: no negotiation, no hand-off to the background thread.
     assert rounds[1] == rounds[-1] > 0, rounds
     # Every gradient is a view of a bucket: backward wrote into the buffer that was reduced.
