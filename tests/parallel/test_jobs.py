@@ -100,6 +100,21 @@ def test_cuda_suite_on_one_rank():
 
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("np", [2, 3])
+def test_cuda_suite_on_ranks_sharing_a_gpu(np):
+    """The CUDA worker tests with several ranks on one GPU: HOROVOD_GPU_OPERATIONS=gloo (Gloo on CUDA tensors), the
+    planned path included; on machines with a GPU."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    argv = pytest_argv(str(WORKERS / "test_torch_cuda.py"))
+    code, output = run_job("gloo", np, argv, extra_env={"HOROVOD_GPU_OPERATIONS": "gloo"})
+    assert code == 0, f"CUDA job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran("gloo", np, output, at_least=12)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("engine", ["mpi"])  # ZeRO itself runs on every engine in the worker suite
 def test_zero_checkpoint_from_2_ranks_resumes_on_3(engine, tmp_path):
     """ZeroOptimizer's consolidated state saved by a 2-rank job is resharded by a 3-rank job, which then trains on
