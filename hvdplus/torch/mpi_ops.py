@@ -809,8 +809,8 @@ def join(device: int = -1) -> int:
 
     Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
     Returns the rank that joined last. Collective: every rank must call it once per epoch. DistributedOptimizers
-    on the planned path get their zeros from here too (torch/reducer.py: serve_joined)."""
-    from hvdplus.torch.reducer import serve_joined  # the reducer builds on this module
+    on the planned path get their zeros from here too (torch/planned_steps.py: serve_joined)."""
+    from hvdplus.torch.planned_steps import serve_joined  # the planned steps build on this module
 
     handle = core.submit_join()
     serve_joined()

@@ -13,41 +13,19 @@ and scales. Compression (fp16, bf16) casts the whole bucket into a persistent wi
 
 from __future__ import annotations
 
-import gc
-import logging
-import time
-import weakref
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
-from hvdplus.common import basics
 from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
-from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
+from hvdplus.common.exceptions import PlanMismatchError
 from hvdplus.common.ops import ReduceOp
-from hvdplus.common.step_plan import (
-    GUARD_DIFFERS,
-    GUARD_TRAINING,
-    Guard,
-    consistency_words,
-    read_consistency,
-    read_guard,
-)
-from hvdplus.torch.mpi_ops import _dtype_name, _numpy
+from hvdplus.common.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
+from hvdplus.torch.mpi_ops import _dtype_name
+from hvdplus.torch.planned_steps import PlannedStep
 
-__all__ = ["Reducer", "serve_joined"]
-
-log = logging.getLogger("hvdplus")
-
-# Reducers whose plan is frozen on this rank: join() runs their steps with zeros while other ranks still train.
-# Held weakly: an optimizer the program dropped releases its buffers and communicator with it (weakref.finalize).
-# Every member must serve the same plans, so join() first runs a full garbage collection, after which the plans
-# left are those the program still holds, the same on every rank.
-_FROZEN: weakref.WeakSet[Reducer] = weakref.WeakSet()
-_JOIN_POLL_S = 1e-3
+__all__ = ["Reducer"]
 
 
 @dataclass
@@ -66,8 +44,11 @@ class _Bucket:
         return self.flat if self.wire is None else self.wire
 
 
-class Reducer:
+class Reducer(PlannedStep):
     """The gradient buckets of one DistributedOptimizer with a frozen plan, on one process set."""
+
+    what = "a planned gradient allreduce"
+    title = "the planned gradient allreduce of DistributedOptimizer"
 
     def __init__(
         self,
@@ -82,14 +63,10 @@ class Reducer:
         host: bool = True,
     ) -> None:
         """`plan`: positions in `params` of each bucket's gradients, in launch order, covering every parameter.
-        `ranks`: the process set's global ranks. `scales`: (before, after) the sum. `host`: whether `group` is the
-        host engine's, which takes numpy views of CPU buffers (else a device plane's, which takes the tensors)."""
-        self.runtime = basics.runtime()
+        `scales`: (before, after) the sum. The other arguments: PlannedStep's."""
+        super().__init__(group, ranks, digest, host, params[0].device)
         self._names = names
-        self._group, self._ranks, self._digest = group, tuple(ranks), digest
-        self._set_rank = self._ranks.index(self.runtime.rank)
         self._prescale, self._postscale = scales
-        self._host, self._device = host, params[0].device
         self._buckets: list[_Bucket] = []
         self._where: dict[torch.Tensor, tuple[_Bucket, int]] = {}
         for number, positions in enumerate(plan):
@@ -119,8 +96,6 @@ class Reducer:
                     self.copies -= 1  # taking over the gradients of the last negotiated step is not a step's copy
                 else:
                     p.grad = bucket.views[index]
-        _FROZEN.add(self)
-        self._release = weakref.finalize(self, group.close)  # at close(), or when the optimizer is collected
 
     # ----------------------------------------------------------------- backward
     def launched(self, p: torch.Tensor) -> bool:
@@ -130,11 +105,6 @@ class Reducer:
     @property
     def in_flight(self) -> bool:
         return any(bucket.request is not None for bucket in self._buckets)
-
-    @property
-    def closed(self) -> bool:
-        """Whether the plan was dropped (a failed step, an engine error, a new job): the optimizer negotiates."""
-        return self not in _FROZEN
 
     def owns(self, p: torch.Tensor) -> bool:
         """Whether p's gradient lives in one of the plan's buckets."""
@@ -193,10 +163,6 @@ class Reducer:
         with self._engine_errors():
             bucket.request = self._group.start_allreduce(self._buffer(sent), _dtype_name(sent), ReduceOp.SUM)
 
-    def _buffer(self, tensor: torch.Tensor) -> Any:
-        """What the plan's group reduces: a numpy view of a CPU tensor for the host engine, else the tensor."""
-        return _numpy(tensor) if self._host else tensor
-
     # ----------------------------------------------------------------- synchronize
     def finish(self) -> None:
         """Start the buckets backward left (their missing gradients are zeros or the values in place), wait, read
@@ -230,7 +196,7 @@ class Reducer:
 
     def _wait(self) -> None:
         """Wait for this step's collectives."""
-        alive = _Alive(self.runtime, self._group.size)
+        alive = self._alive()
         with self._engine_errors():
             for bucket in self._buckets:
                 if bucket.request is not None:
@@ -242,44 +208,6 @@ class Reducer:
         last = self._buckets[-1]
         sent = last.zeros if joined and last.zeros is not None else last.sent
         return float(sent[-1])
-
-    @contextmanager
-    def _engine_errors(self) -> Iterator[None]:
-        """An engine's error (a peer died: Gloo's connection closed) becomes the HorovodInternalError the
-        negotiated path raises, which elastic training recovers from; the plan is dropped."""
-        try:
-            yield
-        except HorovodInternalError:
-            self.close()
-            raise
-        except Exception as exc:
-            self.close()
-            raise HorovodInternalError(
-                f"planned gradient allreduce failed on rank {self.runtime.rank}: {type(exc).__name__}: {exc}"
-            ) from exc
-
-    def _fail(self, differs: list[str], training: bool) -> None:
-        """A rank's step differed: every rank exchanges one consistency word to learn which, and raises."""
-        words = consistency_words(self._set_rank, self._group.size, self._digest, training, bool(differs))
-        sent = torch.from_numpy(words).to(self._device)  # on the host: the same memory
-        with self._engine_errors():
-            self._group.start_allreduce(self._buffer(sent), "int64", ReduceOp.SUM).wait(
-                _Alive(self.runtime, self._group.size)
-            )
-        consistency = read_consistency(sent.cpu().numpy(), self._group.size, self._digest)
-        who = [self._ranks[i] for i in consistency.differing]
-        text = (
-            f"the planned gradient allreduce of DistributedOptimizer cannot complete this step: the step of "
-            f"rank(s) {who} differs from the plan frozen on every rank (a changed model)"
-        )
-        if not consistency.digests_agree:
-            text += " (and the ranks ran plans with different digests)"
-        if differs:
-            text += f"; here: {'; '.join(differs[:3])}"
-        self.close()
-        raise PlanMismatchError(
-            text + ". The step's gradients are partly reduced and not usable; the next step negotiates again."
-        )
 
     def zero_grad(self) -> None:
         """Zero the buckets in place, keeping every p.grad a view (the planned path never drops the memory)."""
@@ -323,57 +251,3 @@ class Reducer:
             except PlanMismatchError:
                 return True
         return guard == Guard.EVERYONE_JOINED
-
-    def close(self) -> None:
-        """Drop the plan: release its communicator (once; later calls do nothing)."""
-        _FROZEN.discard(self)
-        self._release()
-
-
-class _Alive:
-    """Called between polls while a planned step waits: raise once hvdplus has failed, warn once about a stall."""
-
-    def __init__(self, runtime: basics.Runtime, size: int) -> None:
-        self._runtime, self._started, self._warned = runtime, time.monotonic(), False
-        self._size = size
-
-    def __call__(self) -> None:
-        if not self._runtime.coordinator.running:
-            raise HorovodInternalError("hvdplus stopped while a planned gradient allreduce was in flight")
-        settings = self._runtime.settings
-        waited = time.monotonic() - self._started
-        if not self._warned and not settings.stall_check_disable and waited > settings.stall_check_time_seconds:
-            self._warned = True
-            log.warning(
-                "a planned gradient allreduce has waited %.0f s for the other %d rank(s) of its process set: "
-                "a rank may have stopped calling optimizer.step() (or join())",
-                waited,
-                self._size - 1,
-            )
-        limit = settings.stall_shutdown_time_seconds
-        if limit > 0 and waited > limit:
-            raise HorovodInternalError(
-                f"a planned gradient allreduce stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}"
-            )
-
-
-def serve_joined() -> None:
-    """join(): while other ranks still train, run every frozen plan's steps with zeros, as the negotiated path
-    contributes zeros to their allreduces. Each plan is served until a step's guard shows that no rank trains
-    any more (every rank then stops at that same step)."""
-    current = basics.runtime()
-    gc.collect()  # plans of optimizers the program dropped go now, on every rank alike
-    for stale in [reducer for reducer in _FROZEN if reducer.runtime is not current]:  # an earlier job's
-        stale.close()
-    serving = list(_FROZEN)
-    for reducer in serving:
-        reducer.start_joined_step()
-    alive = _Alive(current, current.size)
-    while serving:
-        time.sleep(_JOIN_POLL_S)
-        alive()
-        for reducer in [reducer for reducer in serving if reducer.joined_step_done()]:
-            if reducer.end_joined_step():
-                serving.remove(reducer)
-            else:
-                reducer.start_joined_step()

@@ -267,7 +267,7 @@ def test_a_dropped_optimizer_releases_its_plan(hvd):
     import gc
     import weakref
 
-    from hvdplus.torch import reducer as reducers
+    from hvdplus.torch import planned_steps
 
     with planned(True):
         model, optimizer = train(hvd, "plan.dropped", steps=2)
@@ -276,5 +276,5 @@ def test_a_dropped_optimizer_releases_its_plan(hvd):
     del model, optimizer
     gc.collect()  # the hooks hold the optimizer in a cycle with the parameters
     assert reducer() is None and group() is None, "the plan's buffers and communicator outlived its optimizer"
-    assert all(r().runtime is not None for r in map(weakref.ref, reducers._FROZEN))
+    assert all(r().runtime is not None for r in map(weakref.ref, planned_steps._FROZEN))
     hvd.join()  # serves only the plans still held, the same on every rank
