@@ -14,13 +14,13 @@ from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.messages import Key, Request, Response, SameRequest
 from hvdplus.common.ops import OpKind
 
-__all__ = ["MessageTable", "Stall", "validate", "device_kind", "disagreement", "JOIN_KEY"]
+__all__ = ["MessageTable", "Stall", "validate", "device_kind", "disagreement", "JOIN_KEY", "NOT_WITH_JOIN"]
 
 JOIN_KEY: Key = (0, "__hvdplus_join__")
 
 _SAME_SHAPE = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
 # Horovod's words (controller.cc, ConstructResponse) for the collectives that fail while a member has joined.
-_NOT_WITH_JOIN = {
+NOT_WITH_JOIN = {
     OpKind.ALLGATHER: "Allgather is not supported with Join at this time. "
     "Specify sparse_to_dense=True if using DistributedOptimizer",
     OpKind.ALLTOALL: "Alltoall is not supported with Join at this time.",
@@ -120,7 +120,7 @@ def _join_error(request: Request, joined: int) -> str:
     """Why a collective other than allreduce fails while the ranks of mask `joined` have joined (Horovod's
     message first, so that code matching it keeps working)."""
     who = f"{_ranks_text(_ranks_of(joined))} called join(), and only allreduce runs while ranks have joined"
-    known = _NOT_WITH_JOIN.get(request.kind)
+    known = NOT_WITH_JOIN.get(request.kind)
     if known is not None:
         return f"{known} ({request.describe()}: {who})."
     return f"{request.describe()} cannot run: {who}."

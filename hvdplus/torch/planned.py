@@ -16,16 +16,17 @@ import torch
 
 from hvdplus.common.basics import ProcessSet, runtime
 from hvdplus.common.compression import CastCompressor, NoneCompressor
+from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.grouping import bucket_indices
 from hvdplus.common.ops import Average, Min, ReduceOp, Sum
 from hvdplus.common.step_plan import Decision, agreement_words, decide, plan_digest
 from hvdplus.torch.mpi_ops import _DTYPE_NAMES, _plane_kind, allreduce
 from hvdplus.torch.reducer import Reducer
 
-__all__ = ["DEVICE_BUCKET_BYTES", "bucket_sizes", "try_freeze"]
+__all__ = ["DEVICE_BUCKET_BYTES", "bucket_sizes", "freeze_plan", "try_freeze", "wire_dtype"]
 
 
-def _wire_dtype(compression: Any) -> tuple[bool, torch.dtype | None]:
+def wire_dtype(compression: Any) -> tuple[bool, torch.dtype | None]:
     """(whether the planned path can apply it to whole buckets, the dtype buckets travel in)."""
     if compression is NoneCompressor or type(compression) is NoneCompressor:
         return True, None
@@ -71,7 +72,7 @@ def _eligible(params: Sequence[torch.Tensor], op: ReduceOp, groups_given: bool, 
         return False  # the user asked for negotiation, or for what only the executor does
     if bucket_sizes(params)[0] <= 0:
         return False  # HVDPLUS_BUCKET_BYTES=0: one allreduce per gradient, as in Horovod
-    if op not in (Average, Sum) or groups_given or not _wire_dtype(compression)[0] or _carrier(params) is None:
+    if op not in (Average, Sum) or groups_given or not wire_dtype(compression)[0] or _carrier(params) is None:
         return False
     return all(
         p.layout == torch.strided
@@ -93,29 +94,36 @@ def try_freeze(
 ) -> Reducer | Decision:
     """Collective over the process set: agree on freezing this optimizer's step plan; the reducer, or why not.
     `scales`: the (prescale, postscale) of the negotiated allreduces."""
-    rt = runtime()
-    set_id = process_set.process_set_id or 0
-    ranks = list(range(rt.size)) if set_id == 0 else list(process_set.ranks)
     # In launch order: the last layers' gradients first, as backward makes them.
     plan = bucket_indices(
         [p.numel() * p.element_size() for p in params], [p.dtype for p in params], bucket_sizes(params)[0], None
     )
-    wire = _wire_dtype(compression)[1]
+    wire = wire_dtype(compression)[1]
     prescale, postscale = scales
     if op == Average:
-        postscale /= len(ranks)
+        postscale /= process_set.size()
     eligible = _eligible(params, op, groups_given, compression)
+    items = [op.name, prescale, postscale, wire, plan] + [(names[p], tuple(p.shape), p.dtype) for p in params]
+    name = f"hvdplus.plan_agreement.{names[params[0]] if params else ''}"
+    frozen = freeze_plan(params, eligible, items, name, process_set)
+    if isinstance(frozen, Decision):
+        return frozen
+    group, ranks, digest, host = frozen
+    return Reducer(params, names, plan, group, ranks, digest, wire, (prescale, postscale), host=host)
+
+
+def freeze_plan(
+    params: Sequence[torch.Tensor], eligible: bool, items: list[Any], name: str, process_set: ProcessSet
+) -> tuple[PlannedGroup, list[int], int, bool] | Decision:
+    """Collective over the process set: agree, under `name`, on freezing the plan that `items` describe (the
+    set's ranks and the plane `params` travel on join them); (the plan's new group, the set's global ranks, the
+    digest, whether the group is the host engine's), or the decision not to freeze (yet)."""
+    rt = runtime()
+    set_id = process_set.process_set_id or 0
+    ranks = list(range(rt.size)) if set_id == 0 else list(process_set.ranks)
     carrier = _carrier(params) if eligible else None
-    plane = "" if carrier is None else carrier[1]
-    digest = plan_digest(
-        [ranks, op.name, prescale, postscale, wire, plane, plan] + [(names[p], tuple(p.shape), p.dtype) for p in params]
-    )
-    words = allreduce(
-        torch.from_numpy(agreement_words(eligible, digest)),
-        op=Min,
-        name=f"hvdplus.plan_agreement.{names[params[0]] if params else ''}",
-        process_set=process_set,
-    )
+    digest = plan_digest([ranks, "" if carrier is None else carrier[1], *items])
+    words = allreduce(torch.from_numpy(agreement_words(eligible, digest)), op=Min, name=name, process_set=process_set)
     decision = decide(words.numpy(), digest)
     if decision != Decision.FREEZE:
         return decision
@@ -125,4 +133,4 @@ def try_freeze(
     engine, plane = carrier
     group = engine.open_planned(ranks, key, rt.settings.stall_shutdown_time_seconds or None)
     rt.coordinator.close_at_shutdown(group)
-    return Reducer(params, names, plan, group, ranks, digest, wire, (prescale, postscale), host=plane == "host")
+    return group, ranks, digest, plane == "host"

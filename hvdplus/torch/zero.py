@@ -19,7 +19,9 @@ Checkpoints: zero_state.py."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +35,7 @@ from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_passes
 from hvdplus.common.sharding import DtypePartition, bucket_ranges, counts_within, parameter_mismatch, partition
+from hvdplus.common.step_plan import Decision
 from hvdplus.common.subclassing import disguised_subclass
 from hvdplus.torch._optimizer import (
     _TOO_MANY_PASSES,
@@ -40,9 +43,12 @@ from hvdplus.torch._optimizer import (
     AllreduceInFlightError,
     _constructor_kwargs,
     _parameter_names,
+    _remove_hooks,
 )
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.mpi_ops import _dtype_name, _numpy
+from hvdplus.torch.planned import freeze_plan, wire_dtype
+from hvdplus.torch.shard_plan import ShardPlan
 from hvdplus.torch.zero3 import sharded_model_of
 from hvdplus.torch.zero_state import ZeroStateDicts
 
@@ -76,13 +82,14 @@ class _Bucket:
     """A run of whole parameters of one flat sequence, reduce-scattered together once per backward pass from a
     transient buffer (the only full-size gradient memory, alive from its first gradient to its reduce-scatter)."""
 
-    __slots__ = ("flat", "start", "end", "params", "written", "fills", "buffer")
+    __slots__ = ("flat", "start", "end", "params", "written", "fills", "buffer", "ready")
 
     def __init__(self, flat: int, start: int, end: int, params: tuple[int, ...]) -> None:
         self.flat, self.start, self.end, self.params = flat, start, end, params
         self.written: set[int] = set()  # parameters whose gradient is in the current fill
         self.fills = 0  # reduce-scatters started since the last step
         self.buffer: torch.Tensor | None = None
+        self.ready = False  # planned: full, waiting for the buckets before it in plan order to start
 
 
 class _Shards:
@@ -132,8 +139,15 @@ class _Shards:
         # Reduce-scatters in flight before the oldest is finished and its buffer freed: two buckets, or one ZeRO-3
         # unit (a unit's backward takes far longer than its reduce-scatter, so one overlaps it already).
         self.in_flight_limit = 1 if sharded is not None else 2
-        self.in_flight: list[tuple[_Bucket, Any, torch.Tensor, Any, int, int, torch.Tensor]] = []
+        self.in_flight: list[tuple[_Bucket, Any, torch.Tensor, Any, int, int, torch.Tensor, ShardPlan | None]] = []
         self.spares: list[torch.Tensor] = []
+        # The planned path (stages 1 and 2, one backward pass a step): once every rank agrees after a negotiated
+        # step, the buckets' reduce-scatters start in plan order on a communicator of the plan's own.
+        self.frozen: ShardPlan | None = None
+        self.freeze = Decision.RETRY if sharded is None and passes == 1 else Decision.NEVER
+        self.next_bucket = 0  # planned: the first bucket not started this step
+        self.differs: list[str] = []  # planned: how this rank's step differs from the plan (a changed model)
+        self.addresses: list[int] = []  # planned: where each parameter's data was when the plan froze
         # The shard parameters: one per parameter piece in this rank's range, shaped like the parameter when the
         # piece is all of it (a 0-d one stays 1-D: 0-d state means one value per shard, like Adam's step). The
         # wrapped optimizer then sees the tensors it would see unsharded (per-tensor rules such as LAMB's trust
@@ -213,24 +227,34 @@ class _Shards:
     # ------------------------------------------------------------------ backward
     def gradient_ready(self, i: int) -> None:
         """Hook body: add p.grad into its bucket's buffer and free it; start the bucket once it is full."""
+        self._drop_closed_plan()
         p, bucket = self.params[i], self.bucket_of[i]
         if self.passes_done[i] >= self.passes:
             raise AllreduceInFlightError(_TOO_MANY_PASSES)
         grad = p.grad
         assert grad is not None  # a post-accumulate-grad hook runs once p.grad is set
+        wrong = None
         if grad.is_sparse:
-            raise TypeError(
+            wrong = (
                 f"ZeroOptimizer shards dense gradients only; parameter {self.names[i]!r} has a sparse "
                 f"one (use DistributedOptimizer for sparse embeddings)"
             )
+            if self.frozen is None:
+                raise TypeError(wrong)
+        elif self.frozen is not None and (grad.numel() != self.numels[i] or grad.dtype != self.params[i].dtype):
+            wrong = f"parameter {self.names[i]!r} has a {grad.dtype} gradient of {grad.numel()} elements"
         if i in bucket.written:  # a second pass reached it before the rest of the bucket: send what is there
             self.start(bucket)
         if bucket.buffer is None:
             bucket.buffer = self.bucket_buffer(bucket)
         k, offset = self.where[i]
         offset -= bucket.start
-        with torch.no_grad():
-            bucket.buffer[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+        if wrong is None:
+            with torch.no_grad():
+                bucket.buffer[offset : offset + grad.numel()].copy_(grad.reshape(-1))
+        else:  # planned: the step goes on with zeros, and its guard makes every rank raise, naming this one
+            self.differs.append(wrong)
+            bucket.buffer[offset : offset + self.numels[i]].zero_()
         p.grad = None
         bucket.written.add(i)
         self.passes_done[i] += 1
@@ -238,6 +262,17 @@ class _Shards:
             self.start(bucket)
 
     def start(self, bucket: _Bucket) -> None:
+        """Send one fill of a bucket now, or on the planned path once the buckets before it in plan order have
+        started (every rank then starts the same reduce-scatters in the same order)."""
+        if self.frozen is None:
+            self._send(bucket)
+            return
+        bucket.ready = True
+        while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].ready:
+            self._send(self.buckets[self.next_bucket])
+            self.next_bucket += 1
+
+    def _send(self, bucket: _Bucket) -> None:
         """Reduce-scatter one fill of a bucket (zeros for parameters that got no gradient in it) from its
         buffer: this rank's slice of the buffer receives the average over the set."""
         flat = self.flats[bucket.flat]
@@ -258,17 +293,22 @@ class _Shards:
             name, tag = self.sharded.next_name(), f"gradients of unit {unit.name!r}"
         else:
             name, tag = f"ZeroOptimizer.{self.names[bucket.params[0]]}.{bucket.fills}", ""
-        handle = core.submit_reducescatter(
-            array,
-            _dtype_name(sent),
-            name,
-            ReduceOp.AVERAGE,
-            process_set=self.process_set,
-            counts=counts,
-            output=array[offset : offset + count],
-            tag=tag,
-        )
-        self.in_flight.append((bucket, handle, sent, ctx, offset, count, bucket.buffer))
+        plan = self.frozen
+        handle: Any
+        if plan is not None:
+            handle = plan.reducescatter(sent, counts)  # the sum: finish() averages this rank's slice
+        else:
+            handle = core.submit_reducescatter(
+                array,
+                _dtype_name(sent),
+                name,
+                ReduceOp.AVERAGE,
+                process_set=self.process_set,
+                counts=counts,
+                output=array[offset : offset + count],
+                tag=tag,
+            )
+        self.in_flight.append((bucket, handle, sent, ctx, offset, count, bucket.buffer, plan))
         bucket.buffer, bucket.fills = None, bucket.fills + 1
         bucket.written = set()
         if (
@@ -291,8 +331,13 @@ class _Shards:
         """Wait for one reduce-scatter, add this rank's averaged slice into its gradient shard, and keep the
         buffer as a spare (ZeRO-3's equal units then reuse two buffers instead of faulting in fresh pages for
         each; the spares go at step())."""
-        bucket, handle, sent, ctx, offset, count, buffer = entry
-        handle.wait()
+        bucket, handle, sent, ctx, offset, count, buffer, plan = entry
+        if plan is None:
+            handle.wait()
+        else:
+            plan.wait(handle)
+            with torch.no_grad():  # on the wire's dtype, as Horovod averages a compressed gradient
+                sent[offset : offset + count].mul_(1.0 / self.size)
         if count:
             flat = self.flats[bucket.flat]
             mine = self.compression.decompress(sent[offset : offset + count], ctx)
@@ -311,21 +356,80 @@ class _Shards:
         """Send the buckets' partial fills, bring every bucket to `passes` reduce-scatters (the same number on
         every rank, whichever gradients each produced), wait for them all, and point the shard parameters'
         gradients at this rank's averaged slices. Collective."""
+        self._drop_closed_plan()
         try:
-            for bucket in self.buckets:
-                if bucket.written:
-                    self.start(bucket)
-                while bucket.fills < self.passes:
-                    self.start(bucket)
-            self.finish_in_flight()
+            if self.frozen is not None:
+                self._synchronize_planned(self.frozen)
+            else:
+                for bucket in self.buckets:
+                    if bucket.written:
+                        self.start(bucket)
+                    while bucket.fills < self.passes:
+                        self.start(bucket)
+                self.finish_in_flight()
+        except BaseException:
+            if self.frozen is not None and self.frozen.closed:  # the step failed on every rank, or the engine
+                self.frozen = None
+            raise
         finally:
             for bucket in self.buckets:
-                bucket.fills, bucket.written, bucket.buffer = 0, set(), None
+                bucket.fills, bucket.written, bucket.buffer, bucket.ready = 0, set(), None, False
             self.in_flight, self.spares = [], []
             self.passes_done = [0] * len(self.params)
+            self.next_bucket, self.differs = 0, []
         for shard, grad in zip(self.shard_params, self.shard_views("grad")):
             shard.grad = grad
         self.synchronized = True
+        if self.frozen is None and self.freeze == Decision.RETRY and self.size > 1:
+            self._try_freeze()
+
+    def _drop_closed_plan(self) -> None:
+        """A plan that ended outside a step (join() served its last step, hvdplus shut down): negotiate again."""
+        if self.frozen is not None and self.frozen.closed and not self.in_flight:
+            self.frozen = None
+
+    def _synchronize_planned(self, plan: ShardPlan) -> None:
+        """Start the buckets backward left (their missing gradients are zeros), then the guard; wait; and raise
+        on every rank alike if a rank's step differed or a rank is in join()."""
+        for bucket in self.buckets:
+            if not bucket.fills:
+                self.start(bucket)
+        differs = self.differs + [
+            f"parameter {self.names[i]!r} no longer is the view of ZeroOptimizer's flat buffer it was"
+            for i, (p, address) in enumerate(zip(self.params, self.addresses))
+            if p.data_ptr() != address or p.dtype != self.flats[self.where[i][0]].master.dtype
+        ]
+        plan.start_guard(bool(differs))
+        self.finish_in_flight()
+        plan.check_guard(differs)
+
+    def _try_freeze(self) -> None:
+        """After a negotiated step (collective): freeze the plan if every rank can, with the same buckets."""
+        settings = runtime().settings
+        carried, wire = wire_dtype(self.compression)
+        eligible = carried and settings.planned_path and not settings.hierarchical_allreduce and not settings.autotune
+        items = [
+            "ZeroOptimizer",
+            wire,
+            [(bucket.flat, bucket.start, bucket.end) for bucket in self.buckets],
+            [tuple(flat.part.bounds) for flat in self.flats],
+            [(name, tuple(p.shape), p.dtype) for name, p in zip(self.names, self.params)],
+        ]
+        name = f"hvdplus.zero_plan_agreement.{self.names[0] if self.names else ''}"
+        frozen = freeze_plan(self.params, eligible, items, name, self.process_set)
+        if isinstance(frozen, Decision):
+            self.freeze = frozen
+            return
+        group, ranks, digest, host = frozen
+        specs = []
+        for bucket in self.buckets:
+            flat = self.flats[bucket.flat]
+            reduced = flat.reduce_dtype or flat.master.dtype
+            specs.append(
+                (bucket.end - bucket.start, wire or reduced, counts_within(flat.part.bounds, bucket.start, bucket.end))
+            )
+        self.frozen = ShardPlan(group, ranks, digest, host, specs)
+        self.addresses = [p.data_ptr() for p in self.params]
 
     def shard_grads(self) -> list[torch.Tensor]:
         """The shard parameters' gradients, which synchronize() points at this rank's reduced slices."""
@@ -525,6 +629,15 @@ def ZeroOptimizer(
     base.__init__(wrapped, groups, **_constructor_kwargs(base, dict(optimizer.defaults)))
     wrapped._zero = shards
     wrapped._zero_original_groups = [list(group["params"]) for group in optimizer.param_groups]
-    for i, p in enumerate(params):
-        p.register_post_accumulate_grad_hook(lambda _, i=i: shards.gradient_ready(i))
+    # The hooks hold the shards weakly and leave with the optimizer: a dropped ZeroOptimizer neither lives on in
+    # its parameters' hooks nor goes on reduce-scattering (its plan's communicator is released with it).
+    owner = weakref.ref(shards)
+    handles = [p.register_post_accumulate_grad_hook(functools.partial(_hook, owner, i)) for i, p in enumerate(params)]
+    weakref.finalize(wrapped, _remove_hooks, handles)
     return wrapped
+
+
+def _hook(owner: weakref.ref[_Shards], i: int, _: torch.Tensor) -> None:
+    shards = owner()
+    if shards is not None:
+        shards.gradient_ready(i)

@@ -124,6 +124,10 @@ class PlannedGroup(Protocol):
     def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> PlannedRequest:
         """Start reducing `buf` in place across the group; `buf` stays alive and untouched until it completes."""
 
+    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> PlannedRequest:
+        """Start summing `buf` across the group, of which member r keeps counts[r] elements, the r-th run of
+        `buf`: once complete, this member's run of `buf` holds its slice of the sum (the rest is undefined)."""
+
     def close(self) -> None:
         """Release the communicator (collectives still in flight are abandoned)."""
 

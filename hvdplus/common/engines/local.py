@@ -122,6 +122,9 @@ class LocalPlannedGroup:
     def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> LocalPlannedGroup:
         return self
 
+    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> LocalPlannedGroup:
+        return self
+
     def test(self) -> bool:
         return True
 

@@ -275,6 +275,17 @@ class MPIPlannedGroup:
         engine = self._engine
         return _MPITransfer(self._comm.Iallreduce(engine._MPI.IN_PLACE, buf, op=engine._op(dtype, op)), buf)
 
+    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> _MPITransfer:
+        engine, index = self._engine, self._comm.Get_rank()
+        request = self._comm.Ireduce_scatter(
+            engine._MPI.IN_PLACE,
+            [buf, _mpi_type(engine._MPI, buf)],
+            recvcounts=list(counts),
+            op=engine._op(dtype, ReduceOp.SUM),
+        )
+        # MPI leaves an in-place result at the start of the buffer: it moves to this rank's run once complete.
+        return _MPIMovedTransfer(request, buf, int(sum(counts[:index])), int(counts[index]))
+
     def close(self) -> None:
         if self._comm != self._engine._MPI.COMM_NULL:  # closed once, by its reducer or at shutdown
             self._comm.Free()
@@ -300,6 +311,31 @@ class _MPITransfer:
                 alive()
                 delay = min(max(2 * delay, self._FIRST_SLEEP_S), self._MAX_SLEEP_S)
                 time.sleep(delay)
+
+
+class _MPIMovedTransfer(_MPITransfer):
+    """An in-place reduce-scatter: once complete, its result moves from the start of the buffer to this rank's
+    run (`start`, `count`), once."""
+
+    def __init__(self, request: Any, buf: np.ndarray, start: int, count: int) -> None:
+        super().__init__(request, buf)
+        self._move: tuple[int, int] | None = (start, count) if start and count else None
+
+    def test(self) -> bool:
+        done = super().test()
+        if done:
+            self._moved()
+        return done
+
+    def wait(self, alive: Callable[[], None]) -> None:
+        super().wait(alive)
+        self._moved()
+
+    def _moved(self) -> None:
+        if self._move is not None:
+            start, count = self._move
+            self._buf[start : start + count] = self._buf[:count].copy()
+            self._move = None
 
 
 class _MPIPending:

@@ -492,6 +492,11 @@ class TorchPlannedGroup:
         tensor = self._tensor_of(buf, dtype)
         return _TorchPlannedWork(self._group.allreduce([tensor], self._options[op]), tensor)
 
+    def start_reducescatter(self, buf: Any, dtype: str, counts: Sequence[int]) -> _TorchPlannedWork:
+        """An allreduce of which this rank keeps its run: Gloo's reduce-scatter measured 3x slower than its
+        allreduce here (TorchDistEngine.reducescatter)."""
+        return self.start_allreduce(buf, dtype, ReduceOp.SUM)
+
     def close(self) -> None:
         self._group = None  # the group's threads and connections go with its last reference
 

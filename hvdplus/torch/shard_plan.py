@@ -1,0 +1,111 @@
+"""ZeroOptimizer's frozen step plan (stages 1 and 2): its buckets' reduce-scatters start from the backward hooks,
+in plan order, on the plan's own communicator, with no negotiation (torch/zero.py moves the data; this module
+runs the collectives and the step's agreement).
+
+A reduce-scatter leaves each rank only its own slice, so the guard cannot ride in the data as it does in
+DistributedOptimizer's last bucket: it is one more element, allreduced after the step's last bucket starts
+(1 from a rank that trains, 0 from a rank in join(), NaN from a rank whose step differs). A NaN makes every
+rank raise PlanMismatchError, naming the ranks that differ. A rank in join() makes the others raise the error
+Horovod gives a reduce-scatter while a rank has joined, as the negotiated path does, and the plan ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
+from hvdplus.common.exceptions import PlanMismatchError
+from hvdplus.common.negotiation import NOT_WITH_JOIN
+from hvdplus.common.ops import OpKind, ReduceOp
+from hvdplus.common.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
+from hvdplus.torch.mpi_ops import _dtype_name
+from hvdplus.torch.planned_steps import PlannedStep
+
+__all__ = ["ShardPlan"]
+
+
+class ShardPlan(PlannedStep):
+    """The collectives of one ZeroOptimizer's frozen plan: a reduce-scatter per bucket, then the guard."""
+
+    what = "a planned gradient reduce-scatter"
+    title = "the planned gradient reduce-scatter of ZeroOptimizer"
+
+    def __init__(
+        self,
+        group: PlannedGroup,
+        ranks: Sequence[int],
+        digest: int,
+        host: bool,
+        buckets: Sequence[tuple[int, torch.dtype, Sequence[int]]],
+    ) -> None:
+        """`buckets`: in plan order, each bucket's (elements, dtype on the wire, elements each rank keeps)."""
+        super().__init__(group, ranks, digest, host, torch.device("cpu"))
+        self._buckets = list(buckets)
+        self._guard = torch.zeros(1, dtype=torch.float32)
+        self._guard_request: PlannedRequest | None = None
+        self._joined: list[PlannedRequest] = []
+        self._zeros: list[torch.Tensor] = []
+        self.steps = 0  # planned steps completed
+
+    def reducescatter(self, sent: torch.Tensor, counts: Sequence[int]) -> PlannedRequest:
+        """Start summing `sent` (a bucket, in plan order) across the set; this rank's run of it gets its slice."""
+        with self._engine_errors():
+            return self._group.start_reducescatter(self._buffer(sent), _dtype_name(sent), counts)
+
+    def wait(self, request: PlannedRequest) -> None:
+        with self._engine_errors():
+            request.wait(self._alive())
+
+    def start_guard(self, differs: bool) -> None:
+        """After the step's last bucket: this rank's guard (NaN if its step `differs` from the plan)."""
+        self._guard[0] = GUARD_DIFFERS if differs else GUARD_TRAINING
+        with self._engine_errors():
+            self._guard_request = self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM)
+
+    def check_guard(self, differs: list[str]) -> None:
+        """Once the step's reduce-scatters are done: raise on every rank alike if a rank's step differed
+        (PlanMismatchError) or a rank is in join() (Horovod's RuntimeError); the plan then ends."""
+        assert self._guard_request is not None, "start_guard() comes first"
+        request, self._guard_request = self._guard_request, None
+        self.wait(request)
+        summed = float(self._guard[0])
+        if read_guard(summed) == Guard.DIFFERS:
+            self._fail(differs, training=True)
+        if summed != self._group.size:
+            self.close()
+            raise RuntimeError(NOT_WITH_JOIN[OpKind.REDUCESCATTER])
+        self.steps += 1
+
+    # ----------------------------------------------------------------- join
+    def start_joined_step(self) -> None:
+        if not self._zeros:
+            self._zeros = [torch.zeros(elements, dtype=dtype) for elements, dtype, _ in self._buckets]
+        else:
+            for zeros in self._zeros:
+                zeros.zero_()  # the last step left the others' sums in them
+        self._joined = [self.reducescatter(z, counts) for z, (_, _, counts) in zip(self._zeros, self._buckets)]
+        self._guard[0] = 0.0
+        with self._engine_errors():
+            self._joined.append(self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM))
+
+    def joined_step_done(self) -> bool:
+        with self._engine_errors():
+            return all(request.test() for request in self._joined)
+
+    def end_joined_step(self) -> bool:
+        """One step served is all: either every rank has joined (the plan stays), or the training ranks raised
+        Horovod's join error and ended the plan (so does this rank), or a rank differed (every rank raises)."""
+        for request in self._joined:
+            self.wait(request)
+        self._joined = []
+        summed = float(self._guard[0])
+        if read_guard(summed) == Guard.DIFFERS:
+            try:
+                self._fail([], training=False)
+            except PlanMismatchError:
+                pass
+        elif summed != 0:
+            self.close()
+        return True
