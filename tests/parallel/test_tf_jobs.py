@@ -18,8 +18,9 @@ WORKERS_TF = ROOT / "tests" / "parallel" / "workers_tf"
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
 # Both engines and both sizes, but not every pair: the suite takes 1-2 minutes a job on 2 cores, and the core
-# under it runs the torch worker suite on every engine at 2 and 3 ranks (tests/parallel/test_jobs.py).
-@pytest.mark.parametrize("engine,np", [("mpi", 2), ("gloo", 3)])
+# under it runs the torch worker suite on every engine at 2 and 3 ranks (tests/parallel/test_jobs.py). Gloo's
+# job is the slower one at 3 ranks on 2 cores (67 s against MPI's 53 s), so Gloo runs at 2 and MPI at 3.
+@pytest.mark.parametrize("engine,np", [("mpi", 3), ("gloo", 2)])
 def test_tf_worker_suite(engine: str, np: int) -> None:
     """Every TF worker test passes on every rank (a failure on any rank fails the job)."""
     _need(engine)
@@ -82,9 +83,10 @@ def test_tf_graph_collectives_the_ranks_do_not_share_fail_on_every_rank(engine: 
 
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine,np", [("gloo", 2), ("mpi", 3)])
+@pytest.mark.parametrize("engine,np", [("gloo", 3)])
 def test_tf_gradients_fetched_alone_on_the_other_pairs(engine: str, np: int) -> None:
-    """The gradient-alone tests at the (engine, ranks) pairs the whole suite's jobs do not run."""
+    """The gradient-alone tests on Gloo at 3 ranks, a pair the whole suite's jobs do not run (the other one, MPI
+    at 2 ranks, was dropped for the suite's time)."""
     _need(engine)
     code, output = run_job(
         engine,
