@@ -258,6 +258,9 @@ class _Shards:
         p.grad = None
         bucket.written.add(i)
         self.passes_done[i] += 1
+        if self.frozen is not None:  # MPI moves a non-blocking collective only inside its calls
+            for entry in self.in_flight:
+                entry[1].test()
         if len(bucket.written) == len(bucket.params):
             self.start(bucket)
 
