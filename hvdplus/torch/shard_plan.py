@@ -1,6 +1,6 @@
 """ZeroOptimizer's frozen step plan (stages 1 and 2): its buckets' reduce-scatters start from the backward hooks,
-in plan order, on the plan's own communicator, with no negotiation (torch/zero.py moves the data; this module
-runs the collectives and the step's agreement).
+in plan order, on the plan's own communicator, with no negotiation, and so do the allgathers of the updated
+shards at step() (torch/zero.py moves the data; this module runs the collectives and the step's agreement).
 
 A reduce-scatter leaves each rank only its own slice, so the guard cannot ride in the data as it does in
 DistributedOptimizer's last bucket: it is one more element, allreduced after the step's last bucket starts
@@ -53,6 +53,11 @@ class ShardPlan(PlannedStep):
         """Start summing `sent` (a bucket, in plan order) across the set; this rank's run of it gets its slice."""
         with self._engine_errors():
             return self._group.start_reducescatter(self._buffer(sent), _dtype_name(sent), counts)
+
+    def allgather(self, full: torch.Tensor, counts: Sequence[int]) -> PlannedRequest:
+        """Start gathering every rank's run of `full` (its updated shard) into every rank's `full`, in place."""
+        with self._engine_errors():
+            return self._group.start_allgather(self._buffer(full), _dtype_name(full), counts)
 
     def wait(self, request: PlannedRequest) -> None:
         with self._engine_errors():

@@ -450,6 +450,17 @@ class _Shards:
     def gather(self) -> None:
         """Allgather every rank's updated shard into the whole flat buffers that persist (stage 1/2 and ZeRO-3's
         persistent parameters), in place. Collective."""
+        if self.frozen is not None:  # the step's guard showed every rank training: all of them gather
+            requests = []
+            for flat in self.flats:
+                if flat.full is not None:
+                    start, end = flat.part.shard(self.index)
+                    if flat.master.data_ptr() != flat.full.data_ptr():
+                        flat.full[start:end] = flat.master.to(flat.full.dtype)
+                    requests.append(self.frozen.allgather(flat.full, flat.part.counts))
+            for request in requests:
+                self.frozen.wait(request)
+            return
         handles = []
         for flat in self.flats:
             if flat.full is None:

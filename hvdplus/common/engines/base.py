@@ -128,6 +128,10 @@ class PlannedGroup(Protocol):
         """Start summing `buf` across the group, of which member r keeps counts[r] elements, the r-th run of
         `buf`: once complete, this member's run of `buf` holds its slice of the sum (the rest is undefined)."""
 
+    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> PlannedRequest:
+        """Start gathering in place: member r's run of `buf` (counts[r] elements, the r-th run) is its part, and
+        once complete every run holds its member's part on every member."""
+
     def close(self) -> None:
         """Release the communicator (collectives still in flight are abandoned)."""
 

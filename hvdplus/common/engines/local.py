@@ -125,6 +125,9 @@ class LocalPlannedGroup:
     def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> LocalPlannedGroup:
         return self
 
+    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> LocalPlannedGroup:
+        return self
+
     def test(self) -> bool:
         return True
 

@@ -286,6 +286,11 @@ class MPIPlannedGroup:
         # MPI leaves an in-place result at the start of the buffer: it moves to this rank's run once complete.
         return _MPIMovedTransfer(request, buf, int(sum(counts[:index])), int(counts[index]))
 
+    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> _MPITransfer:
+        MPI = self._engine._MPI
+        request = self._comm.Iallgatherv(MPI.IN_PLACE, [buf, list(counts), _displacements(counts), _mpi_type(MPI, buf)])
+        return _MPITransfer(request, buf)
+
     def close(self) -> None:
         if self._comm != self._engine._MPI.COMM_NULL:  # closed once, by its reducer or at shutdown
             self._comm.Free()

@@ -497,6 +497,22 @@ class TorchPlannedGroup:
         allreduce here (TorchDistEngine.reducescatter)."""
         return self.start_allreduce(buf, dtype, ReduceOp.SUM)
 
+    def start_allgather(self, buf: Any, dtype: str, counts: Sequence[int]) -> _TorchPlannedWork:
+        """Gloo gathers equal parts only: each member's run travels padded to the longest, and the runs move
+        back into `buf` once complete."""
+        tensor, longest, index = self._tensor_of(buf, dtype), max(counts), self._group.rank()
+        starts = [int(sum(counts[:r])) for r in range(len(counts))]
+        mine = tensor.new_zeros(longest)
+        mine[: counts[index]] = tensor[starts[index] : starts[index] + counts[index]]
+        gathered = tensor.new_empty(len(counts) * longest)
+
+        def unpad() -> None:
+            rows = gathered.view(len(counts), longest)
+            for row, start, count in zip(rows, starts, counts):
+                tensor[start : start + count] = row[:count]
+
+        return _TorchPlannedWork(self._group._allgather_base(gathered, mine), (tensor, mine, gathered), unpad)
+
     def close(self) -> None:
         self._group = None  # the group's threads and connections go with its last reference
 
@@ -518,21 +534,29 @@ class _TorchPlannedWork:
     watched from the side (`_WATCHDOG`): Gloo's timed wait, the other way to look up now and then, costs ~0.4 ms
     more per wait here, and polling more still on a busy host."""
 
-    def __init__(self, work: Any, tensor: Any) -> None:
-        self._work, self._tensor = work, tensor  # the tensor stays alive until the work completes
+    def __init__(self, work: Any, tensors: Any, then: Callable[[], None] | None = None) -> None:
+        """`tensors` stay alive until the work completes; `then` runs once, after it has."""
+        self._work, self._tensors, self._then = work, tensors, then
 
     def test(self) -> bool:
         if not self._work.is_completed():
             return False
         self._work.wait()  # raises the collective's error, if it failed
+        self._done()
         return True
 
     def wait(self, alive: Callable[[], None]) -> None:
         if self._work.is_completed():
             self._work.wait()
-            return
-        with _WATCHDOG.watching(alive):
-            self._work.wait()
+        else:
+            with _WATCHDOG.watching(alive):
+                self._work.wait()
+        self._done()
+
+    def _done(self) -> None:
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
 
 
 class _Watchdog:

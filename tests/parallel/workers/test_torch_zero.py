@@ -281,21 +281,26 @@ def test_shards_over_a_process_set_without_rank_0(hvd, rest):
 
 
 def test_the_plan_freezes_after_the_first_step_and_leaves_with_its_optimizer(hvd, monkeypatch):
-    """After the first (negotiated) step every bucket's reduce-scatter runs on the frozen plan's communicator:
-    no more negotiated reduce-scatters, and the same parameters as one process. A dropped optimizer takes its
-    hooks and plan with it."""
+    """After the first (negotiated) step every bucket's reduce-scatter, and the allgather of the updated shards,
+    run on the frozen plan's communicator: no more negotiated collectives, and the same parameters as one
+    process. A dropped optimizer takes its hooks and plan with it."""
     import gc
     import weakref
 
     from hvdplus.torch import zero
 
-    negotiated = []
-    submit = zero.core.submit_reducescatter
-    monkeypatch.setattr(zero.core, "submit_reducescatter", lambda *a, **k: negotiated.append(1) or submit(*a, **k))
+    negotiated: list[str] = []
+    for kind in ("submit_reducescatter", "submit_allgather"):
+        submit = getattr(zero.core, kind)
+        counted = lambda *a, submit=submit, kind=kind, **k: negotiated.append(kind) or submit(*a, **k)  # noqa: E731
+        monkeypatch.setattr(zero.core, kind, counted)
     model, optimizer, _ = train(hvd)
     shards = optimizer._zero
     assert shards.frozen is not None and shards.frozen.steps == STEPS - 1
-    assert len(negotiated) == len(shards.buckets)  # the first step's only
+    # The wrapping's parameter check (an allgather), then the first step's: a reduce-scatter per bucket and an
+    # allgather per dtype.
+    expected = ["submit_allgather"] * 2 + ["submit_reducescatter"] * len(shards.buckets)
+    assert sorted(negotiated) == expected, negotiated
     assert_same_parameters(model, reference(hvd.size())[0])
     plan, owner = weakref.ref(shards.frozen), weakref.ref(shards)
     del optimizer, shards
