@@ -146,6 +146,11 @@ class Coordinator:
             work.handle.set_error(HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}"))
         return work.handle
 
+    @property
+    def timeline(self) -> Timeline | None:
+        """The timeline written now (rank 0's, when one is on), which the planned path writes beside this thread."""
+        return self._timeline.current
+
     def set_timeline(self, timeline: Timeline | None) -> None:
         """Write `timeline` from the next cycle on (None: stop) and close the one it replaces. The background
         thread makes the swap between its cycles, where it holds no timeline; this returns once it has (at once

@@ -8,9 +8,11 @@ MEMCPY_OUT_FUSION_BUFFER. Horovod's format and variables (HOROVOD_TIMELINE, HORO
 Events are buffered and written at most every `flush_seconds`, each time followed by the closing bracket, which
 the next write overwrites: the file is valid JSON after every flush, so a job that dies keeps a readable trace.
 
-One thread writes a timeline (the coordinator's); `TimelineSlot` lets other threads (hvd.start_timeline,
+The coordinator's thread writes a timeline; `TimelineSlot` lets other threads (hvd.start_timeline,
 hvd.stop_timeline) replace it without ever closing it under that thread: the writer makes the swap itself,
 between its cycles. A closed timeline refuses events, so a write that came too late raises instead of vanishing.
+The planned path (torch/planned_steps.py) also writes its collectives' spans, from the training threads: it
+reads the slot's current timeline, and drops its events if that one is closed meanwhile.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Timeline:
         self._written = 0  # events in the file so far
         self._pending: list[dict] = []
         self._rows: dict[str, int] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _row emits under it
         self._start = time.perf_counter()
         self._last_flush = self._start
 
@@ -50,11 +52,12 @@ class Timeline:
             self._pending.append(event)
 
     def _row(self, name: str) -> int:
-        row = self._rows.get(name)
-        if row is None:
-            row = self._rows[name] = len(self._rows) + 1
-            self._emit({"name": "process_name", "ph": "M", "pid": row, "args": {"name": name}})
-        return row
+        with self._lock:  # the planned path writes from the training threads too
+            row = self._rows.get(name)
+            if row is None:
+                row = self._rows[name] = len(self._rows) + 1
+                self._emit({"name": "process_name", "ph": "M", "pid": row, "args": {"name": name}})
+            return row
 
     def _now_us(self) -> float:
         return (time.perf_counter() - self._start) * 1e6
@@ -75,6 +78,10 @@ class Timeline:
         """Once per negotiation cycle: mark it (with mark_cycles) and write the events if a flush is due."""
         if self.mark_cycles:
             self._emit({"name": "CYCLE_START", "ph": "i", "ts": self._now_us(), "pid": 0, "s": "g"})
+        self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        """Write the events if `flush_seconds` have passed since the last write."""
         if time.perf_counter() - self._last_flush >= self._flush_seconds:
             self.flush()
 
@@ -131,6 +138,12 @@ class TimelineSlot:
         if replaced is not None:
             replaced.close()
         return None
+
+    @property
+    def current(self) -> Timeline | None:
+        """The timeline written now, for writers beside the owner (the planned path), which must expect it to be
+        closed under them by a swap (its events then raise RuntimeError)."""
+        return self._current
 
     def settle(self) -> Timeline | None:
         """The owner, between cycles: apply the queued replacements; the timeline to write this cycle."""

@@ -25,6 +25,7 @@ from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.step_plan import consistency_words, read_consistency
+from hvdplus.common.timeline import Timeline
 from hvdplus.torch.mpi_ops import _numpy
 
 __all__ = ["PlannedStep", "Alive", "serve_joined"]
@@ -70,6 +71,30 @@ class PlannedStep:
     def _buffer(self, tensor: torch.Tensor) -> Any:
         """What the plan's group reduces: a numpy view of a CPU tensor for the host engine, else the tensor."""
         return _numpy(tensor) if self._host else tensor
+
+    def _trace_start(self, names: Sequence[str], kind: str) -> Timeline | None:
+        """Open the timeline spans of a planned collective on its tensors' rows (`kind`, and PLANNED_`kind`
+        inside it); the timeline they went to, or None (no timeline, or stopped meanwhile)."""
+        timeline = self.runtime.coordinator.timeline
+        if timeline is None:
+            return None
+        try:
+            timeline.begin(names, kind)
+            timeline.begin(names, f"PLANNED_{kind}")
+        except RuntimeError:  # closed by a swap under this thread: the events are dropped
+            return None
+        return timeline
+
+    @staticmethod
+    def _trace_end(timeline: Timeline | None, names: Sequence[str]) -> None:
+        """Close the spans `_trace_start` opened, once this thread saw the collective complete."""
+        if timeline is not None:
+            try:
+                timeline.end(names)
+                timeline.end(names)
+                timeline.flush_if_due()  # the coordinator, idle on the planned path, would not write them
+            except RuntimeError:
+                pass
 
     def _alive(self) -> Alive:
         return Alive(self.runtime, self._group.size, self.what)

@@ -22,6 +22,7 @@ from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
 from hvdplus.common.exceptions import PlanMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
+from hvdplus.common.timeline import Timeline
 from hvdplus.torch.mpi_ops import _dtype_name
 from hvdplus.torch.planned_steps import PlannedStep
 
@@ -38,6 +39,8 @@ class _Bucket:
     missing: int = 0  # gradients still to come this step
     request: PlannedRequest | None = None
     zeros: torch.Tensor | None = field(default=None, repr=False)  # what a joined rank sends, made at its first join
+    row: str = ""  # its timeline row: its first gradient's name, as a negotiated bucket's grouped allreduce
+    traced: Timeline | None = None  # the timeline its step's spans went to
 
     @property
     def sent(self) -> torch.Tensor:
@@ -81,7 +84,7 @@ class Reducer(PlannedStep):
             wire = None
             if wire_dtype is not None and flat.is_floating_point() and flat.dtype != wire_dtype:
                 wire = torch.empty(flat.numel(), dtype=wire_dtype, device=self._device)
-            bucket = _Bucket(members, flat, views, addresses, wire, len(members))
+            bucket = _Bucket(members, flat, views, addresses, wire, len(members), row=names[members[0]])
             self._buckets.append(bucket)
             for index, p in enumerate(members):
                 self._where[p] = (bucket, index)
@@ -160,6 +163,7 @@ class Reducer(PlannedStep):
                 sent.mul_(self._prescale)
             if bucket is self._buckets[-1]:
                 sent[-1] = GUARD_DIFFERS if self._differs else GUARD_TRAINING
+            bucket.traced = self._trace_start([bucket.row], "ALLREDUCE")
         with self._engine_errors():
             bucket.request = self._group.start_allreduce(self._buffer(sent), _dtype_name(sent), ReduceOp.SUM)
 
@@ -202,6 +206,8 @@ class Reducer(PlannedStep):
                 if bucket.request is not None:
                     bucket.request.wait(alive)
                     bucket.request = None
+                    self._trace_end(bucket.traced, [bucket.row])
+                    bucket.traced = None
 
     def _guard(self, joined: bool = False) -> float:
         """The step's summed guard (in the zeros a rank in join() sent, if `joined`), once it has completed."""

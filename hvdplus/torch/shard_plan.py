@@ -20,6 +20,7 @@ from hvdplus.common.exceptions import PlanMismatchError
 from hvdplus.common.negotiation import NOT_WITH_JOIN
 from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
+from hvdplus.common.timeline import Timeline
 from hvdplus.torch.mpi_ops import _dtype_name
 from hvdplus.torch.planned_steps import PlannedStep
 
@@ -47,21 +48,32 @@ class ShardPlan(PlannedStep):
         self._guard_request: PlannedRequest | None = None
         self._joined: list[PlannedRequest] = []
         self._zeros: list[torch.Tensor] = []
+        self._traced: dict[int, tuple[Timeline | None, str]] = {}  # requests in flight: their timeline and row
         self.steps = 0  # planned steps completed
 
-    def reducescatter(self, sent: torch.Tensor, counts: Sequence[int]) -> PlannedRequest:
-        """Start summing `sent` (a bucket, in plan order) across the set; this rank's run of it gets its slice."""
+    def reducescatter(self, sent: torch.Tensor, counts: Sequence[int], name: str) -> PlannedRequest:
+        """Start summing `sent` (a bucket, in plan order) across the set; this rank's run of it gets its slice.
+        `name`: the bucket's row in the timeline."""
+        traced = self._trace_start([name], "REDUCESCATTER")
         with self._engine_errors():
-            return self._group.start_reducescatter(self._buffer(sent), _dtype_name(sent), counts)
+            request = self._group.start_reducescatter(self._buffer(sent), _dtype_name(sent), counts)
+        self._traced[id(request)] = (traced, name)
+        return request
 
-    def allgather(self, full: torch.Tensor, counts: Sequence[int]) -> PlannedRequest:
+    def allgather(self, full: torch.Tensor, counts: Sequence[int], name: str) -> PlannedRequest:
         """Start gathering every rank's run of `full` (its updated shard) into every rank's `full`, in place."""
+        traced = self._trace_start([name], "ALLGATHER")
         with self._engine_errors():
-            return self._group.start_allgather(self._buffer(full), _dtype_name(full), counts)
+            request = self._group.start_allgather(self._buffer(full), _dtype_name(full), counts)
+        self._traced[id(request)] = (traced, name)
+        return request
 
     def wait(self, request: PlannedRequest) -> None:
         with self._engine_errors():
             request.wait(self._alive())
+        traced = self._traced.pop(id(request), None)
+        if traced is not None:
+            self._trace_end(traced[0], [traced[1]])
 
     def start_guard(self, differs: bool) -> None:
         """After the step's last bucket: this rank's guard (NaN if its step `differs` from the plan)."""
@@ -90,7 +102,11 @@ class ShardPlan(PlannedStep):
         else:
             for zeros in self._zeros:
                 zeros.zero_()  # the last step left the others' sums in them
-        self._joined = [self.reducescatter(z, counts) for z, (_, _, counts) in zip(self._zeros, self._buckets)]
+        with self._engine_errors():
+            self._joined = [
+                self._group.start_reducescatter(self._buffer(z), _dtype_name(z), counts)
+                for z, (_, _, counts) in zip(self._zeros, self._buckets)
+            ]
         self._guard[0] = 0.0
         with self._engine_errors():
             self._joined.append(self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM))

@@ -299,7 +299,7 @@ class _Shards:
         plan = self.frozen
         handle: Any
         if plan is not None:
-            handle = plan.reducescatter(sent, counts)  # the sum: finish() averages this rank's slice
+            handle = plan.reducescatter(sent, counts, name)  # the sum: finish() averages this rank's slice
         else:
             handle = core.submit_reducescatter(
                 array,
@@ -457,7 +457,8 @@ class _Shards:
                     start, end = flat.part.shard(self.index)
                     if flat.master.data_ptr() != flat.full.data_ptr():
                         flat.full[start:end] = flat.master.to(flat.full.dtype)
-                    requests.append(self.frozen.allgather(flat.full, flat.part.counts))
+                    name = f"ZeroOptimizer.gather.{self.names[flat.part.params[0]]}"
+                    requests.append(self.frozen.allgather(flat.full, flat.part.counts, name))
             for request in requests:
                 self.frozen.wait(request)
             return

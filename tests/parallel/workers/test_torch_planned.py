@@ -278,3 +278,27 @@ def test_a_dropped_optimizer_releases_its_plan(hvd):
     assert reducer() is None and group() is None, "the plan's buffers and communicator outlived its optimizer"
     assert all(r().runtime is not None for r in map(weakref.ref, planned_steps._FROZEN))
     hvd.join()  # serves only the plans still held, the same on every rank
+
+
+def test_planned_steps_appear_in_the_timeline(hvd, tmp_path):
+    """Rank 0's timeline shows each planned step's buckets, a row each (named after its first gradient, as a
+    negotiated bucket's grouped allreduce): an ALLREDUCE span holding PLANNED_ALLREDUCE, and no negotiation of
+    the optimizer's gradients after the first step; every span closes."""
+    import json
+
+    path = tmp_path / "timeline.json"
+    hvd.start_timeline(str(path))
+    with planned(True):
+        _, optimizer = train(hvd, "plan.timeline")
+    hvd.stop_timeline()
+    buckets = len(optimizer._reducer._buckets)
+    if hvd.rank() != 0:
+        return
+    events = json.loads(path.read_text())
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
+    ours = [e for e in events if e.get("ph") in "BE" and names[e["pid"]].startswith("plan.timeline.")]
+    planned_starts = [e["ts"] for e in ours if e.get("name") == "PLANNED_ALLREDUCE"]
+    negotiated_starts = [e["ts"] for e in ours if e.get("name") == "NEGOTIATE_ALLREDUCE"]
+    assert len(planned_starts) == (STEPS - 1) * buckets
+    assert negotiated_starts and max(negotiated_starts) < min(planned_starts)  # the first step only
+    assert sum(e["ph"] == "B" for e in ours) == sum(e["ph"] == "E" for e in ours)

@@ -297,8 +297,8 @@ def test_the_plan_freezes_after_the_first_step_and_leaves_with_its_optimizer(hvd
     model, optimizer, _ = train(hvd)
     shards = optimizer._zero
     assert shards.frozen is not None and shards.frozen.steps == STEPS - 1
-    # The wrapping's parameter check (an allgather), then the first step's: a reduce-scatter per bucket and an
-    # allgather per dtype.
+    # The wrapping's parameter check (allgather_object: sizes, then data), then the first step's reduce-scatters.
+    # The plan freezes at the end of the first step's synchronize, so that step's allgather is already planned.
     expected = ["submit_allgather"] * 2 + ["submit_reducescatter"] * len(shards.buckets)
     assert sorted(negotiated) == expected, negotiated
     assert_same_parameters(model, reference(hvd.size())[0])
@@ -338,3 +338,19 @@ def test_a_rank_in_join_fails_the_planned_step_as_horovod_fails_a_reducescatter(
         hvd.join()
     train(hvd, model=model, optimizer=optimizer, steps=2)  # negotiated again, then planned again
     assert optimizer._zero.frozen is not None and not optimizer._zero.frozen.closed
+
+
+def test_planned_steps_appear_in_the_timeline(hvd, tmp_path):
+    """Rank 0's timeline shows each planned step's reduce-scatters and allgather (PLANNED_ spans inside the op's)."""
+    import json
+
+    path = tmp_path / "timeline.json"
+    hvd.start_timeline(str(path))
+    _, optimizer, _ = train(hvd)
+    hvd.stop_timeline()
+    assert optimizer._zero.frozen is not None
+    if hvd.rank() != 0:
+        return
+    events = [e for e in json.loads(path.read_text()) if e.get("ph") == "B"]
+    assert sum(e["name"] == "PLANNED_REDUCESCATTER" for e in events) == (STEPS - 1) * len(optimizer._zero.buckets)
+    assert sum(e["name"] == "PLANNED_ALLGATHER" for e in events) == STEPS  # one dtype; frozen before step 1's
