@@ -124,15 +124,7 @@ def run_job(args: argparse.Namespace, mode: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--np", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--json", default="results/bench_overhead.json")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", help=argparse.SUPPRESS)
-    parser.add_argument("--result-file", help=argparse.SUPPRESS)
+    tb.timing_options(parser, "results/bench_overhead.json", steps=50, reps=7, warmup=10, rounds=3, timeout=300)
     args = parser.parse_args(argv)
     if args.worker:
         tb.run_worker(args, lambda a: {"times": times} if (times := worker(a)) else {})

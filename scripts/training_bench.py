@@ -33,11 +33,27 @@ def parser(description: str, default_json: str, warmup_help: str, default_warmup
     result = argparse.ArgumentParser(description=description)
     result.add_argument("--np", type=int, default=2, help="ranks (workers) per distributed job")
     result.add_argument("--models", default=",".join(MODELS), help="comma-separated, from " + ", ".join(MODELS))
-    result.add_argument("--steps", type=int, default=20, help="training steps per timed block")
-    result.add_argument("--reps", type=int, default=7, help="timed blocks per job and model")
-    result.add_argument("--warmup", type=int, default=default_warmup, help=warmup_help)
-    result.add_argument("--rounds", type=int, default=2, help="jobs per mode, in alternating order")
-    result.add_argument("--timeout", type=float, default=600, help="seconds per job before it is stopped")
+    return timing_options(result, default_json, steps=20, reps=7, warmup=default_warmup, warmup_help=warmup_help)
+
+
+def timing_options(
+    result: argparse.ArgumentParser,
+    default_json: str,
+    *,
+    steps: int,
+    reps: int,
+    warmup: int,
+    rounds: int = 2,
+    timeout: float = 600,
+    warmup_help: str = "untimed steps before the first block",
+) -> argparse.ArgumentParser:
+    """The timing options of a benchmark whose modes run as jobs of their own (timed_blocks), and the hidden
+    options its worker processes take."""
+    result.add_argument("--steps", type=int, default=steps, help="training steps per timed block")
+    result.add_argument("--reps", type=int, default=reps, help="timed blocks per job")
+    result.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    result.add_argument("--rounds", type=int, default=rounds, help="jobs per mode, in alternating order")
+    result.add_argument("--timeout", type=float, default=timeout, help="seconds per job before it is stopped")
     result.add_argument("--json", default=default_json)
     result.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     result.add_argument("--mode", help=argparse.SUPPRESS)

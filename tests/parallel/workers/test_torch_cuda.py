@@ -118,23 +118,7 @@ def test_allgather_broadcast_reducescatter_on_the_gpu(hvd, cuda):
 
 
 def test_distributed_optimizer_on_the_gpu_matches_the_cpu(hvd, cuda):
-    torch.manual_seed(0)
-    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to(cuda)
-    model.load_state_dict(reference.state_dict())
-    optimizer = hvd.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
-    )
-    plain = torch.optim.SGD(reference.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        batches = [torch.randn(4, 8, generator=generator) for _ in range(hvd.size())]
-        optimizer.zero_grad()
-        model(batches[hvd.rank()].to(cuda)).pow(2).mean().backward()
-        optimizer.step()
-        plain.zero_grad()
-        (sum(reference(b).pow(2).mean() for b in batches) / hvd.size()).backward()
-        plain.step()
+    model, _, reference = _train_on_the_gpu(hvd, cuda, "gpu.sgd", 3, hvd.Compression.none)
     for gpu, cpu in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(gpu.detach().cpu(), cpu.detach(), rtol=1e-5, atol=1e-6)
 
