@@ -11,6 +11,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from hvdplus.common.grouping import bucket_indices
 from hvdplus.common.negotiation import disagreement
 
 __all__ = [
@@ -110,23 +111,15 @@ def partition(numels: Sequence[int], kinds: Sequence[_Kind], size: int) -> list[
 def bucket_ranges(
     plan: DtypePartition[Any], element_bytes: int, bucket_bytes: int
 ) -> list[tuple[int, int, tuple[int, ...]]]:
-    """The reduce-scatter buckets of one partition as (flat start, flat end, parameter indices): whole parameters,
-    in reverse order (backward produces the last layers' gradients first), at most `bucket_bytes` each (a larger
-    parameter is a bucket of its own; 0 makes every parameter its own bucket)."""
-    buckets: list[tuple[int, int, tuple[int, ...]]] = []
-    members: list[int] = []
-    start = end = 0
-    for param, offset, numel in reversed(list(zip(plan.params, plan.offsets, plan.numels))):
-        if members and (end - offset) * element_bytes > bucket_bytes:
-            buckets.append((start, end, tuple(reversed(members))))
-            members = []
-        if not members:
-            end = offset + numel
-        members.append(param)
-        start = offset
-    if members:
-        buckets.append((start, end, tuple(reversed(members))))
-    return buckets
+    """The reduce-scatter buckets of one partition as (flat start, flat end, parameter indices): DistributedOptimizer's
+    buckets (grouping.bucket_indices: whole parameters in reverse order, at most `bucket_bytes` each, a larger
+    parameter a bucket of its own) over the partition's parameters; 0 makes every parameter its own bucket."""
+    sizes = [numel * element_bytes for numel in plan.numels]
+    runs = bucket_indices(sizes, [plan.kind] * len(sizes), max(bucket_bytes, 1), None)
+    return [
+        (plan.offsets[run[0]], plan.offsets[run[-1]] + plan.numels[run[-1]], tuple(plan.params[k] for k in run))
+        for run in runs
+    ]
 
 
 def parameter_mismatch(described: Sequence[Sequence[tuple]], ranks: Sequence[int]) -> str | None:

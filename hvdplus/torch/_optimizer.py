@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from hvdplus.common import basics
 from hvdplus.common.basics import ProcessSet, elastic_worker, global_process_set, size
 from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.common.ops import Adasum, Average, ReduceOp
@@ -146,7 +145,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """The reducer of the frozen step plan, if there is one for the current job (an elastic reset starts a new
         job, whose ranks agree afresh)."""
         reducer = self._reducer
-        if reducer is not None and (reducer.closed or reducer.runtime is not basics._runtime):
+        if reducer is not None and reducer.stale:
             reducer.close()
             reducer = self._reducer = None
         return reducer

@@ -63,6 +63,12 @@ class PlannedStep:
         """Whether the plan was dropped (a failed step, an engine error, a new job): the optimizer negotiates."""
         return self not in _FROZEN
 
+    @property
+    def stale(self) -> bool:
+        """Closed, or frozen in an earlier job (an elastic reset, or shutdown() and init()), whose ranks agree
+        afresh: the optimizer negotiates."""
+        return self.closed or self.runtime is not basics._runtime
+
     def close(self) -> None:
         """Drop the plan: release its communicator (once; later calls do nothing)."""
         _FROZEN.discard(self)

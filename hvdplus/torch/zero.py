@@ -387,8 +387,9 @@ class _Shards:
             self._try_freeze()
 
     def _drop_closed_plan(self) -> None:
-        """A plan that ended outside a step (join() served its last step, hvdplus shut down): negotiate again."""
-        if self.frozen is not None and self.frozen.closed and not self.in_flight:
+        """A plan that ended outside a step (join() served its last step, a new job): negotiate again."""
+        if self.frozen is not None and self.frozen.stale and not self.in_flight:
+            self.frozen.close()
             self.frozen = None
 
     def _synchronize_planned(self, plan: ShardPlan) -> None:

@@ -1,4 +1,4 @@
-"""Real multi-process jobs: the worker test suite at 2 and 3 ranks over Open MPI and Gloo, and at 3 over MPICH."""
+"""Real multi-process jobs: the worker suite at 2 and 3 ranks over Open MPI and Gloo, its engine files over MPICH."""
 
 from __future__ import annotations
 
@@ -19,14 +19,40 @@ def _skip_if_missing(engine: str) -> None:
 
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
-# MPICH, a second MPI under the same engine, runs at 3 ranks only (its 2-rank job cost 20 s of the suite's time).
-@pytest.mark.parametrize("engine, np", [("mpi", 2), ("mpi", 3), ("mpich", 3), ("gloo", 2), ("gloo", 3)])
+@pytest.mark.parametrize("engine, np", [("mpi", 2), ("mpi", 3), ("gloo", 2), ("gloo", 3)])
 def test_worker_suite(engine: str, np: int) -> None:
     """Every worker test passes on every rank (a failure on any rank fails the job)."""
     _skip_if_missing(engine)
     code, output = run_job(engine, np, pytest_argv(str(WORKERS)))
     assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran(engine, np, output, at_least=150)
+
+
+# MPICH is a second MPI under the same engine: its job runs the files whose tests reach the engine in every way
+# (collectives, errors, the optimizers' negotiated and planned paths, idle rounds), at 3 ranks; the rest (joins
+# on process sets, ZeRO-3, pipelines, SyncBatchNorm, Adasum) differ in nothing MPICH could change.
+MPICH_FILES = (  # in the full suite's order: the idle test needs a quiet background thread (see the note below)
+    "test_coordinator_idle.py",
+    "test_errors.py",
+    "test_flat_collectives.py",
+    "test_torch_ops.py",
+    "test_torch_optimizer.py",
+    "test_torch_sparse_groups.py",
+    "test_torch_planned.py",
+    "test_torch_zero.py",
+)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
+def test_engine_files_over_mpich():
+    """The worker files that exercise the MPI engine, on MPICH at 3 ranks. (The idle test runs first, as in the
+    full suite: after test_errors.py's grouped calls with mismatched counts, the extra member that only some
+    ranks submitted stays in flight and keeps the background thread cycling; a known defect.)"""
+    _skip_if_missing("mpich")
+    code, output = run_job("mpich", 3, pytest_argv(*(str(WORKERS / name) for name in MPICH_FILES)))
+    assert code == 0, f"mpich job with 3 ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran("mpich", 3, output, at_least=100)
 
 
 @pytest.mark.parallel
@@ -70,7 +96,7 @@ MPI_DEVICE_PLANE_FILES = (
 
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine, np, files", [("gloo", 3, DEVICE_PLANE_FILES), ("mpi", 2, MPI_DEVICE_PLANE_FILES)])
+@pytest.mark.parametrize("engine, np, files", [("gloo", 2, DEVICE_PLANE_FILES), ("mpi", 3, MPI_DEVICE_PLANE_FILES)])
 def test_device_plane_on_cpu_tensors(engine, np, files):
     """HVDPLUS_DEVICE_PATH_ON_CPU=1: CUDA tensors' code path (torch buffer operations, the torch.distributed device
     engine, the executor's device plane, the planned path's groups on the device engine) on CPU tensors. Over Gloo

@@ -81,24 +81,6 @@ def test_tf_graph_collectives_the_ranks_do_not_share_fail_on_every_rank(engine: 
         assert raised and int(raised.group(1)) < 10, output
 
 
-@pytest.mark.parallel
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("engine,np", [("gloo", 3)])
-def test_tf_gradients_fetched_alone_on_the_other_pairs(engine: str, np: int) -> None:
-    """The gradient-alone tests on Gloo at 3 ranks, a pair the whole suite's jobs do not run (the other one, MPI
-    at 2 ranks, was dropped for the suite's time)."""
-    _need(engine)
-    code, output = run_job(
-        engine,
-        np,
-        pytest_argv("--color=no", str(WORKERS_TF / "test_tf_gradients_alone.py")),
-        extra_env={"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"},
-        timeout=250,
-    )
-    assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
-    assert_every_rank_ran(engine, np, output, at_least=30)
-
-
 def _need(engine: str) -> None:
     """Skip unless TensorFlow, Keras 3 and the engine are installed."""
     pytest.importorskip("tensorflow")
