@@ -18,6 +18,7 @@ from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import even_splits
 from hvdplus.common.handles import Handle
 from hvdplus.common.messages import Request
+from hvdplus.common.naming import grouped_call
 from hvdplus.common.ops import OpKind, ReduceOp, check_reducible, storage_dtype
 from hvdplus.common.pickled import pickled
 
@@ -79,6 +80,8 @@ def _request(
 ) -> Request:
     storage_dtype(dtype)
     set_id = _set_id(process_set)
+    if name is not None and fields.get("group", 0) > 0 and fields.get("parts") is None:
+        fields["call"] = grouped_call(name, fields["group"]) if isinstance(name, str) else ""
     name = name if name is not None else runtime().auto_name(kind.name.lower(), set_id)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")

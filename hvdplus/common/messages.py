@@ -35,6 +35,7 @@ class Request(NamedTuple):
     parts: tuple[tuple[int, ...], ...] | None = None  # a grouped allreduce packed into one flat buffer: its shapes
     group: int = 0  # the number of tensors of the grouped call this request belongs to (0: not a group of several)
     tag: str = ""  # what the call is for, when one name is reused for different data (ZeRO-3's positional names)
+    call: str = ""  # a member of a named grouped call (not packed): the call's name, whose members fail together
 
     @property
     def key(self) -> Key:

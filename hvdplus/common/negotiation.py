@@ -116,6 +116,11 @@ def validate(variants: Mapping[Request, int], members: tuple[int, ...]) -> str |
     return None
 
 
+def _member_index(key: Key) -> int:
+    """The index of a grouped call's member from its name (naming.member_names: '<call>.<index>')."""
+    return int(key[1].rsplit(".", 1)[1])
+
+
 def _join_error(request: Request, joined: int) -> str:
     """Why a collective other than allreduce fails while the ranks of mask `joined` have joined (Horovod's
     message first, so that code matching it keeps working)."""
@@ -150,6 +155,10 @@ class MessageTable:
         self._latest: dict[Key, int] = {}  # the ranks of each entry's most recent announcement
         self._since: dict[Key, float] = {}
         self._member_masks: dict[int, int] = {}
+        # Grouped calls whose ranks grouped different numbers of tensors: (set, call) -> (the error, indices of the
+        # members only some ranks submitted, not failed yet). Those members fail too, now or when announced, so
+        # that none is left waiting for ranks that grouped fewer tensors.
+        self._failed_calls: dict[tuple[int, str], tuple[str, set[int]]] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -192,9 +201,35 @@ class MessageTable:
             if response is not None:
                 ready.append(response)
         ready += self._deadlocks(members)
+        ready += self._members_of_failed_calls(ready, members)
         for response in ready:
             self._forget(response.key)
         return ready
+
+    def _members_of_failed_calls(
+        self, decided: list[Response], members: Callable[[int], tuple[int, ...]]
+    ) -> list[Response]:
+        """Errors for the members that only some ranks submitted of grouped calls whose ranks grouped different
+        numbers of tensors (this round or before): the members every rank submitted fail with the mismatch."""
+        for response in decided:
+            if response.error and response.first.call:
+                sizes = {request.group for request in response.requests if request is not None}
+                if len(sizes) > 1:
+                    extra = set(range(min(sizes), max(sizes)))
+                    self._failed_calls.setdefault((response.key[0], response.first.call), (response.error, extra))
+        errors = []
+        decided_keys = {response.key for response in decided}
+        for key in list(self._pending):
+            first = next(iter(self._pending[key]))
+            failed = self._failed_calls.get((key[0], first.call)) if first.call else None
+            if failed is not None and _member_index(key) in failed[1] and key not in decided_keys:
+                requests = self._requests(key, members(key[0]))
+                errors.append(Response(key, first.kind, requests, error=failed[0], members=members(key[0])))
+                failed[1].discard(_member_index(key))
+        for failed_call, (_, left) in list(self._failed_calls.items()):
+            if not left:
+                del self._failed_calls[failed_call]
+        return errors
 
     def _forget(self, key: Key) -> None:
         for entries in (self._pending, self._announced, self._latest, self._since):

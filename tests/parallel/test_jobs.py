@@ -31,7 +31,7 @@ def test_worker_suite(engine: str, np: int) -> None:
 # MPICH is a second MPI under the same engine: its job runs the files whose tests reach the engine in every way
 # (collectives, errors, the optimizers' negotiated and planned paths, idle rounds), at 3 ranks; the rest (joins
 # on process sets, ZeRO-3, pipelines, SyncBatchNorm, Adasum) differ in nothing MPICH could change.
-MPICH_FILES = (  # in the full suite's order: the idle test needs a quiet background thread (see the note below)
+MPICH_FILES = (
     "test_coordinator_idle.py",
     "test_errors.py",
     "test_flat_collectives.py",
@@ -46,9 +46,7 @@ MPICH_FILES = (  # in the full suite's order: the idle test needs a quiet backgr
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
 def test_engine_files_over_mpich():
-    """The worker files that exercise the MPI engine, on MPICH at 3 ranks. (The idle test runs first, as in the
-    full suite: after test_errors.py's grouped calls with mismatched counts, the extra member that only some
-    ranks submitted stays in flight and keeps the background thread cycling; a known defect.)"""
+    """The worker files that exercise the MPI engine, on MPICH at 3 ranks."""
     _skip_if_missing("mpich")
     code, output = run_job("mpich", 3, pytest_argv(*(str(WORKERS / name) for name in MPICH_FILES)))
     assert code == 0, f"mpich job with 3 ranks failed (exit {code}):\n{output[-20000:]}"

@@ -306,3 +306,30 @@ def test_join_last_rank_is_the_highest_of_the_final_announcement():
     table.add(join_req(), 0b101)
     [response] = table.take_ready(THREE)
     assert response.join_last_rank == 2
+
+
+# ------------------------------------------------------------------ grouped calls of different sizes
+
+
+def member(call, index, group):
+    return req(f"{call}.{index}", group=group, call=call)
+
+
+def test_members_only_some_ranks_grouped_fail_with_the_mismatch_then_the_name_is_free_again():
+    """Rank 0 groups 2 tensors, rank 1 groups 3: the two common members fail with the mismatch, and so does the
+    third, which rank 0 never sends (it used to wait for ever, keeping the background thread busy), whether
+    announced before or after the mismatch is decided. A later call of the same name is not affected."""
+    table = MessageTable()
+    for index in range(2):
+        announce(table, 0, member("g", index, 2))
+        announce(table, 1, member("g", index, 3))
+    responses = table.take_ready(TWO)
+    assert [r.key[1] for r in responses] == ["g.0", "g.1"]
+    assert all("Mismatched numbers of tensors in the grouped call" in r.error for r in responses)
+    announce(table, 1, member("g", 2, 3))  # announced in a later round
+    [late] = table.take_ready(TWO)
+    assert late.key == (0, "g.2") and late.error == responses[0].error and len(table) == 0
+    for rank in (0, 1):  # the same call again, now with the same number of tensors
+        for index in range(3):
+            announce(table, rank, member("g", index, 3))
+    assert [r.error for r in table.take_ready(TWO)] == [None, None, None]
