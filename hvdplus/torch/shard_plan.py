@@ -68,6 +68,11 @@ class ShardPlan(PlannedStep):
         self._traced[id(request)] = (traced, name)
         return request
 
+    def poke(self, request: PlannedRequest) -> None:
+        """Test `request` without waiting, which moves it along (MPI progresses only inside its calls)."""
+        with self._engine_errors():
+            request.test()
+
     def wait(self, request: PlannedRequest) -> None:
         with self._engine_errors():
             request.wait(self._alive())

@@ -260,7 +260,7 @@ class _Shards:
         self.passes_done[i] += 1
         if self.frozen is not None:  # MPI moves a non-blocking collective only inside its calls
             for entry in self.in_flight:
-                entry[1].test()
+                self.frozen.poke(entry[1])
         if len(bucket.written) == len(bucket.params):
             self.start(bucket)
 
