@@ -80,11 +80,12 @@ def _request(
 ) -> Request:
     storage_dtype(dtype)
     set_id = _set_id(process_set)
-    if name is not None and fields.get("group", 0) > 0 and fields.get("parts") is None:
-        fields["call"] = grouped_call(name, fields["group"]) if isinstance(name, str) else ""
+    named = name is not None
     name = name if name is not None else runtime().auto_name(kind.name.lower(), set_id)
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if named and fields.get("group", 0) > 0 and fields.get("parts") is None:
+        fields["call"] = grouped_call(name, fields["group"])
     return Request(name, kind, set_id, dtype, tuple(array.shape), device, **fields)
 
 

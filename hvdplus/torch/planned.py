@@ -23,7 +23,7 @@ from hvdplus.common.step_plan import Decision, agreement_words, decide, plan_dig
 from hvdplus.torch.mpi_ops import _DTYPE_NAMES, _plane_kind, allreduce
 from hvdplus.torch.reducer import Reducer
 
-__all__ = ["DEVICE_BUCKET_BYTES", "bucket_sizes", "freeze_plan", "try_freeze", "wire_dtype"]
+__all__ = ["DEVICE_BUCKET_BYTES", "bucket_sizes", "freeze_plan", "settings_allow", "try_freeze", "wire_dtype"]
 
 
 def wire_dtype(compression: Any) -> tuple[bool, torch.dtype | None]:
@@ -65,11 +65,16 @@ def _carrier(params: Sequence[torch.Tensor]) -> tuple[Any, str] | None:
     return None if engine is None else (engine, kind)
 
 
+def settings_allow() -> bool:
+    """Whether the job's settings let an optimizer's plan freeze: not when the user asked for negotiation
+    (HVDPLUS_PLANNED_PATH=0), or for what only the executor does (hierarchical allreduce, autotune)."""
+    settings = runtime().settings
+    return settings.planned_path and not settings.hierarchical_allreduce and not settings.autotune
+
+
 def _eligible(params: Sequence[torch.Tensor], op: ReduceOp, groups_given: bool, compression: Any) -> bool:
-    rt = runtime()
-    settings = rt.settings
-    if not settings.planned_path or settings.hierarchical_allreduce or settings.autotune:
-        return False  # the user asked for negotiation, or for what only the executor does
+    if not settings_allow():
+        return False
     if bucket_sizes(params)[0] <= 0:
         return False  # HVDPLUS_BUCKET_BYTES=0: one allreduce per gradient, as in Horovod
     if op not in (Average, Sum) or groups_given or not wire_dtype(compression)[0] or _carrier(params) is None:

@@ -82,9 +82,13 @@ class ShardPlan(PlannedStep):
 
     def start_guard(self, differs: bool) -> None:
         """After the step's last bucket: this rank's guard (NaN if its step `differs` from the plan)."""
-        self._guard[0] = GUARD_DIFFERS if differs else GUARD_TRAINING
+        self._guard_request = self._send_guard(GUARD_DIFFERS if differs else GUARD_TRAINING)
+
+    def _send_guard(self, value: float) -> PlannedRequest:
+        """Start summing this rank's guard `value` across the set (common/step_plan.py says what sums mean)."""
+        self._guard[0] = value
         with self._engine_errors():
-            self._guard_request = self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM)
+            return self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM)
 
     def check_guard(self, differs: list[str]) -> None:
         """Once the step's reduce-scatters are done: raise on every rank alike if a rank's step differed
@@ -112,9 +116,7 @@ class ShardPlan(PlannedStep):
                 self._group.start_reducescatter(self._buffer(z), _dtype_name(z), counts)
                 for z, (_, _, counts) in zip(self._zeros, self._buckets)
             ]
-        self._guard[0] = 0.0
-        with self._engine_errors():
-            self._joined.append(self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM))
+        self._joined.append(self._send_guard(0.0))
 
     def joined_step_done(self) -> bool:
         with self._engine_errors():

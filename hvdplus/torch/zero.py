@@ -47,7 +47,7 @@ from hvdplus.torch._optimizer import (
 )
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.mpi_ops import _dtype_name, _numpy
-from hvdplus.torch.planned import freeze_plan, wire_dtype
+from hvdplus.torch.planned import freeze_plan, settings_allow, wire_dtype
 from hvdplus.torch.shard_plan import ShardPlan
 from hvdplus.torch.zero3 import sharded_model_of
 from hvdplus.torch.zero_state import ZeroStateDicts
@@ -409,9 +409,8 @@ class _Shards:
 
     def _try_freeze(self) -> None:
         """After a negotiated step (collective): freeze the plan if every rank can, with the same buckets."""
-        settings = runtime().settings
         carried, wire = wire_dtype(self.compression)
-        eligible = carried and settings.planned_path and not settings.hierarchical_allreduce and not settings.autotune
+        eligible = carried and settings_allow()
         items = [
             "ZeroOptimizer",
             wire,

@@ -119,11 +119,8 @@ class MPIEngine:
             recvcounts=list(counts),
             op=self._op(dtype, op),
         )
-        if send is None:  # MPI leaves an in-place result at the start of the buffer: move it to this rank's offset
-            index, count = group.Get_rank(), counts[group.Get_rank()]
-            start = sum(counts[:index])
-            if start and count:
-                recv[start : start + count] = recv[:count].copy()
+        if send is None:
+            _to_own_run(recv, counts, group.Get_rank())
 
     def barrier(self, group: Any) -> None:
         group.Barrier()
@@ -283,8 +280,7 @@ class MPIPlannedGroup:
             recvcounts=list(counts),
             op=engine._op(dtype, ReduceOp.SUM),
         )
-        # MPI leaves an in-place result at the start of the buffer: it moves to this rank's run once complete.
-        return _MPIMovedTransfer(request, buf, int(sum(counts[:index])), int(counts[index]))
+        return _MPIMovedTransfer(request, buf, counts, index)
 
     def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> _MPITransfer:
         MPI = self._engine._MPI
@@ -319,12 +315,11 @@ class _MPITransfer:
 
 
 class _MPIMovedTransfer(_MPITransfer):
-    """An in-place reduce-scatter: once complete, its result moves from the start of the buffer to this rank's
-    run (`start`, `count`), once."""
+    """An in-place reduce-scatter: once complete, its result moves to this rank's run (`_to_own_run`), once."""
 
-    def __init__(self, request: Any, buf: np.ndarray, start: int, count: int) -> None:
+    def __init__(self, request: Any, buf: np.ndarray, counts: Sequence[int], index: int) -> None:
         super().__init__(request, buf)
-        self._move: tuple[int, int] | None = (start, count) if start and count else None
+        self._move: tuple[Sequence[int], int] | None = (counts, index)
 
     def test(self) -> bool:
         done = super().test()
@@ -338,9 +333,16 @@ class _MPIMovedTransfer(_MPITransfer):
 
     def _moved(self) -> None:
         if self._move is not None:
-            start, count = self._move
-            self._buf[start : start + count] = self._buf[:count].copy()
+            _to_own_run(self._buf, *self._move)
             self._move = None
+
+
+def _to_own_run(buf: np.ndarray, counts: Sequence[int], index: int) -> None:
+    """MPI leaves an in-place reduce-scatter's result at the start of the buffer: move it to member `index`'s
+    run (counts[index] elements after the runs before it)."""
+    start, count = int(sum(counts[:index])), int(counts[index])
+    if start and count:
+        buf[start : start + count] = buf[:count].copy()
 
 
 class _MPIPending:

@@ -31,9 +31,8 @@ __all__ = [
 
 log = logging.getLogger("hvdplus")
 
-_SUPERSEDED_POLL_SECONDS = 0.5
+_SUPERSEDED_POLL_SECONDS = 0.5  # an elastic worker's store reads look this often for a newer generation
 _PLANNED_TIMEOUT = datetime.timedelta(days=365)  # the planned path's groups: stalls are watched, not timed out
-_WAIT_SLICE = datetime.timedelta(seconds=1)  # an elastic worker's store reads look this often for a newer generation
 
 # Gloo cannot reduce these; they are widened for the reduction and narrowed back.
 _WIDENED = {"int16": np.int32, "uint16": np.int32}
@@ -284,18 +283,29 @@ def reduce_scatter_single(dist: Any) -> Any:
 def gather_bytes(dist: Any, send: Any, recv: Any, byte_counts: Sequence[int], group: Any) -> None:
     """Allgather of flat uint8 tensors, byte_counts[r] bytes from rank r into `recv` end to end (`send` must not
     alias `recv`). Uneven parts travel padded to the longest: Gloo's allgather needs equal sizes."""
-    longest = max(byte_counts)
-    if all(count == longest for count in byte_counts):
+    if len(set(byte_counts)) == 1:
         all_gather_single(dist)(recv, send, group=group)
         return
+    padded, gathered, unpad = _padded_parts(send, recv, byte_counts)
+    all_gather_single(dist)(gathered, padded, group=group)
+    unpad()
+
+
+def _padded_parts(send: Any, recv: Any, counts: Sequence[int]) -> tuple[Any, Any, Callable[[], None]]:
+    """Gloo gathers equal parts only: (`send` copied into a part of the longest size, the buffer the parts land
+    in, and what moves each gathered part, counts[r] elements of rank r, to its place in `recv`, end to end)."""
+    longest = max(counts)
     padded = recv.new_zeros(longest)
     padded[: send.numel()] = send
-    gathered = recv.new_empty(len(byte_counts) * longest)
-    all_gather_single(dist)(gathered, padded, group=group)
-    offset = 0
-    for row, count in zip(gathered.view(len(byte_counts), longest), byte_counts):
-        recv[offset : offset + count] = row[:count]
-        offset += count
+    gathered = recv.new_empty(len(counts) * longest)
+
+    def unpad() -> None:
+        offset = 0
+        for row, count in zip(gathered.view(len(counts), longest), counts):
+            recv[offset : offset + count] = row[:count]
+            offset += count
+
+    return padded, gathered, unpad
 
 
 def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -> Any:
@@ -498,20 +508,12 @@ class TorchPlannedGroup:
         return self.start_allreduce(buf, dtype, ReduceOp.SUM)
 
     def start_allgather(self, buf: Any, dtype: str, counts: Sequence[int]) -> _TorchPlannedWork:
-        """Gloo gathers equal parts only: each member's run travels padded to the longest, and the runs move
-        back into `buf` once complete."""
-        tensor, longest, index = self._tensor_of(buf, dtype), max(counts), self._group.rank()
-        starts = [int(sum(counts[:r])) for r in range(len(counts))]
-        mine = tensor.new_zeros(longest)
-        mine[: counts[index]] = tensor[starts[index] : starts[index] + counts[index]]
-        gathered = tensor.new_empty(len(counts) * longest)
-
-        def unpad() -> None:
-            rows = gathered.view(len(counts), longest)
-            for row, start, count in zip(rows, starts, counts):
-                tensor[start : start + count] = row[:count]
-
-        return _TorchPlannedWork(self._group._allgather_base(gathered, mine), (tensor, mine, gathered), unpad)
+        """Each member's run travels padded to the longest (gather_bytes), and the runs move back into `buf` once
+        complete."""
+        tensor, index = self._tensor_of(buf, dtype), self._group.rank()
+        start = int(sum(counts[:index]))
+        padded, gathered, unpad = _padded_parts(tensor[start : start + counts[index]], tensor, counts)
+        return _TorchPlannedWork(self._group._allgather_base(gathered, padded), (tensor, padded, gathered), unpad)
 
     def close(self) -> None:
         self._group = None  # the group's threads and connections go with its last reference
