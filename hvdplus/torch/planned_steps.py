@@ -70,9 +70,14 @@ class PlannedStep:
         return self.closed or self.runtime is not basics._runtime
 
     def close(self) -> None:
-        """Drop the plan: release its communicator (once; later calls do nothing)."""
+        """Drop the plan: release its communicator (once; later calls do nothing) and the collectives in flight
+        on it, which are abandoned (a Gloo work kept alive keeps the group's context to interpreter exit)."""
         _FROZEN.discard(self)
+        self._abandon()
         self._release()
+
+    def _abandon(self) -> None:
+        """Forget the requests in flight (each kind of plan keeps its own)."""
 
     def _buffer(self, tensor: torch.Tensor) -> Any:
         """What the plan's group reduces: a numpy view of a CPU tensor for the host engine, else the tensor."""

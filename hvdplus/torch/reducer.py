@@ -124,7 +124,8 @@ class Reducer(PlannedStep):
         elif self._next:
             request = self._buckets[self._next - 1].request
             if request is not None:
-                request.test()  # MPI moves a collective only inside its calls
+                with self._engine_errors():
+                    request.test()  # MPI moves a collective only inside its calls
 
     def _adopt(self, p: torch.Tensor, bucket: _Bucket, index: int) -> None:
         """Make p.grad its view again (the user may have set it to None or replaced it), copying if needed."""
@@ -227,6 +228,10 @@ class Reducer(PlannedStep):
                         self._differs.append(f"parameter {self._names[p]!r} no longer matches the plan ({exc})")
 
     # ----------------------------------------------------------------- join and shutdown
+    def _abandon(self) -> None:
+        for bucket in self._buckets:
+            bucket.request = bucket.traced = None
+
     def start_joined_step(self) -> None:
         """In join(): start this plan's collectives with zeros (guard 0), as the training ranks start theirs."""
         if self._next or self.in_flight:

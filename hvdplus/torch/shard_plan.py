@@ -104,6 +104,10 @@ class ShardPlan(PlannedStep):
             raise RuntimeError(NOT_WITH_JOIN[OpKind.REDUCESCATTER])
         self.steps += 1
 
+    def _abandon(self) -> None:
+        self._guard_request, self._joined = None, []
+        self._traced.clear()
+
     # ----------------------------------------------------------------- join
     def start_joined_step(self) -> None:
         if not self._zeros:
