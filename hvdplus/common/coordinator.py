@@ -28,6 +28,7 @@ from hvdplus.common.announcements import exchange_announcements
 from hvdplus.common.autotune import Autotuner, TuningSpace, tuning_space
 from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.buffer_ops import DataPlane, DeviceKind
+from hvdplus.common.cycles import Cycles
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
@@ -114,6 +115,8 @@ class Coordinator:
         self._timeline = TimelineSlot(
             Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
         )
+        # Device planes stay on the background thread: a waiting thread's current stream may be the user's.
+        self._cycles = Cycles(self._cycle, self._fail, inline=not self._device_kinds)
         self._thread = threading.Thread(target=self._loop, name="hvdplus-coordinator", daemon=True)
         self._thread.start()
 
@@ -136,11 +139,13 @@ class Coordinator:
                     f"names must be unique until synchronize() returns (duplicate name)"
                 )
             self._names_in_flight.add(request.name)
-        work = Work(request, Handle(request.name), input, output)
+        work = Work(request, Handle(request.name, self._cycles.drive), input, output)
         if self.device_kinds and input is not None and not isinstance(input, np.ndarray):  # a device tensor
             work.ready = self._device_kinds[device_kind(request.device)].ops.ready(input)
         self._queue.put(work)
-        if not self._wake.is_set():  # Event.set costs more than the check, and bursts need only one
+        # Event.set costs more than the check, and bursts need only one. Read after the put: a thread that goes idle
+        # after this check finds the work queued (_sleep_until_work looks before it sleeps).
+        if not self._wake.is_set() and not self._cycles.waiters_drive:
             self._wake.set()
         if self._fatal is not None:  # the thread stopped while we queued: nobody will run this work
             work.handle.set_error(HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}"))
@@ -156,7 +161,7 @@ class Coordinator:
         thread makes the swap between its cycles, where it holds no timeline; this returns once it has (at once
         if the thread has stopped), so the replaced file is complete and closed."""
         swap = self._timeline.replace(timeline)
-        if swap is None or threading.current_thread() is self._thread:  # a callback of this thread: cannot wait
+        if swap is None or threading.current_thread() is self._thread or self._cycles.in_cycle:  # cannot wait
             return
         self._wake.set()  # an idle thread settles it where it sleeps, without starting a round
         swap.wait()
@@ -177,6 +182,11 @@ class Coordinator:
             # After a failure the thread only releases the engine, which can wait on a frozen peer until the
             # transport's own timeout: do not hold the process's exit for it (the thread is a daemon).
             self._thread.join(_FAILED_JOIN_S if self._fatal is not None else None)
+
+    @property
+    def driven_cycles(self) -> int:
+        """Cycles run so far by threads waiting for a collective rather than by the background thread."""
+        return self._cycles.driven
 
     @property
     def largest_batch(self) -> dict[OpKind, int]:
@@ -225,19 +235,17 @@ class Coordinator:
     # ----------------------------------------------------------------- background thread
     def _loop(self) -> None:
         try:
-            spin = True
-            while (busy := self._cycle(spin)) is not None:
-                if busy:
-                    self._wake.wait(self.tunables.cycle_time_ms / 1000.0)  # a submit ends the wait at once
-                    self._wake.clear()
-                else:  # every rank saw the same round, so all stop running rounds together
+            while not self._cycles.stopped:
+                if self._cycles.idle:  # every rank saw the same round, so all stop running rounds together
                     self._sleep_until_work()
-                spin = busy
-        except BaseException as exc:  # engine failure, a failed or frozen peer: every pending and future call fails
-            error = self._failure(exc)
-            log.error("hvdplus background thread failed: %s", error)
-            self._fatal = error
-            self._fail_everything(error)
+                    self._cycles.run()
+                else:
+                    period = self.tunables.cycle_time_ms / 1000.0
+                    self._wake.wait(period)  # a submit ends the wait at once
+                    self._wake.clear()
+                    self._cycles.run_if_due(period, self._has_urgent_work)
+        except BaseException as exc:  # the doorbell failed
+            self._fail(exc)
         finally:
             for release in [
                 self._timeline.retire,
@@ -251,6 +259,15 @@ class Coordinator:
                 except Exception as exc:  # pragma: no cover - best effort at exit
                     log.debug("shutdown of %s failed: %s", release, exc)
             self._sets.release()
+
+    def _fail(self, exc: BaseException) -> None:
+        """A cycle or the doorbell failed (engine failure, a failed or frozen peer): every pending and future call
+        fails, and the background thread stops."""
+        error = self._failure(exc)
+        log.error("hvdplus background thread failed: %s", error)
+        self._fatal = error
+        self._fail_everything(error)
+        self._wake.set()
 
     def _failure(self, exc: BaseException) -> HorovodInternalError:
         """The error every pending and later call on this rank raises. A failure of this rank's own is announced
@@ -275,19 +292,26 @@ class Coordinator:
         tell rank 0 of their own (engines/base.py: bell_targets)."""
         next_round = self.rounds + 1
         delay = _BELL_FIRST_POLL_S if self._doorbell.polled else None
-        while True:
+        while not (own := self._has_own_work()) and not self._doorbell.rung(next_round):
             self._wake.wait(delay)
             self._wake.clear()
             self._timeline.settle()  # a timeline swap asked for while idle needs no round
-            own = self._shutdown_requested or not self._queue.empty()
-            if own or self._doorbell.rung(next_round):
-                break
             if delay is not None:
                 delay = min(2 * delay, _BELL_LAST_POLL_S)
         if own or self.rank == 0:
             self._doorbell.ring(next_round)
         if not own and self._wake.wait(_BELL_GRACE_S):
             self._wake.clear()
+
+    def _has_own_work(self) -> bool:
+        """Whether this rank has something for the next round: work submitted since the last one, or a shutdown."""
+        return self._shutdown_requested or not self._queue.empty()
+
+    def _has_urgent_work(self) -> bool:
+        """Whether the background thread's next cycle cannot wait for the cycle time: a shutdown, or work that no
+        waiting thread runs (one that waits runs the cycle for its own work, and the background thread taking it
+        would add a round)."""
+        return self._shutdown_requested or (not self._cycles.waiters_drive and not self._queue.empty())
 
     def _queued(self) -> Iterator[Work]:
         """Take every work submitted since the last call, recording it as in flight."""

@@ -15,12 +15,13 @@ _Next = TypeVar("_Next")
 class Handle:
     """Completion of one submitted collective: its result, or the exception every rank raises.
 
-    A held lock marks "not done" (lighter than threading.Event, which matters at one handle per tensor)."""
+    A held lock marks "not done" (lighter than threading.Event, which matters at one handle per tensor).
+    `drive(handle)`, if given, runs the next cycle on the waiting thread when it can (common/cycles.py)."""
 
-    __slots__ = ("name", "_pending", "_done", "_result", "_error", "_event")
+    __slots__ = ("name", "_pending", "_done", "_result", "_error", "_event", "_drive")
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, drive: Callable[[Handle], bool] | None = None) -> None:
+        self.name, self._drive = name, drive
         self._pending = threading.Lock()
         self._pending.acquire()
         self._done = False
@@ -34,6 +35,10 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done, then return the result or raise the collective's error."""
+        if not self._done:
+            if timeout is None and self._drive is not None:
+                while not self._done and self._drive(self):
+                    pass
         if not self._done:
             if not self._pending.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s")
