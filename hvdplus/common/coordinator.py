@@ -241,7 +241,7 @@ class Coordinator:
                     self._cycles.run()
                 else:
                     period = self.tunables.cycle_time_ms / 1000.0
-                    self._wake.wait(period)  # a submit ends the wait at once
+                    self._wake.wait(self._cycles.until_due(period))  # a submit nobody waits for ends it at once
                     self._wake.clear()
                     self._cycles.run_if_due(period, self._has_urgent_work)
         except BaseException as exc:  # the doorbell failed

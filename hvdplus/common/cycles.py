@@ -53,6 +53,10 @@ class Cycles:
             if not self.stopped:
                 self._run()
 
+    def until_due(self, period_s: float) -> float:
+        """Seconds until the background thread's next cycle is due (`period_s` after the last one, whoever ran it)."""
+        return max(0.0, self._last + period_s - time.monotonic())
+
     def run_if_due(self, period_s: float, urgent: Callable[[], bool]) -> None:
         """The background thread's cycle while busy: due once `period_s` has passed since the last one, or at once
         if `urgent()` (asked once the lock is held)."""

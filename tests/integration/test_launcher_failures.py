@@ -91,7 +91,9 @@ def test_a_frozen_rank_is_named_and_ends_the_job(engine):
         lines.append(line)
     tree = _descendants(proc.pid)
     output = "".join(lines) + proc.communicate(timeout=90)[0]
-    frozen_at = float(re.search(r"failing at ([\d.]+)", output).group(1))
+    failing = re.search(r"failing at ([\d.]+)", output)
+    assert failing, f"rank 1 never reached the step where it freezes:\n{output}"
+    frozen_at = float(failing.group(1))
     print(f"\n{engine}: job ended {time.time() - frozen_at:.1f} s after rank 1 froze (shutdown time 5 s)")
     assert proc.returncode != 0, output
     assert "rank 1 has not answered a control round" in output, output

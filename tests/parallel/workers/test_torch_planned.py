@@ -121,8 +121,10 @@ def test_planned_steps_match_negotiated_with_no_copies_and_no_rounds(hvd):
     # On the plane the gradients travel on: the host engine, or (HVDPLUS_DEVICE_PATH_ON_CPU=1, the CUDA code
     # path on CPU tensors) the device plane's torch.distributed engine, whose group takes the tensors themselves.
     assert reducer._host is not runtime().settings.device_path_on_cpu
-    # Steps 3 to 6 ran no control round: no negotiation, no hand-off to the background thread.
-    assert rounds[1] == rounds[-1] > 0, rounds
+    # Steps 3 to 5 ran no control round: no negotiation, no hand-off to the background thread. (Not step 6: a
+    # faster peer that finished it may already negotiate the next training's first step, whose doorbell round
+    # this rank joins before its last count; a peer cannot finish step 6 before this rank counted step 5.)
+    assert rounds[1] == rounds[-2] > 0, rounds
     # Every gradient is a view of a bucket: backward wrote into the buffer that was reduced.
     flats = {bucket.flat.untyped_storage().data_ptr() for bucket in reducer._buckets}
     assert all(p.grad.untyped_storage().data_ptr() in flats for p in model.parameters())
