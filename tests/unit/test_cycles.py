@@ -1,0 +1,137 @@
+"""Who runs the coordinator's cycles (common/cycles.py): waiting threads while the ranks are busy, never two at once,
+never out of an idle spell; and how long a rank spins for a control round."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from hvdplus.common.coordinator import control_spin_s
+from hvdplus.common.cycles import Cycles
+from hvdplus.common.handles import Handle
+
+
+class Script:
+    """A cycle function that returns the scripted outcomes in turn and records who ran each cycle."""
+
+    def __init__(self, *outcomes: object) -> None:
+        self.outcomes = list(outcomes)
+        self.threads: list[int] = []
+        self.spins: list[bool] = []
+        self.cycles: Cycles | None = None
+        self.inside: list[bool] = []
+
+    def __call__(self, spin: bool) -> bool | None:
+        self.threads.append(threading.get_ident())
+        self.spins.append(spin)
+        assert self.cycles is not None
+        self.inside.append(self.cycles.in_cycle)
+        outcome = self.outcomes.pop(0)
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome  # type: ignore[return-value]
+
+
+def cycles_for(script: Script, inline: bool = True) -> tuple[Cycles, list[BaseException]]:
+    failures: list[BaseException] = []
+    cycles = Cycles(script, failures.append, inline)
+    script.cycles = cycles
+    return cycles, failures
+
+
+def test_a_waiting_thread_runs_cycles_while_busy_and_stops_when_the_round_shows_no_work():
+    script = Script(True, True, False)
+    cycles, _ = cycles_for(script)
+    handle = Handle("x")
+    assert cycles.waiters_drive
+    assert cycles.drive(handle) and cycles.drive(handle) and cycles.drive(handle)
+    assert script.threads == [threading.get_ident()] * 3 and script.inside == [True] * 3
+    assert not cycles.in_cycle
+    # The third round showed no work: idle, which only the background thread leaves.
+    assert cycles.idle and not cycles.waiters_drive
+    assert not cycles.drive(handle)
+    assert cycles.driven == 3
+    # A busy round lets the next one spin; the round after an idle spell does not.
+    cycles.run()
+    assert script.spins == [True, True, True, False]
+
+
+def test_a_finished_handle_or_a_stopped_job_runs_no_cycle():
+    script = Script(None)
+    cycles, _ = cycles_for(script)
+    done = Handle("done")
+    done.set_result(1)
+    assert not cycles.drive(done) and script.threads == []
+    assert cycles.drive(Handle("x"))  # the job shuts down in this cycle
+    assert cycles.stopped and not cycles.drive(Handle("y"))
+    cycles.run()  # nothing runs after a stop
+    assert len(script.threads) == 1
+
+
+def test_without_inline_cycles_only_the_background_thread_runs_them():
+    script = Script(True)
+    cycles, _ = cycles_for(script, inline=False)
+    assert not cycles.waiters_drive and not cycles.drive(Handle("x"))
+    cycles.run_if_due(0.0, lambda: False)
+    assert len(script.threads) == 1
+
+
+def test_the_background_cycle_waits_its_period_unless_urgent():
+    script = Script(True, True)
+    cycles, _ = cycles_for(script)
+    cycles.drive(Handle("x"))
+    assert 0.0 < cycles.until_due(60.0) <= 60.0
+    cycles.run_if_due(60.0, lambda: False)  # a waiting thread ran the last cycle just now: not due
+    assert len(script.threads) == 1
+    cycles.run_if_due(60.0, lambda: True)  # a shutdown, say
+    assert len(script.threads) == 2
+
+
+def test_a_failing_cycle_stops_the_job_and_reports_once():
+    error = RuntimeError("engine failed")
+    script = Script(error)
+    cycles, failures = cycles_for(script)
+    assert cycles.drive(Handle("x"))  # the failure reaches the handles through `fail`, not as a raise here
+    assert failures == [error] and cycles.stopped and not cycles.in_cycle
+
+
+def test_an_interrupt_in_a_waiting_thread_stops_the_job_and_reaches_the_user():
+    interrupt = KeyboardInterrupt()
+    script = Script(interrupt)
+    cycles, failures = cycles_for(script)
+    with pytest.raises(KeyboardInterrupt):
+        cycles.drive(Handle("x"))
+    assert failures == [interrupt] and cycles.stopped
+
+
+def test_cycles_never_overlap():
+    """A waiting thread that finds a cycle running waits for it, then runs the next one itself."""
+    started, release = threading.Event(), threading.Event()
+    order: list[str] = []
+
+    def cycle(spin: bool) -> bool:
+        order.append("start")
+        if len(order) == 1:
+            started.set()
+            release.wait(5)
+        order.append("end")
+        return True
+
+    cycles = Cycles(cycle, lambda exc: None, inline=True)
+    background = threading.Thread(target=cycles.run)
+    background.start()
+    assert started.wait(5)
+    waiter = threading.Thread(target=cycles.drive, args=(Handle("x"),))
+    waiter.start()
+    release.set()
+    background.join(5)
+    waiter.join(5)
+    assert order == ["start", "end", "start", "end"]
+
+
+def test_no_spin_on_a_host_with_more_ranks_than_cores():
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    assert control_spin_s(cores) > 0.0
+    assert control_spin_s(cores + 1) == 0.0
