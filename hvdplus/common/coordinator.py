@@ -53,9 +53,10 @@ log = logging.getLogger("hvdplus")
 
 _HAS_UNCACHED, _SHUTDOWN, _STALL_ABORT, _BUSY = 1, 2, 4, 8
 # How a rank waits for the control round (see _exchange): spin while peers are expected at once, then sleep
-# between tests, up to 1 ms. Never spin where this host runs more ranks than it has cores: the core a rank spins
-# on is the one a peer needs (3 ranks on 2 cores, MPI: 3000 lone allreduces in 13 s spinning, 8 s not).
-_SPIN_S, _SLEEP_S = 2e-3, 1e-3
+# between tests, up to 1 ms. On a host that runs more ranks than it has cores, the core a rank spins on is the one a
+# peer needs, so it spins only briefly (3 ranks on 2 cores, MPI, 3000 lone allreduces: 12.6-14.0 s spinning 2 ms,
+# 7.5-8.4 s not spinning, 6.5-7.1 s spinning 0.3 ms; the median call stays at ~0.33 ms only with a spin).
+_SPIN_S, _CROWDED_SPIN_S, _SLEEP_S = 2e-3, 3e-4, 1e-3
 # How often a rank with no work looks at a doorbell that must be polled (MPI's): the wait doubles from 1 ms to
 # 20 ms, so a rank that submits nothing joins a peer's work within 40 ms (two hops, through rank 0), and an idle
 # process wakes 50 times a second (a timed wake-up costs ~100 us of CPU on these VMs), running no round.
@@ -70,10 +71,9 @@ _DATA_KINDS = frozenset({OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, O
 
 
 def control_spin_s(local_ranks: int) -> float:
-    """How long a rank spins for a busy control round: not at all where the host runs `local_ranks` ranks on fewer
-    cores than that (the cores this process may use)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return _SPIN_S if local_ranks <= cores else 0.0
+    """How long a rank spins for a busy control round, for a host running `local_ranks` ranks. The host's cores,
+    not this process's affinity: a launcher that binds each rank to its own cores leaves every rank a core."""
+    return _SPIN_S if local_ranks <= (os.cpu_count() or 1) else _CROWDED_SPIN_S
 
 
 class Coordinator:
@@ -126,7 +126,9 @@ class Coordinator:
             Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
         )
         # Device planes stay on the background thread: a waiting thread's current stream may be the user's.
-        self._cycles = Cycles(self._cycle, self._fail, inline=not self._device_kinds)
+        self._cycles = Cycles(
+            self._cycle, self._fail, inline=not self._device_kinds, period_s=lambda: self.tunables.cycle_time_ms / 1e3
+        )
         self._thread = threading.Thread(target=self._loop, name="hvdplus-coordinator", daemon=True)
         self._thread.start()
 
@@ -188,7 +190,7 @@ class Coordinator:
         """Stop the thread once every rank's cycle sees the request (any rank's request stops all)."""
         self._shutdown_requested = True
         self._wake.set()
-        if threading.current_thread() is not self._thread:
+        if threading.current_thread() is not self._thread and not self._cycles.in_cycle:  # (a signal handler's)
             # After a failure the thread only releases the engine, which can wait on a frozen peer until the
             # transport's own timeout: do not hold the process's exit for it (the thread is a daemon).
             self._thread.join(_FAILED_JOIN_S if self._fatal is not None else None)
@@ -239,7 +241,8 @@ class Coordinator:
 
     @property
     def thread_id(self) -> int | None:
-        """The background thread's ident (benchmarks read its CPU clock)."""
+        """The background thread's ident (benchmarks read its CPU clock: an idle job's, since while the ranks are
+        busy threads that wait for collectives run most cycles)."""
         return self._thread.ident
 
     # ----------------------------------------------------------------- background thread
@@ -415,7 +418,7 @@ class Coordinator:
 
     def _exchange(self, words: np.ndarray, spin: bool) -> np.ndarray:
         """The control round. While work is in flight the peers usually join within microseconds: spin for up to
-        2 ms (a sleep would add its length to every collective; none on a host with more ranks than cores), then
+        2 ms (a sleep would add its length to every collective; 0.3 ms on a host with more ranks than cores), then
         sleep. The first round after an idle spell
         does not spin: the peers may still be computing, and a spin would take the core this rank's own compute
         (or, on a shared host, a peer's) needs. A wait longer than a second is inspected for frozen peers."""

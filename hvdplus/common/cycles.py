@@ -23,11 +23,16 @@ class Cycles:
     """The cycle lock and the state every rank agrees on after each round: busy, idle, or stopped."""
 
     def __init__(
-        self, cycle: Callable[[bool], bool | None], fail: Callable[[BaseException], None], inline: bool
+        self,
+        cycle: Callable[[bool], bool | None],
+        fail: Callable[[BaseException], None],
+        inline: bool,
+        period_s: Callable[[], float],
     ) -> None:
         """`cycle(spin)`: one cycle (whether any rank has work in flight, None once the job stops). `fail(exc)`:
-        what a cycle's exception does to the job. `inline`: whether waiting threads may run cycles."""
-        self._cycle, self._fail, self._inline = cycle, fail, inline
+        what a cycle's exception does to the job. `inline`: whether waiting threads may run cycles. `period_s()`:
+        the cycle time, which paces the rounds of a thread whose collective is not done after its first."""
+        self._cycle, self._fail, self._inline, self._period_s = cycle, fail, inline, period_s
         self._lock = threading.Lock()
         self.idle = False  # the last round showed no rank with work: no round runs until the doorbell
         self.stopped = False  # shut down, or failed: no round runs again
@@ -64,11 +69,15 @@ class Cycles:
             if not (self.stopped or self.idle) and (urgent() or time.monotonic() - self._last >= period_s):
                 self._run()
 
-    def drive(self, handle: Handle) -> bool:
+    def drive(self, handle: Handle, again: bool) -> bool:
         """From a thread waiting for `handle`: run the next cycle here while the ranks are busy (after the one
         running now, if any). Whether it ran one; False: wait for the background thread (an idle spell, which only
-        it leaves, or a stopped job)."""
-        if not self.waiters_drive:
+        it leaves, or a stopped job). `again`: this thread's last cycle left `handle` pending (a peer has not
+        submitted yet): the next one waits until due, as the background thread's would, unless `handle` completes
+        meanwhile, so that a wait for a late peer does not run rounds back to back."""
+        if not self.waiters_drive or self.in_cycle:  # a signal handler inside a cycle: the lock is this thread's
+            return False
+        if again and handle.completes_within(self.until_due(self._period_s())):
             return False
         with self._lock:
             if self.idle or self.stopped or handle.done():
@@ -82,8 +91,10 @@ class Cycles:
         try:
             busy = self._cycle(self._spin)
         except BaseException as exc:  # engine failure, a failed or frozen peer: every pending and future call fails
-            self.stopped = True
-            self._fail(exc)
+            try:
+                self._fail(exc)
+            finally:  # only then: the background thread, seeing it, releases the engine
+                self.stopped = True
             if not isinstance(exc, Exception):  # a waiting user thread's KeyboardInterrupt goes on to the user
                 raise
             return

@@ -16,11 +16,11 @@ class Handle:
     """Completion of one submitted collective: its result, or the exception every rank raises.
 
     A held lock marks "not done" (lighter than threading.Event, which matters at one handle per tensor).
-    `drive(handle)`, if given, runs the next cycle on the waiting thread when it can (common/cycles.py)."""
+    `drive(handle, again)`, if given, runs the next cycle on the waiting thread when it can (common/cycles.py)."""
 
     __slots__ = ("name", "_pending", "_done", "_result", "_error", "_event", "_drive")
 
-    def __init__(self, name: str, drive: Callable[[Handle], bool] | None = None) -> None:
+    def __init__(self, name: str, drive: Callable[[Handle, bool], bool] | None = None) -> None:
         self.name, self._drive = name, drive
         self._pending = threading.Lock()
         self._pending.acquire()
@@ -35,10 +35,10 @@ class Handle:
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until done, then return the result or raise the collective's error."""
-        if not self._done:
-            if timeout is None and self._drive is not None:
-                while not self._done and self._drive(self):
-                    pass
+        if not self._done and timeout is None and self._drive is not None:
+            again = False
+            while not self._done and self._drive(self, again):
+                again = True
         if not self._done:
             if not self._pending.acquire(timeout=-1 if timeout is None else timeout):
                 raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s")
@@ -48,6 +48,12 @@ class Handle:
         if self._event is not None:  # a device result: the caller's stream waits for the work that wrote it
             self._event.wait()
         return self._result
+
+    def completes_within(self, seconds: float) -> bool:
+        """Whether it is done now or within `seconds` (waits for it no longer; never raises its error)."""
+        if not self._done and seconds > 0 and self._pending.acquire(timeout=seconds):
+            self._pending.release()
+        return self._done
 
     def set_result(self, result: Any, event: Any = None) -> None:
         """Complete with `result`; `event` (a device event, common/buffer_ops.ReadyEvent) marks where the device
