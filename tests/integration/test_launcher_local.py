@@ -107,3 +107,18 @@ def test_pipeline_example_under_hvdplusrun(mode):
     )
     assert done.returncode == 0, done.output
     assert "1 pipeline(s) x 2 stages" in done.output and "final loss" in done.output, done.output
+
+
+def test_planned_groups_of_successive_jobs_in_one_process_meet_apart():
+    """shutdown() then init() in the same processes under hvdplusrun --gloo, three times. torch's groups and the
+    planned groups of each job meet in hvdplusrun's store under the job's own incarnation (0, 1, 2, the same on every
+    rank); before, a later job could read an earlier job's addresses there and fail to connect, or hang (4 runs in
+    6). Each job freezes its plan and trains to the same weights on every rank."""
+    done = run([HVDPLUSRUN, "-np", "2", "--gloo", PY, str(SCRIPTS / "planned_reinit.py")])
+    assert done.returncode == 0, done.output
+    jobs = reports(done.output)
+    assert sorted((r["rank"], r["job"], r["incarnation"]) for r in jobs) == [
+        (rank, job, job) for rank in range(2) for job in range(3)
+    ], done.output
+    assert all(r["planned"] and r["agree"] for r in jobs), done.output
+    assert len({tuple(r["weight"]) for r in jobs}) == 1, done.output

@@ -17,6 +17,7 @@ from hvdplus.common.engines.torch_dist import (
     gather_bytes,
     open_torch_planned,
     reduce_scatter_single,
+    store_incarnation,
 )
 from hvdplus.common.ops import ReduceOp
 
@@ -53,6 +54,7 @@ class TorchTensorEngine:
             )
         else:
             self._store = dist.distributed_c10d._get_default_store()
+        self._incarnation = store_incarnation(self._store, self.size)
         self.world = self.new_group(range(self.size))
         self._ops = {
             ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -84,7 +86,16 @@ class TorchTensorEngine:
     def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
         """The planned path's group of `ranks` on this engine's backend: its buffers are the tensors themselves."""
         return open_torch_planned(
-            self._dist, self.backend, self._store, ranks, self.rank, key, timeout_s, self._ops, _as_is
+            self._dist,
+            self.backend,
+            self._store,
+            self._incarnation,
+            ranks,
+            self.rank,
+            key,
+            timeout_s,
+            self._ops,
+            _as_is,
         )
 
     def allreduce(self, buf: Any, dtype: str, op: ReduceOp, group: Any, send: Any | None = None) -> None:

@@ -69,14 +69,21 @@ class TorchDistEngine:
         timeout = datetime.timedelta(seconds=timeout_seconds)
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
-            dist.init_process_group(
-                "gloo", store=self._make_store(launch, timeout), rank=self.rank, world_size=self.size, timeout=timeout
-            )
+            # torch names its groups by a count that restarts with each job, so in a store that outlives the job
+            # (hvdplusrun's, or a file's) a later job would read an earlier one's addresses: each job's groups
+            # meet under its own incarnation.
+            self._planned_store = self._make_store(launch, timeout)
+            self._incarnation = store_incarnation(self._planned_store, self.size)
+            job_store = dist.PrefixStore(f"hvdplus/job/{self._incarnation}/", self._planned_store)
+            dist.init_process_group("gloo", store=job_store, rank=self.rank, world_size=self.size, timeout=timeout)
         elif dist.get_world_size() != self.size:
             raise RuntimeError(
                 f"torch.distributed is already initialized with world size {dist.get_world_size()}, "
                 f"but the launcher says {self.size}"
             )
+        else:  # the user's torch.distributed: its groups keep counting, but the planned groups need a count
+            self._planned_store = dist.distributed_c10d._get_default_store()
+            self._incarnation = store_incarnation(self._planned_store, self.size)
         try:
             self.world = dist.new_group(list(range(self.size)), backend="gloo", timeout=timeout)
         except BaseException:
@@ -253,8 +260,18 @@ class TorchDistEngine:
         return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
 
     def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
-        store = self._beacon_store or self._dist.distributed_c10d._get_default_store()
-        return open_torch_planned(self._dist, "gloo", store, ranks, self.rank, key, timeout_s, self._ops, self._tensor)
+        return open_torch_planned(
+            self._dist,
+            "gloo",
+            self._planned_store,
+            self._incarnation,
+            ranks,
+            self.rank,
+            key,
+            timeout_s,
+            self._ops,
+            self._tensor,
+        )
 
     def shutdown(self) -> None:
         """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
@@ -450,10 +467,19 @@ class GlooChannel:
         self._dist.destroy_process_group(self._group)
 
 
+def store_incarnation(store: Any, size: int) -> int:
+    """How many jobs of `size` ranks counted themselves in `store` before this one. Planned groups meet under it,
+    so that a job started after `hvd.shutdown()` never reads its predecessor's keys from a store that outlived it
+    (hvdplusrun's, or the user's torch.distributed store): each job's ranks all count before the next job's can,
+    since shutdown is collective."""
+    return (int(store.add("hvdplus/planned/incarnations", 1)) - 1) // size
+
+
 def open_torch_planned(
     dist: Any,
     backend: str,
     store: Any,
+    incarnation: int,
     ranks: Sequence[int],
     rank: int,
     key: int,
@@ -462,10 +488,11 @@ def open_torch_planned(
     tensor_of: Callable[[Any, str], Any],
 ) -> TorchPlannedGroup:
     """A planned-path group ('gloo' or 'nccl') of `ranks` only, met through the job's `store` under a prefix of
-    its own: the other ranks take no part (torch's new_group would need every rank of the job). A step's buckets
-    start while a peer may still be busy (a checkpoint, say): no timeout but the stall shutdown time, if set; a
-    long wait is reported as a stall (_TorchPlannedWork). `tensor_of(buf, dtype)`: the caller's buffer as a tensor."""
-    prefix = dist.PrefixStore(f"hvdplus/planned/{backend}/{key}/{'.'.join(map(str, ranks))}/", store)
+    its own (`incarnation`: the job's `store_incarnation`): the other ranks take no part (torch's new_group would
+    need every rank of the job). A step's buckets start while a peer may still be busy (a checkpoint, say): no
+    timeout but the stall shutdown time, if set; a long wait is reported as a stall (_TorchPlannedWork).
+    `tensor_of(buf, dtype)`: the caller's buffer as a tensor."""
+    prefix = dist.PrefixStore(f"hvdplus/planned/{backend}/{incarnation}/{key}/{'.'.join(map(str, ranks))}/", store)
     timeout = _PLANNED_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     index = list(ranks).index(rank)
     if backend == "nccl":
