@@ -13,9 +13,9 @@ from typing import Any
 
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.engines.torch_dist import (
+    PlannedMeeting,
     TorchPlannedGroup,
     gather_bytes,
-    open_torch_planned,
     reduce_scatter_single,
     store_incarnation,
 )
@@ -54,7 +54,6 @@ class TorchTensorEngine:
             )
         else:
             self._store = dist.distributed_c10d._get_default_store()
-        self._incarnation = store_incarnation(self._store, self.size)
         self.world = self.new_group(range(self.size))
         self._ops = {
             ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -62,6 +61,8 @@ class TorchTensorEngine:
             ReduceOp.MAX: dist.ReduceOp.MAX,
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
         }
+        incarnation = store_incarnation(self._store, self.size)
+        self.planned_meeting = PlannedMeeting(dist, backend, self._store, incarnation, self.rank, self._ops, _as_is)
 
     def _store_over(self, host: Engine, address: str) -> Any:
         """A TCP store served by rank 0 on a free port; its address reaches the others over the host engine."""
@@ -85,18 +86,7 @@ class TorchTensorEngine:
 
     def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
         """The planned path's group of `ranks` on this engine's backend: its buffers are the tensors themselves."""
-        return open_torch_planned(
-            self._dist,
-            self.backend,
-            self._store,
-            self._incarnation,
-            ranks,
-            self.rank,
-            key,
-            timeout_s,
-            self._ops,
-            _as_is,
-        )
+        return self.planned_meeting.open(ranks, key, timeout_s)
 
     def allreduce(self, buf: Any, dtype: str, op: ReduceOp, group: Any, send: Any | None = None) -> None:
         if send is not None:  # both backends reduce in place

@@ -25,7 +25,7 @@ __all__ = [
     "TorchPlannedGroup",
     "all_gather_single",
     "gather_bytes",
-    "open_torch_planned",
+    "PlannedMeeting",
     "reduce_scatter_single",
 ]
 
@@ -72,9 +72,9 @@ class TorchDistEngine:
             # torch names its groups by a count that restarts with each job, so in a store that outlives the job
             # (hvdplusrun's, or a file's) a later job would read an earlier one's addresses: each job's groups
             # meet under its own incarnation.
-            self._planned_store = self._make_store(launch, timeout)
-            self._incarnation = store_incarnation(self._planned_store, self.size)
-            job_store = dist.PrefixStore(f"hvdplus/job/{self._incarnation}/", self._planned_store)
+            store = self._make_store(launch, timeout)
+            incarnation = store_incarnation(store, self.size)
+            job_store = dist.PrefixStore(f"hvdplus/job/{incarnation}/", store)
             dist.init_process_group("gloo", store=job_store, rank=self.rank, world_size=self.size, timeout=timeout)
         elif dist.get_world_size() != self.size:
             raise RuntimeError(
@@ -82,8 +82,8 @@ class TorchDistEngine:
                 f"but the launcher says {self.size}"
             )
         else:  # the user's torch.distributed: its groups keep counting, but the planned groups need a count
-            self._planned_store = dist.distributed_c10d._get_default_store()
-            self._incarnation = store_incarnation(self._planned_store, self.size)
+            store = dist.distributed_c10d._get_default_store()
+            incarnation = store_incarnation(store, self.size)
         try:
             self.world = dist.new_group(list(range(self.size)), backend="gloo", timeout=timeout)
         except BaseException:
@@ -97,6 +97,7 @@ class TorchDistEngine:
             ReduceOp.MAX: dist.ReduceOp.MAX,
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
         }
+        self.planned_meeting = PlannedMeeting(dist, "gloo", store, incarnation, self.rank, self._ops, self._tensor)
 
     def _make_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
         """The job's store (an elastic generation's namespace of it); also kept for stall beacons and failure
@@ -260,18 +261,7 @@ class TorchDistEngine:
         return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
 
     def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
-        return open_torch_planned(
-            self._dist,
-            "gloo",
-            self._planned_store,
-            self._incarnation,
-            ranks,
-            self.rank,
-            key,
-            timeout_s,
-            self._ops,
-            self._tensor,
-        )
+        return self.planned_meeting.open(ranks, key, timeout_s)
 
     def shutdown(self) -> None:
         """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
@@ -468,45 +458,50 @@ class GlooChannel:
 
 
 def store_incarnation(store: Any, size: int) -> int:
-    """How many jobs of `size` ranks counted themselves in `store` before this one. Planned groups meet under it,
-    so that a job started after `hvd.shutdown()` never reads its predecessor's keys from a store that outlived it
-    (hvdplusrun's, or the user's torch.distributed store): each job's ranks all count before the next job's can,
-    since shutdown is collective."""
+    """How many jobs of `size` ranks counted themselves in `store` before this one. A job's groups meet under it, so
+    that a job started after `hvd.shutdown()` never reads its predecessor's keys from a store that outlived it
+    (hvdplusrun's, a rendezvous file, or the user's torch.distributed store): each job's ranks all count before the
+    next job's can, since shutdown is collective."""
     return (int(store.add("hvdplus/planned/incarnations", 1)) - 1) // size
 
 
-def open_torch_planned(
-    dist: Any,
-    backend: str,
-    store: Any,
-    incarnation: int,
-    ranks: Sequence[int],
-    rank: int,
-    key: int,
-    timeout_s: float | None,
-    ops: dict[ReduceOp, Any],
-    tensor_of: Callable[[Any, str], Any],
-) -> TorchPlannedGroup:
-    """A planned-path group ('gloo' or 'nccl') of `ranks` only, met through the job's `store` under a prefix of
-    its own (`incarnation`: the job's `store_incarnation`): the other ranks take no part (torch's new_group would
-    need every rank of the job). A step's buckets start while a peer may still be busy (a checkpoint, say): no
-    timeout but the stall shutdown time, if set; a long wait is reported as a stall (_TorchPlannedWork).
-    `tensor_of(buf, dtype)`: the caller's buffer as a tensor."""
-    prefix = dist.PrefixStore(f"hvdplus/planned/{backend}/{incarnation}/{key}/{'.'.join(map(str, ranks))}/", store)
-    timeout = _PLANNED_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-    index = list(ranks).index(rank)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
-    else:
-        import torch
+@dataclasses.dataclass(frozen=True)
+class PlannedMeeting:
+    """Where a job's planned-path groups ('gloo' or 'nccl') meet: the job's `store`, under its `incarnation`
+    (`store_incarnation`). `ops`: the engine's map from hvdplus's reduce ops to torch's; `tensor_of(buf, dtype)`:
+    the caller's buffer as a tensor."""
 
-        group = dist.ProcessGroupGloo(prefix, index, len(ranks), timeout)
-        # Gloo's constructor can return on one rank while a peer still connects to it: a group dropped at once (an
-        # optimizer made for one step) would close that connection under the peer. Leave once every pair is up.
-        group.allreduce([torch.zeros(1)]).wait()
-    return TorchPlannedGroup(dist, group, len(ranks), ops, tensor_of)
+    dist: Any
+    backend: str
+    store: Any
+    incarnation: int
+    rank: int
+    ops: dict[ReduceOp, Any]
+    tensor_of: Callable[[Any, str], Any]
+
+    def open(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
+        """A group of `ranks` only, under a prefix of its own: the other ranks take no part (torch's new_group would
+        need every rank of the job). A step's buckets start while a peer may still be busy (a checkpoint, say): no
+        timeout but the stall shutdown time, if set; a long wait is reported as a stall (_TorchPlannedWork)."""
+        dist = self.dist
+        prefix = dist.PrefixStore(
+            f"hvdplus/planned/{self.backend}/{self.incarnation}/{key}/{'.'.join(map(str, ranks))}/", self.store
+        )
+        timeout = _PLANNED_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        index = list(ranks).index(self.rank)
+        if self.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            group = dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
+        else:
+            import torch
+
+            group = dist.ProcessGroupGloo(prefix, index, len(ranks), timeout)
+            # Gloo's constructor can return on one rank while a peer still connects to it: a group dropped at once
+            # (an optimizer made for one step) would close that connection under the peer. Leave once every pair
+            # is up.
+            group.allreduce([torch.zeros(1)]).wait()
+        return TorchPlannedGroup(dist, group, len(ranks), self.ops, self.tensor_of)
 
 
 class TorchPlannedGroup:

@@ -22,7 +22,7 @@ for job in range(3):
     report = {
         "rank": hvd.rank(),
         "job": job,
-        "incarnation": runtime().engine._incarnation,
+        "incarnation": runtime().engine.planned_meeting.incarnation,
         "planned": optimizer._reducer is not None,
         "agree": bool(torch.allclose(hvd.allreduce(weight, op=hvd.Average, name="check"), weight)),
         "weight": weight.flatten().tolist(),
