@@ -77,7 +77,8 @@ def control_spin_s(local_ranks: int) -> float:
 
 
 class Coordinator:
-    """Owns the engine after init: all collectives of this process run on its thread."""
+    """Owns the engine after init: all collectives of this process run in its cycles, on its background thread or
+    on a thread that waits for one (common/cycles.py)."""
 
     def __init__(
         self, engine: Engine, settings: Settings, topology: Topology, device_kinds: dict[str, DeviceKind] | None = None
@@ -253,10 +254,9 @@ class Coordinator:
                     self._sleep_until_work()
                     self._cycles.run()
                 else:
-                    period = self.tunables.cycle_time_ms / 1000.0
-                    self._wake.wait(self._cycles.until_due(period))  # a submit nobody waits for ends it at once
+                    self._wake.wait(self._cycles.until_due())  # a submit nobody waits for ends it at once
                     self._wake.clear()
-                    self._cycles.run_if_due(period, self._has_urgent_work)
+                    self._cycles.run_if_due(self._has_urgent_work)
         except BaseException as exc:  # the doorbell failed
             self._fail(exc)
         finally:
@@ -324,7 +324,7 @@ class Coordinator:
         """Whether the background thread's next cycle cannot wait for the cycle time: a shutdown, or work that no
         waiting thread runs (one that waits runs the cycle for its own work, and the background thread taking it
         would add a round)."""
-        return self._shutdown_requested or (not self._cycles.waiters_drive and not self._queue.empty())
+        return self._shutdown_requested if self._cycles.waiters_drive else self._has_own_work()
 
     def _queued(self) -> Iterator[Work]:
         """Take every work submitted since the last call, recording it as in flight."""
@@ -419,9 +419,9 @@ class Coordinator:
     def _exchange(self, words: np.ndarray, spin: bool) -> np.ndarray:
         """The control round. While work is in flight the peers usually join within microseconds: spin for up to
         2 ms (a sleep would add its length to every collective; 0.3 ms on a host with more ranks than cores), then
-        sleep. The first round after an idle spell
-        does not spin: the peers may still be computing, and a spin would take the core this rank's own compute
-        (or, on a shared host, a peer's) needs. A wait longer than a second is inspected for frozen peers."""
+        sleep. The first round after an idle spell does not spin: the peers may still be computing, and a spin would
+        take the core this rank's own compute (or, on a shared host, a peer's) needs. A wait longer than a second is
+        inspected for frozen peers."""
         pending = self._engine.start_bitwise_and(words, self._engine.world)
         spin_s = self._spin_s if spin else 0.0
         started = time.monotonic()

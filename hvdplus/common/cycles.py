@@ -58,15 +58,15 @@ class Cycles:
             if not self.stopped:
                 self._run()
 
-    def until_due(self, period_s: float) -> float:
-        """Seconds until the background thread's next cycle is due (`period_s` after the last one, whoever ran it)."""
-        return max(0.0, self._last + period_s - time.monotonic())
+    def until_due(self) -> float:
+        """Seconds until the background thread's next cycle is due (a cycle time after the last, whoever ran it)."""
+        return max(0.0, self._last + self._period_s() - time.monotonic())
 
-    def run_if_due(self, period_s: float, urgent: Callable[[], bool]) -> None:
-        """The background thread's cycle while busy: due once `period_s` has passed since the last one, or at once
-        if `urgent()` (asked once the lock is held)."""
+    def run_if_due(self, urgent: Callable[[], bool]) -> None:
+        """The background thread's cycle while busy: due once the cycle time has passed since the last one, or at
+        once if `urgent()` (asked once the lock is held)."""
         with self._lock:
-            if not (self.stopped or self.idle) and (urgent() or time.monotonic() - self._last >= period_s):
+            if not (self.stopped or self.idle) and (urgent() or self.until_due() == 0.0):
                 self._run()
 
     def drive(self, handle: Handle, again: bool) -> bool:
@@ -77,7 +77,7 @@ class Cycles:
         meanwhile, so that a wait for a late peer does not run rounds back to back."""
         if not self.waiters_drive or self.in_cycle:  # a signal handler inside a cycle: the lock is this thread's
             return False
-        if again and handle.completes_within(self.until_due(self._period_s())):
+        if again and handle.completes_within(self.until_due()):
             return False
         with self._lock:
             if self.idle or self.stopped or handle.done():

@@ -74,18 +74,18 @@ def test_without_inline_cycles_only_the_background_thread_runs_them():
     script = Script(True)
     cycles, _ = cycles_for(script, inline=False)
     assert not cycles.waiters_drive and not cycles.drive(Handle("x"), False)
-    cycles.run_if_due(0.0, lambda: False)
+    cycles.run_if_due(lambda: False)
     assert len(script.threads) == 1
 
 
 def test_the_background_cycle_waits_its_period_unless_urgent():
     script = Script(True, True)
-    cycles, _ = cycles_for(script)
+    cycles, _ = cycles_for(script, period_s=60.0)
     cycles.drive(Handle("x"), False)
-    assert 0.0 < cycles.until_due(60.0) <= 60.0
-    cycles.run_if_due(60.0, lambda: False)  # a waiting thread ran the last cycle just now: not due
+    assert 0.0 < cycles.until_due() <= 60.0
+    cycles.run_if_due(lambda: False)  # a waiting thread ran the last cycle just now: not due
     assert len(script.threads) == 1
-    cycles.run_if_due(60.0, lambda: True)  # a shutdown, say
+    cycles.run_if_due(lambda: True)  # a shutdown, say
     assert len(script.threads) == 2
 
 
