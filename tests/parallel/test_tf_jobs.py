@@ -36,7 +36,9 @@ def test_tf_worker_suite(engine: str, np: int) -> None:
 
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("engine,np", [("gloo", 2), ("mpi", 3)])
+# One engine: what could hang here is the op's thread inside TensorFlow's pool, which no engine changes (the graph
+# tests themselves run on both engines in the worker suites above).
+@pytest.mark.parametrize("engine,np", [("gloo", 2)])
 def test_tf_graphs_with_one_inter_op_thread(engine: str, np: int) -> None:
     """The graph tests again with one inter-op thread for the whole process (tf.function's pool too): a
     collective that held the only thread while it waited would hang the job (the stall shutdown ends it)."""
