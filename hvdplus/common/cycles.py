@@ -10,6 +10,7 @@ peers need. Only the background thread leaves an idle spell (it owns the doorbel
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections.abc import Callable
@@ -83,7 +84,9 @@ class Cycles:
             if self.idle or self.stopped or handle.done():
                 return False
             self.driven += 1
-            self._run()
+            # In a context of its own: the waiting thread's context variables (numpy's error state, say
+            # np.seterr(all="raise")) must not change what a cycle does, as they do not on the background thread.
+            contextvars.Context().run(self._run)
             return True
 
     def _run(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
+import numpy as np
 import pytest
 
 from hvdplus.common.coordinator import control_spin_s
@@ -150,3 +151,21 @@ def test_cycles_never_overlap():
 def test_a_short_spin_on_a_host_with_more_ranks_than_cores():
     cores = os.cpu_count() or 1
     assert control_spin_s(cores + 1) < control_spin_s(cores)
+
+
+def test_a_cycle_run_by_a_waiting_thread_does_not_take_its_numpy_error_state():
+    """A user thread's np.seterr(all="raise") would turn a float16 overflow inside a cycle (a scaled gradient)
+    into an engine failure that ends the job; the background thread's cycles never see it."""
+    seen: list[dict[str, str]] = []
+
+    def cycle(spin: bool) -> bool:
+        seen.append(np.geterr())
+        np.float16(6e4) * np.float16(2)  # overflows: a warning by numpy's defaults
+        return True
+
+    failures: list[BaseException] = []
+    cycles = Cycles(cycle, failures.append, True, lambda: 0.0)
+    with np.errstate(all="raise"), pytest.warns(RuntimeWarning, match="overflow"):
+        assert cycles.drive(Handle("x"), False)
+    assert failures == [] and not cycles.stopped
+    assert seen == [{"divide": "warn", "over": "warn", "under": "ignore", "invalid": "warn"}]
