@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import csv
 import logging
-from collections.abc import Collection, Iterator
+import time
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, NamedTuple
 
+from hvdplus.common.messages import Response
+from hvdplus.common.ops import OpKind
+from hvdplus.common.settings import Settings
 from hvdplus.common.tunables import Tunables
 
-__all__ = ["TUNED", "FUSION_THRESHOLDS", "CYCLE_TIMES_MS", "TuningSpace", "tuning_space", "Autotuner"]
+__all__ = ["TUNED", "FUSION_THRESHOLDS", "CYCLE_TIMES_MS", "TuningSpace", "tuning_space", "Autotuner", "TuningRun"]
 
 log = logging.getLogger("hvdplus")
 
 # The tunables in the order coordinate descent visits them (the ones with the largest effect first); the same
 # order encodes a configuration.
+# The collectives whose bytes a sample counts (control operations such as joins move none).
+_DATA_KINDS = frozenset({OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.REDUCESCATTER})
 TUNED = ("fusion_threshold", "cycle_time_ms", "hierarchical_allreduce", "cross_algorithm", "hierarchical_allgather")
 FUSION_THRESHOLDS = tuple(mib * 1024 * 1024 for mib in (0, 1, 4, 16, 64, 128))
 CYCLE_TIMES_MS = (0.5, 1.0, 2.5, 5.0, 10.0)
@@ -194,3 +200,47 @@ class Autotuner:
         """One CSV row, the file closed after each, so the log is complete whenever the job stops."""
         with open(self._log_path, mode, newline="") as file:
             csv.writer(file).writerow(row)
+
+
+class TuningRun:
+    """A job's autotune, as the coordinator runs it: every rank starts from the same configuration of the same grid
+    (settings and topology are equal everywhere), rank 0 alone searches, and every rank switches to the
+    configuration rank 0 sent in a control round, all in the same cycle."""
+
+    def __init__(self, tunables: Tunables, settings: Settings, rank: int, hierarchical: bool, hosts: int) -> None:
+        self._tunables, self._rank = tunables, rank
+        self._space = tuning_space(tunables, settings.explicit, hierarchical, hosts)
+        self._tuned = self._space.start
+        self._space.apply(self._tuned, tunables)
+        self._tuner = (
+            Autotuner(
+                self._space,
+                warmup_samples=settings.autotune_warmup_samples,
+                steps_per_sample=settings.autotune_steps_per_sample,
+                max_samples=settings.autotune_bayes_opt_max_samples,
+                log_path=settings.autotune_log,
+            )
+            if rank == 0
+            else None
+        )
+
+    @property
+    def done(self) -> bool:
+        """On rank 0: whether the search has settled on its best configuration."""
+        return self._tuner is not None and self._tuner.done
+
+    def word(self) -> int:
+        """This rank's word in the control round: rank 0's configuration; the others' -1 leaves it in the AND."""
+        return self._tuner.config if self._tuner else -1
+
+    def after_cycle(self, config: int, responses: Sequence[Response]) -> None:
+        """After a cycle's execution: rank 0's tuner records the bytes this rank moved, then every rank switches to
+        `config`, the configuration rank 0 sent in this cycle's round."""
+        if self._tuner is not None:
+            moved = sum(
+                r.nbytes for r in responses if r.kind in _DATA_KINDS and r.error is None and self._rank in r.members
+            )
+            self._tuner.record(self._tuned, moved, time.monotonic())
+        if config != self._tuned:
+            self._space.apply(config, self._tunables)
+            self._tuned = config

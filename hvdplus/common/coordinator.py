@@ -3,7 +3,8 @@
 Every rank runs the same cycle in lock step. Each cycle costs one small bitwise-AND allreduce
 (the response-cache bits plus flags), whose size does not depend on the number of ranks; announcements
 not in the cache are exchanged merged (common/announcements.py: ranks that agree share one entry), and
-every rank derives the same ordered list of responses from the same table.
+every rank derives the same ordered list of responses from the same table (common/agreement.py). This module
+runs the steps of a cycle; which thread runs it is common/cycles.py's choice.
 
 The control allreduce is non-blocking and waited for without spinning a core (a peer that is busy
 computing would otherwise make this thread poll MPI for as long). While work is in flight on any rank,
@@ -16,33 +17,29 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any, cast
 
 import numpy as np
 
-from hvdplus.common.announcements import exchange_announcements
-from hvdplus.common.autotune import Autotuner, TuningSpace, tuning_space
-from hvdplus.common.bitmask import bits, mask_of
+from hvdplus.common.agreement import BUSY, SHUTDOWN, STALL_ABORT, Agreement
+from hvdplus.common.autotune import TuningRun
 from hvdplus.common.buffer_ops import DataPlane, DeviceKind
 from hvdplus.common.cycles import Cycles
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
-from hvdplus.common.frozen import FrozenPeerInspector, peer_failure
+from hvdplus.common.frozen import FrozenPeerInspector, failure_of, ranks_that_shut_down
 from hvdplus.common.fusion import plan_batches
 from hvdplus.common.handles import Handle
-from hvdplus.common.messages import Key, Request, Response
-from hvdplus.common.negotiation import MessageTable, device_kind
+from hvdplus.common.in_flight import InFlight
+from hvdplus.common.messages import Request, Response
+from hvdplus.common.negotiation import device_kind
 from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
-from hvdplus.common.response_cache import Lookup, ResponseCache
 from hvdplus.common.set_table import ProcessSetTable
 from hvdplus.common.settings import Settings
-from hvdplus.common.stall import StallInspector
 from hvdplus.common.timeline import Timeline, TimelineSlot
 from hvdplus.common.topology import Topology
 from hvdplus.common.tunables import Tunables
@@ -51,7 +48,6 @@ __all__ = ["Coordinator", "control_spin_s"]
 
 log = logging.getLogger("hvdplus")
 
-_HAS_UNCACHED, _SHUTDOWN, _STALL_ABORT, _BUSY = 1, 2, 4, 8
 # How a rank waits for the control round (see _exchange): spin while peers are expected at once, then sleep
 # between tests, up to 1 ms. On a host that runs more ranks than it has cores, the core a rank spins on is the one a
 # peer needs, so it spins only briefly (3 ranks on 2 cores, MPI, 3000 lone allreduces: 12.6-14.0 s spinning 2 ms,
@@ -66,8 +62,6 @@ _BELL_FIRST_POLL_S, _BELL_LAST_POLL_S = 1e-3, 2e-2
 # rounds that find nothing (each a round trip, and CPU taken from the compute on a shared host).
 _BELL_GRACE_S = 5e-3
 _FAILED_JOIN_S = 2.0
-# The collectives whose bytes autotune counts (control operations such as joins move none).
-_DATA_KINDS = frozenset({OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.REDUCESCATTER})
 
 
 def control_spin_s(local_ranks: int) -> float:
@@ -98,24 +92,17 @@ class Coordinator:
         self._sets = ProcessSetTable(engine, settings, topology)
         self._wake = threading.Event()
         self._doorbell = engine.open_doorbell(self._wake.set)
-        self._start_autotune(settings, topology)
+        self._tuning = (
+            TuningRun(self.tunables, settings, self.rank, self._sets[0].hierarchy is not None, len(topology.hosts))
+            if settings.autotune
+            else None
+        )
         self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables, self._planes)
         self._frozen = FrozenPeerInspector(engine, settings)
-        self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._inflight: dict[Key, Work] = {}
-        self._names_in_flight: set[str] = set()
-        self._table = MessageTable()
-        self._stalls = StallInspector(self.rank, settings, self._table, self._sets.members)
-        self._cache = ResponseCache(-(-settings.cache_capacity // 64) * 64)
-        self._words = self._cache.capacity // 64
-        self._full = (1 << self._cache.capacity) - 1
-        self._hits: dict[int, Work] = {}
-        # Cache bits of responses on process sets this rank is not in: it raises them in the all-hit word every
-        # round (it has nothing to announce there), or the members' cached collectives would never be ready.
-        self._foreign = 0
-        self._to_send: list[Work] = []
-        self._invalid: set[int] = set()
+        self._in_flight = InFlight()
+        self._agreement = Agreement(
+            engine, lambda: self._sets[0].group, settings, self._sets.members, self._sets.index_in
+        )
         self._joined = False
         self._shutdown_requested = False
         self._fatal: BaseException | None = None
@@ -145,17 +132,11 @@ class Coordinator:
                 f"rank {self.rank} is not a member of process set {request.process_set} "
                 f"(ranks {list(self._sets[request.process_set].ranks)}); only members may submit"
             )
-        with self._lock:
-            if request.name in self._names_in_flight:
-                raise ValueError(
-                    f"a collective named {request.name!r} is already in flight on this rank; "
-                    f"names must be unique until synchronize() returns (duplicate name)"
-                )
-            self._names_in_flight.add(request.name)
+        self._in_flight.reserve(request.name)
         work = Work(request, Handle(request.name, self._cycles.drive), input, output)
         if self.device_kinds and input is not None and not isinstance(input, np.ndarray):  # a device tensor
             work.ready = self._device_kinds[device_kind(request.device)].ops.ready(input)
-        self._queue.put(work)
+        self._in_flight.put(work)
         # Event.set costs more than the check, and bursts need only one. Read after the put: a thread that goes idle
         # after this check finds the work queued (_sleep_until_work looks before it sleeps).
         if not self._wake.is_set() and not self._cycles.waiters_drive:
@@ -234,7 +215,7 @@ class Coordinator:
     @property
     def autotune_done(self) -> bool:
         """On rank 0 with autotune on: whether the search has settled on its best configuration."""
-        return self._autotuner is not None and self._autotuner.done
+        return self._tuning is not None and self._tuning.done
 
     @property
     def running(self) -> bool:
@@ -276,28 +257,11 @@ class Coordinator:
     def _fail(self, exc: BaseException) -> None:
         """A cycle or the doorbell failed (engine failure, a failed or frozen peer): every pending and future call
         fails, and the background thread stops."""
-        error = self._failure(exc)
+        error = failure_of(self._engine, exc)
         log.error("hvdplus background thread failed: %s", error)
         self._fatal = error
         self._fail_everything(error)
         self._wake.set()
-
-    def _failure(self, exc: BaseException) -> HorovodInternalError:
-        """The error every pending and later call on this rank raises. A failure of this rank's own is announced
-        to the peers, so that they name it instead of hanging or reporting only its consequence; one that follows
-        a peer's failure names that peer."""
-        named = isinstance(exc, HorovodInternalError)  # hvdplus's own verdict: a failed, frozen or stalled peer
-        caused_by = peer_failure(self._engine)
-        if caused_by is not None:
-            return caused_by if named else HorovodInternalError(f"{caused_by} (here: {type(exc).__name__}: {exc})")
-        if isinstance(exc, HorovodInternalError):  # `named`, in a form that narrows exc's type
-            return exc
-        error = HorovodInternalError(f"collective failed on rank {self.rank}: {type(exc).__name__}: {exc}")
-        try:
-            self._engine.announce_failure(str(error))
-        except Exception as notice_failed:  # best effort: the transport may be what failed
-            log.debug("could not announce this rank's failure: %s", notice_failed)
-        return error
 
     def _sleep_until_work(self) -> None:
         """The last round showed no rank with work: run none until this rank has work of its own (a submit, a
@@ -318,7 +282,7 @@ class Coordinator:
 
     def _has_own_work(self) -> bool:
         """Whether this rank has something for the next round: work submitted since the last one, or a shutdown."""
-        return self._shutdown_requested or not self._queue.empty()
+        return self._shutdown_requested or self._in_flight.queued
 
     def _has_urgent_work(self) -> bool:
         """Whether the background thread's next cycle cannot wait for the cycle time: a shutdown, or work that no
@@ -326,53 +290,11 @@ class Coordinator:
         would add a round)."""
         return self._shutdown_requested if self._cycles.waiters_drive else self._has_own_work()
 
-    def _queued(self) -> Iterator[Work]:
-        """Take every work submitted since the last call, recording it as in flight."""
-        while True:
-            try:
-                work = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            self._inflight[work.request.key] = work
-            yield work
-
     def _drain_queue(self, timeline: Timeline | None) -> None:
-        for work in self._queued():
+        for work in self._in_flight.take_queued():
             if timeline:
                 timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
-            status, bit = self._cache.lookup(self._sets.index_in(work.request.process_set), work.request)
-            if status == Lookup.HIT:
-                self._hits[bit] = work
-            else:
-                if status == Lookup.INVALID:
-                    self._invalid.add(bit)
-                self._to_send.append(work)
-
-    def _control_words(self) -> np.ndarray:
-        """[~flags, hit bits, ~hit bits, ~invalid bits(, autotune configuration)]: one BAND gives all-hit, any-hit,
-        any-invalid (and rank 0's configuration)."""
-        hits, invalid = mask_of(self._hits), mask_of(self._invalid)
-        if self._joined:
-            for bit in self._cache.bits():
-                response = self._cache.peek(bit)
-                if self._sets.index_in(response.key[0]) is not None:
-                    if response.kind == OpKind.ALLREDUCE:
-                        hits |= 1 << bit
-                    else:
-                        invalid |= 1 << bit
-        flags = (_HAS_UNCACHED if self._to_send else 0) | (_SHUTDOWN if self._shutdown_requested else 0)
-        flags |= _BUSY if self._inflight or self._joined else 0
-        flags |= _STALL_ABORT if self._stalls.abort_due() else 0
-        words = np.empty(1 + 3 * self._words + (self._tuning is not None), dtype=np.int64)
-        words[0] = ~flags
-        if self._tuning is not None:  # rank 0's configuration; the others' -1 leaves it as it is in the AND
-            words[-1] = self._autotuner.config if self._autotuner else -1
-        masks = (hits | self._foreign, self._full ^ hits, self._full ^ invalid)
-        words[1 : 1 + 3 * self._words] = np.frombuffer(b"".join(self._bytes(m) for m in masks), dtype=np.int64)
-        return words
-
-    def _bytes(self, mask: int) -> bytes:
-        return mask.to_bytes(self._words * 8, "little")
+            self._agreement.announce(work)
 
     def _cycle(self, spin: bool) -> bool | None:
         """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down. `spin`:
@@ -382,39 +304,21 @@ class Coordinator:
             timeline.cycle()
         self._drain_queue(timeline)
         self.rounds += 1
-        words = self._exchange(self._control_words(), spin)
-        flags = int(~words[0])
-        n = self._words
-        all_hit, not_any_hit, not_any_invalid = (
-            int.from_bytes(words[1 + i * n : 1 + (i + 1) * n].tobytes(), "little") for i in range(3)
-        )
-        any_hit, any_invalid = self._full ^ not_any_hit, self._full ^ not_any_invalid
-        self._invalid.clear()
-        if flags & (_SHUTDOWN | _STALL_ABORT):
+        flags = (SHUTDOWN if self._shutdown_requested else 0) | (BUSY if self._in_flight or self._joined else 0)
+        config = None if self._tuning is None else self._tuning.word()
+        words = self._exchange(self._agreement.words(flags, self._joined, config), spin)
+        flags = self._agreement.flags(words)
+        if flags & (SHUTDOWN | STALL_ABORT):
             self._stop(flags)
             return None
-        for bit in bits(any_invalid | self._stalls.stale_partials(all_hit, any_hit)):
-            self._evict(bit)
-        ready_bits = list(bits(all_hit & ~any_invalid))
-        responses = [self._cache.get(bit) for bit in ready_bits]
-        for bit in ready_bits:
-            self._hits.pop(bit, None)
-        if flags & _HAS_UNCACHED:
-            responses += self._negotiate()
-        for response in responses:
-            evicted = self._cache.put(response)
-            if evicted is not None:
-                self._evict(evicted)
-            cached_bit = self._cache.bit_of(response.key)
-            if cached_bit is not None and self._sets.index_in(response.key[0]) is None:
-                self._foreign |= 1 << cached_bit
+        responses = self._agreement.responses(words)
         if len(self._planes) < len(self._device_kinds):
             self._build_planes(responses)
         self._execute(responses, timeline)
         if self._tuning is not None:
-            self._autotune(self._tuning, int(words[-1]), responses)
-        self._stalls.warn()
-        return bool(flags & _BUSY)
+            self._tuning.after_cycle(int(words[-1]), responses)
+        self._agreement.stalls.warn()
+        return bool(flags & BUSY)
 
     def _exchange(self, words: np.ndarray, spin: bool) -> np.ndarray:
         """The control round. While work is in flight the peers usually join within microseconds: spin for up to
@@ -429,34 +333,6 @@ class Coordinator:
             self._frozen.waiting(self.rounds, time.monotonic() - started)  # raises once a peer is silent too long
             spin_s = 0.0
         return result
-
-    def _evict(self, bit: int) -> None:
-        self._cache.erase(bit)
-        self._foreign &= ~(1 << bit)
-        self._stalls.forget(bit)
-        work = self._hits.pop(bit, None)
-        if work is not None:
-            self._to_send.append(work)
-
-    def _negotiate(self) -> list[Response]:
-        requests = [work.request for work in self._to_send]
-        self._to_send.clear()
-        errors = []
-        for request, ranks in exchange_announcements(
-            self._engine, self._engine.world, requests, self._settings.negotiation_doubling_ranks
-        ):
-            problem = self._table.add(request, ranks)
-            if problem:
-                errors.append(
-                    Response(
-                        request.key,
-                        request.kind,
-                        (request,),
-                        error=problem,
-                        members=self._sets.members(request.process_set),
-                    )
-                )
-        return errors + self._table.take_ready(self._sets.members)
 
     def _build_planes(self, responses: list[Response]) -> None:
         """Build the plane of each device kind at its first agreed collective, with a group for every process set.
@@ -489,12 +365,12 @@ class Coordinator:
                 if timeline:
                     timeline.end(batch_names)
         except BaseException:
-            # This cycle's work left _inflight when its batches were planned: put back what is unfinished, so that
+            # This cycle's work left flight when its batches were planned: put back what is unfinished, so that
             # the failure reaches its handles too instead of leaving their callers waiting.
             for pairs in batches:
                 for _, work in pairs:
                     if work is not None and not work.handle.done():
-                        self._inflight[work.request.key] = work
+                        self._in_flight.put_back(work)
             raise
         finally:
             self._executor.trace(None, [])  # the timeline may be replaced before the next cycle
@@ -521,10 +397,8 @@ class Coordinator:
 
     def _take_work(self, response: Response) -> Work | None:
         """This rank's work for a response; a joined rank contributes zeros to an allreduce."""
-        work = self._inflight.pop(response.key, None)
+        work = self._in_flight.take(response.key)
         if work is not None:
-            with self._lock:
-                self._names_in_flight.discard(work.request.name)
             return work
         if response.kind == OpKind.ALLREDUCE and response.error is None:
             request = response.first
@@ -552,71 +426,19 @@ class Coordinator:
             return removed
         return self._executor.run(response, work, response.members.index(self.rank))
 
-    def _start_autotune(self, settings: Settings, topology: Topology) -> None:
-        """With HOROVOD_AUTOTUNE: every rank starts from the same configuration of the same grid (settings and
-        topology are equal everywhere); rank 0 alone runs the search."""
-        self._tuning: TuningSpace | None = None
-        self._autotuner: Autotuner | None = None
-        if not settings.autotune:
-            return
-        self._tuning = tuning_space(
-            self.tunables, settings.explicit, self._sets[0].hierarchy is not None, len(topology.hosts)
-        )
-        self._tuned = self._tuning.start
-        self._tuning.apply(self._tuned, self.tunables)
-        if self.rank == 0:
-            self._autotuner = Autotuner(
-                self._tuning,
-                warmup_samples=settings.autotune_warmup_samples,
-                steps_per_sample=settings.autotune_steps_per_sample,
-                max_samples=settings.autotune_bayes_opt_max_samples,
-                log_path=settings.autotune_log,
-            )
-
-    def _autotune(self, tuning: TuningSpace, config: int, responses: list[Response]) -> None:
-        """After a cycle's execution: rank 0's tuner records the bytes it moved, then every rank switches to the
-        configuration rank 0 sent in this round, all in the same cycle."""
-        if self._autotuner is not None:
-            moved = sum(
-                r.nbytes for r in responses if r.kind in _DATA_KINDS and r.error is None and self.rank in r.members
-            )
-            self._autotuner.record(self._tuned, moved, time.monotonic())
-        if config != self._tuned:
-            tuning.apply(config, self.tunables)
-            self._tuned = config
-
     def mark_joined(self) -> None:
         """Called by join(): from now on this rank contributes zeros to every allreduce."""
         self._joined = True
 
     # ----------------------------------------------------------------- shutdown
     def _stop(self, flags: int) -> None:
-        if flags & _STALL_ABORT:
-            reason = self._stalls.abort_reason()
+        if flags & STALL_ABORT:
+            reason = self._agreement.stalls.abort_reason()
         else:
-            reason = f"hvdplus was shut down on {self._shutdown_ranks()}"
+            reason = f"hvdplus was shut down on {ranks_that_shut_down(self._engine, self._shutdown_requested)}"
         self._fatal = HorovodInternalError(reason)
         self._fail_everything(HorovodInternalError(f"{reason}; the collective cannot complete"))
 
-    def _shutdown_ranks(self) -> str:
-        """'rank 1' (or 'ranks [0, 2]'): who asked to shut down, so that a peer's error names the rank that
-        failed first rather than only its consequence. Every rank saw the same round and is here with it, so
-        the allgather is matched on all of them."""
-        try:
-            asked = self._engine.allgather_bytes(b"1" if self._shutdown_requested else b"", self._engine.world)
-        except Exception as exc:  # a peer is already gone: say what we know
-            log.debug("could not learn which ranks shut down: %s", exc)
-            return "one or more ranks"
-        ranks = [rank for rank, flag in enumerate(asked) if flag]
-        named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-        return named + (" (this rank)" if ranks == [self.rank] else "")
-
-    def _fail_everything(self, error: BaseException) -> None:
-        list(self._queued())  # move queued work into _inflight so it fails too
-        for work in list(self._inflight.values()):
-            work.handle.set_error(error)
-        self._inflight.clear()
-        self._hits.clear()
-        self._to_send.clear()
-        with self._lock:
-            self._names_in_flight.clear()
+    def _fail_everything(self, error: HorovodInternalError) -> None:
+        self._in_flight.fail_all(error)
+        self._agreement.forget_work()

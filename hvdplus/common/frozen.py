@@ -17,7 +17,7 @@ from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.settings import Settings
 
-__all__ = ["FrozenPeerInspector", "INSPECT_EVERY_S", "peer_failure"]
+__all__ = ["FrozenPeerInspector", "INSPECT_EVERY_S", "peer_failure", "failure_of", "ranks_that_shut_down"]
 
 log = logging.getLogger("hvdplus")
 
@@ -99,6 +99,38 @@ def peer_failure(engine: Engine) -> HorovodInternalError | None:
         return None
     lines = "; ".join(f"rank {rank}: {message}" for rank, message in sorted(failed.items()))
     return HorovodInternalError(f"{_names(sorted(failed))} failed, so the collective cannot complete ({lines})")
+
+
+def failure_of(engine: Engine, exc: BaseException) -> HorovodInternalError:
+    """The error every pending and later call on this rank raises after `exc` ended its cycles. A failure of this
+    rank's own is announced to the peers, so that they name it instead of hanging or reporting only its
+    consequence; one that follows a peer's failure names that peer."""
+    named = isinstance(exc, HorovodInternalError)  # hvdplus's own verdict: a failed, frozen or stalled peer
+    caused_by = peer_failure(engine)
+    if caused_by is not None:
+        return caused_by if named else HorovodInternalError(f"{caused_by} (here: {type(exc).__name__}: {exc})")
+    if isinstance(exc, HorovodInternalError):  # `named`, in a form that narrows exc's type
+        return exc
+    error = HorovodInternalError(f"collective failed on rank {engine.rank}: {type(exc).__name__}: {exc}")
+    try:
+        engine.announce_failure(str(error))
+    except Exception as notice_failed:  # best effort: the transport may be what failed
+        log.debug("could not announce this rank's failure: %s", notice_failed)
+    return error
+
+
+def ranks_that_shut_down(engine: Engine, asked: bool) -> str:
+    """'rank 1' (or 'ranks [0, 2]'): who asked to shut down (`asked`: whether this rank did), so that a peer's
+    error names the rank that failed first rather than only its consequence. Collective over the world: every
+    rank calls it in the round that carried the request."""
+    try:
+        flags = engine.allgather_bytes(b"1" if asked else b"", engine.world)
+    except Exception as exc:  # a peer is already gone: say what we know
+        log.debug("could not learn which ranks shut down: %s", exc)
+        return "one or more ranks"
+    ranks = [rank for rank, flag in enumerate(flags) if flag]
+    named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+    return named + (" (this rank)" if ranks == [engine.rank] else "")
 
 
 def _names(ranks: list[int]) -> str:

@@ -1,0 +1,156 @@
+"""What a control round agrees on: which collectives every member is ready to run, in one order on every rank.
+
+A collective agreed once is cached; later it is announced by its bit in the response cache, and one bitwise AND of
+every rank's words ([~flags, hit bits, ~hit bits, ~invalid bits(, autotune configuration)]) gives the flags any rank
+raised, the bits every rank hit (ready), any rank hit, and any rank invalidated. Collectives not in the cache are
+announced in full and matched in the message table (negotiation.py), whose stall inspector names missing ranks.
+Every rank applies the same puts, uses and evictions in the same order, so the cache's bits agree without being
+sent (Horovod's design). The coordinator runs the round and executes what it agrees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hvdplus.common.announcements import exchange_announcements
+from hvdplus.common.bitmask import bits, mask_of
+from hvdplus.common.engines.base import Engine
+from hvdplus.common.executor import Work
+from hvdplus.common.messages import Response
+from hvdplus.common.negotiation import MessageTable
+from hvdplus.common.ops import OpKind
+from hvdplus.common.response_cache import Lookup, ResponseCache
+from hvdplus.common.settings import Settings
+from hvdplus.common.stall import StallInspector
+
+__all__ = ["Agreement", "HAS_UNCACHED", "SHUTDOWN", "STALL_ABORT", "BUSY"]
+
+HAS_UNCACHED, SHUTDOWN, STALL_ABORT, BUSY = 1, 2, 4, 8
+
+
+class Agreement:
+    """The response cache, message table and stall inspector of the control rounds on one engine group, and the
+    work announced in them that is not agreed yet."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        group: Callable[[], Any],
+        settings: Settings,
+        members: Callable[[int], tuple[int, ...]],
+        index_in: Callable[[int], int | None],
+    ) -> None:
+        """`group()`: the rounds' engine group, asked for at each use (holding it would keep a Gloo group's
+        connections open after the engine's shutdown, and peers blocked on this rank would wait for its exit).
+        `members(set_id)`: a process set's ranks; `index_in(set_id)`: this rank's place in it (None: not in it)."""
+        self._engine, self._group, self._settings = engine, group, settings
+        self._members, self._index_in = members, index_in
+        self._table = MessageTable()
+        self.stalls = StallInspector(engine.rank, settings, self._table, members)
+        self._cache = ResponseCache(-(-settings.cache_capacity // 64) * 64)
+        self._words = self._cache.capacity // 64
+        self._full = (1 << self._cache.capacity) - 1
+        self._hits: dict[int, Work] = {}
+        # Cache bits of responses on process sets this rank is not in: it raises them in the all-hit word every
+        # round (it has nothing to announce there), or the members' cached collectives would never be ready.
+        self._foreign = 0
+        self._to_send: list[Work] = []
+        self._invalid: set[int] = set()
+
+    def announce(self, work: Work) -> None:
+        """Announce `work` in the next round: by its cache bit if cached as it is, else in full."""
+        status, bit = self._cache.lookup(self._index_in(work.request.process_set), work.request)
+        if status == Lookup.HIT:
+            self._hits[bit] = work
+        else:
+            if status == Lookup.INVALID:
+                self._invalid.add(bit)
+            self._to_send.append(work)
+
+    def words(self, flags: int, joined: bool, config: int | None) -> np.ndarray:
+        """This rank's words for the round: `flags` (plus HAS_UNCACHED and STALL_ABORT, which are this object's),
+        its hit and invalid bits, and `config` (rank 0's autotune configuration, -1 elsewhere) if not None. A
+        joined rank hits every cached allreduce of its sets (it contributes zeros) and invalidates the rest."""
+        hits, invalid = mask_of(self._hits), mask_of(self._invalid)
+        if joined:
+            for bit in self._cache.bits():
+                response = self._cache.peek(bit)
+                if self._index_in(response.key[0]) is not None:
+                    if response.kind == OpKind.ALLREDUCE:
+                        hits |= 1 << bit
+                    else:
+                        invalid |= 1 << bit
+        flags |= HAS_UNCACHED if self._to_send else 0
+        flags |= STALL_ABORT if self.stalls.abort_due() else 0
+        words = np.empty(1 + 3 * self._words + (config is not None), dtype=np.int64)
+        words[0] = ~flags
+        if config is not None:
+            words[-1] = config
+        masks = (hits | self._foreign, self._full ^ hits, self._full ^ invalid)
+        words[1 : 1 + 3 * self._words] = np.frombuffer(b"".join(self._bytes(m) for m in masks), dtype=np.int64)
+        return words
+
+    @staticmethod
+    def flags(words: np.ndarray) -> int:
+        """The flags any rank raised in the round whose AND is `words`."""
+        return int(~words[0])
+
+    def responses(self, words: np.ndarray) -> list[Response]:
+        """After the round (the AND of every rank's words): the responses every rank runs now, in one order: the
+        cached ones every member hit, then those that full negotiation (if any rank asked for it) agreed."""
+        n = self._words
+        all_hit, not_any_hit, not_any_invalid = (
+            int.from_bytes(words[1 + i * n : 1 + (i + 1) * n].tobytes(), "little") for i in range(3)
+        )
+        any_hit, any_invalid = self._full ^ not_any_hit, self._full ^ not_any_invalid
+        self._invalid.clear()
+        for bit in bits(any_invalid | self.stalls.stale_partials(all_hit, any_hit)):
+            self._evict(bit)
+        ready_bits = list(bits(all_hit & ~any_invalid))
+        responses = [self._cache.get(bit) for bit in ready_bits]
+        for bit in ready_bits:
+            self._hits.pop(bit, None)
+        if self.flags(words) & HAS_UNCACHED:
+            responses += self._negotiate()
+        for response in responses:
+            evicted = self._cache.put(response)
+            if evicted is not None:
+                self._evict(evicted)
+            cached_bit = self._cache.bit_of(response.key)
+            if cached_bit is not None and self._index_in(response.key[0]) is None:
+                self._foreign |= 1 << cached_bit
+        return responses
+
+    def forget_work(self) -> None:
+        """The job failed: drop the work announced and not agreed (its handles fail with the rest)."""
+        self._hits.clear()
+        self._to_send.clear()
+
+    def _bytes(self, mask: int) -> bytes:
+        return mask.to_bytes(self._words * 8, "little")
+
+    def _evict(self, bit: int) -> None:
+        self._cache.erase(bit)
+        self._foreign &= ~(1 << bit)
+        self.stalls.forget(bit)
+        work = self._hits.pop(bit, None)
+        if work is not None:
+            self._to_send.append(work)
+
+    def _negotiate(self) -> list[Response]:
+        """Full negotiation: every rank's uncached announcements, matched in the table; the errors it found, then
+        the collectives every member has announced."""
+        requests = [work.request for work in self._to_send]
+        self._to_send.clear()
+        errors = []
+        for request, ranks in exchange_announcements(
+            self._engine, self._group(), requests, self._settings.negotiation_doubling_ranks
+        ):
+            problem = self._table.add(request, ranks)
+            if problem:
+                members = self._members(request.process_set)
+                errors.append(Response(request.key, request.kind, (request,), error=problem, members=members))
+        return errors + self._table.take_ready(self._members)
