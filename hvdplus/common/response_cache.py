@@ -7,6 +7,7 @@ everywhere without being sent (Horovod's design).
 from __future__ import annotations
 
 import enum
+import heapq
 from collections import OrderedDict
 
 from hvdplus.common.messages import Key, Request, Response
@@ -32,6 +33,9 @@ class ResponseCache:
         self.capacity = capacity
         self._by_bit: OrderedDict[int, Response] = OrderedDict()
         self._bit_of: dict[Key, int] = {}
+        # The free bits as a min-heap: a put takes the lowest, the same on every rank, in O(log capacity) (a scan of
+        # the used bits cost ~25 us a put in a full cache of 1024, which every unnamed collective fills anew).
+        self._free = list(range(max(capacity, 0)))
 
     def __len__(self) -> int:
         return len(self._by_bit)
@@ -76,8 +80,7 @@ class ResponseCache:
         if len(self._by_bit) >= self.capacity:
             evicted = next(iter(self._by_bit))
             self.erase(evicted)
-        used = set(self._by_bit)
-        bit = next(b for b in range(self.capacity) if b not in used)
+        bit = heapq.heappop(self._free)
         self._by_bit[bit] = response
         self._bit_of[response.key] = bit
         return evicted
@@ -86,3 +89,4 @@ class ResponseCache:
         response = self._by_bit.pop(bit, None)
         if response is not None:
             del self._bit_of[response.key]
+            heapq.heappush(self._free, bit)

@@ -50,6 +50,25 @@ def test_bits_are_distinct_and_reuse_freed_bits():
     assert cache.lookup(0, req("d")) == (Lookup.HIT, 1)
 
 
+def test_a_put_takes_the_lowest_free_bit_whatever_the_order_of_frees():
+    """Every rank applies the same puts and erases, so choosing the lowest free bit gives every rank the same
+    bits without sending them; a full cache keeps doing so as unnamed collectives churn through it."""
+    cache = ResponseCache(64)
+    for i in range(64):
+        cache.put(resp(f"t{i}"))
+    for bit in (40, 7, 63, 20):
+        cache.erase(bit)
+    taken = []
+    for name in ("w", "x", "y", "z"):
+        cache.put(resp(name))
+        taken.append(cache.bit_of((0, name)))
+    assert taken == [7, 20, 40, 63]
+    for i in range(200):  # a full cache: each put evicts the least recently used and reuses its bit
+        evicted = cache.put(resp(f"churn{i}"))
+        assert evicted is not None and cache.bit_of((0, f"churn{i}")) == evicted
+    assert len(cache) == 64 and sorted(cache.bits()) == list(range(64))
+
+
 def test_lru_eviction_returns_evicted_bit():
     cache = ResponseCache(2)
     cache.put(resp("a"))
