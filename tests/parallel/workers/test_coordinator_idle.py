@@ -53,6 +53,33 @@ def test_a_rank_without_work_is_woken_for_its_peers(hvd, left_out):
         hvd.remove_process_set(others)
 
 
+def test_a_rank_left_out_of_its_peers_collectives_stops_holding_them_back(hvd):
+    """Rank 0 submits nothing while the others reduce on a set without it, each call after an idle spell: every
+    call's ring wakes rank 0, whose round the call needs. After a few rings whose grace passed without work of its
+    own, rank 0 stops waiting that grace (5 ms, for a data-parallel peer's gradients to come) and joins at once.
+    The members' sums stay right."""
+    from hvdplus.common.basics import runtime
+
+    coordinator = runtime().coordinator
+    others = hvd.add_process_set(list(range(1, hvd.size())))
+    try:
+        hvd.barrier()
+        calls = 8
+        skipped = coordinator.graces_skipped
+        if hvd.rank() == 0:
+            time.sleep(calls * 0.08)
+        else:
+            for step in range(calls):
+                time.sleep(0.05)  # every rank idle: the call's first round needs the doorbell
+                total = hvd.allreduce(torch.full((2,), float(step)), op=hvd.Sum, name="left.out", process_set=others)
+                assert total.tolist() == [float(step * (hvd.size() - 1))] * 2
+        hvd.barrier()
+        if hvd.rank() == 0:  # rings that came while rank 0 slept still woke it one by one
+            assert coordinator.graces_skipped - skipped >= 2, coordinator.graces_skipped - skipped
+    finally:
+        hvd.remove_process_set(others)
+
+
 def test_a_blocking_collective_runs_its_cycle_on_the_callers_thread(hvd):
     """While the ranks are busy, a thread that waits for a collective runs the cycles itself (common/cycles.py):
     back-to-back blocking allreduces are driven by their callers, not handed to the background thread and back.
