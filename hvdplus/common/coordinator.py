@@ -66,6 +66,10 @@ _BELL_GRACE_S = 5e-3
 # _GRACE_RETEST-th ring, to notice that it works with them again (Gloo, 3 ranks, a lone allreduce on a set without
 # the idle rank 0 after an idle spell: 5.3-5.9 ms with the grace).
 _GRACES_BEFORE_SKIP, _GRACE_RETEST = 3, 16
+# Such a rank polls a doorbell at most every 2 ms for the first half second of an idle spell: its peers' next
+# collective is likely to need it soon (MPI, the same set: ~15 ms a call polling up to 20 ms). Then, as the job may
+# have gone idle, it slows down as any rank does.
+_PEER_POLL_S, _PEER_POLL_FOR_S = 2e-3, 0.5
 _FAILED_JOIN_S = 2.0
 
 
@@ -276,12 +280,14 @@ class Coordinator:
         tell rank 0 of their own (engines/base.py: bell_targets)."""
         next_round = self.rounds + 1
         delay = _BELL_FIRST_POLL_S if self._doorbell.polled else None
+        peers_work = self._graces_missed > _GRACES_BEFORE_SKIP
+        slow_from = time.monotonic() + (_PEER_POLL_FOR_S if peers_work else 0.0)
         while not (own := self._has_own_work()) and not self._doorbell.rung(next_round):
             self._wake.wait(delay)
             self._wake.clear()
             self._timeline.settle()  # a timeline swap asked for while idle needs no round
             if delay is not None:
-                delay = min(2 * delay, _BELL_LAST_POLL_S)
+                delay = min(2 * delay, _BELL_LAST_POLL_S if time.monotonic() >= slow_from else _PEER_POLL_S)
         if own or self.rank == 0:
             self._doorbell.ring(next_round)
         if own:
