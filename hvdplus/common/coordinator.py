@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 
@@ -28,16 +28,16 @@ from hvdplus.common.agreement import BUSY, SHUTDOWN, STALL_ABORT, Agreement
 from hvdplus.common.autotune import TuningRun
 from hvdplus.common.buffer_ops import DataPlane, DeviceKind
 from hvdplus.common.cycles import Cycles
+from hvdplus.common.dispatch import Dispatcher
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
 from hvdplus.common.frozen import FrozenPeerInspector, failure_of, ranks_that_shut_down
-from hvdplus.common.fusion import plan_batches
 from hvdplus.common.handles import Handle
 from hvdplus.common.in_flight import InFlight
 from hvdplus.common.messages import Request, Response
 from hvdplus.common.negotiation import device_kind
-from hvdplus.common.ops import OpKind, ReduceOp, storage_dtype
+from hvdplus.common.ops import OpKind
 from hvdplus.common.set_table import ProcessSetTable
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline, TimelineSlot
@@ -109,6 +109,9 @@ class Coordinator:
         self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables, self._planes)
         self._frozen = FrozenPeerInspector(engine, settings)
         self._in_flight = InFlight()
+        self._dispatcher = Dispatcher(
+            self.rank, self._executor, self._in_flight, self._planes, self.tunables, engine, self._run_control
+        )
         self._agreement = Agreement(
             engine, lambda: self._sets[0].group, settings, self._sets.members, self._sets.index_in
         )
@@ -342,7 +345,7 @@ class Coordinator:
         responses = self._agreement.responses(words)
         if len(self._planes) < len(self._device_kinds):
             self._build_planes(responses)
-        self._execute(responses, timeline)
+        self._dispatcher.run(responses, timeline)
         if self._tuning is not None:
             self._tuning.after_cycle(int(words[-1]), responses)
         self._agreement.stalls.warn()
@@ -372,74 +375,8 @@ class Coordinator:
                 self._sets.add_plane(plane)
                 self._planes[kind] = plane
 
-    def _execute(self, responses: list[Response], timeline: Timeline | None) -> None:
-        runnable = [response for response in responses if self.rank in response.members]
-        batches = [
-            [(response, self._take_work(response)) for response in batch]
-            for batch in plan_batches(runnable, self.tunables.fusion_threshold, self._engine.alone_bytes)
-        ]
-        names = [[work.request.name for _, work in pairs if work is not None] if timeline else [] for pairs in batches]
-        if timeline:  # agreed: each tensor leaves negotiation and queues behind the batches before its own
-            for pairs, batch_names in zip(batches, names):
-                timeline.end(batch_names)
-                timeline.begin(batch_names, pairs[0][0].kind.name)
-                timeline.begin(batch_names, "QUEUE")
-        try:
-            for pairs, batch_names in zip(batches, names):
-                if timeline:
-                    timeline.end(batch_names)
-                self._executor.trace(timeline, batch_names)
-                self._run_batch(pairs)
-                if timeline:
-                    timeline.end(batch_names)
-        except BaseException:
-            # This cycle's work left flight when its batches were planned: put back what is unfinished, so that
-            # the failure reaches its handles too instead of leaving their callers waiting.
-            for pairs in batches:
-                for _, work in pairs:
-                    if work is not None and not work.handle.done():
-                        self._in_flight.put_back(work)
-            raise
-        finally:
-            self._executor.trace(None, [])  # the timeline may be replaced before the next cycle
-
-    def _run_batch(self, pairs: list[tuple[Response, Work | None]]) -> None:
-        head, work = pairs[0]
-        # No work is None in a batch that runs: a joined rank's allreduce gets zeros (_take_work), and the other
-        # data collectives run only when every member announced (they fail while a rank has joined).
-        announced = cast("list[tuple[Response, Work]]", pairs)
-        if head.error is not None:
-            for response, work in pairs:
-                self._executor.fail(response, work)
-        elif head.kind == OpKind.ALLREDUCE:
-            self._executor.run_allreduce(announced)
-        elif head.kind == OpKind.REDUCESCATTER:
-            self._executor.run_reducescatter(announced)
-        elif head.kind == OpKind.ALLGATHER:
-            self._executor.run_allgather(announced)
-        elif head.kind == OpKind.BROADCAST:
-            if work is not None:
-                self._executor.run_broadcast(head, work)
-        elif work is not None:
-            work.handle.set_result(self._run_control(head, work))
-
-    def _take_work(self, response: Response) -> Work | None:
-        """This rank's work for a response; a joined rank contributes zeros to an allreduce."""
-        work = self._in_flight.take(response.key)
-        if work is not None:
-            return work
-        if response.kind == OpKind.ALLREDUCE and response.error is None:
-            request = response.first
-            plane = self._planes.get(device_kind(request.device)) if request.op != ReduceOp.ADASUM else None
-            zeros = (
-                plane.ops.zeros(request.shape, request.dtype)
-                if plane is not None
-                else np.zeros(request.shape, dtype=storage_dtype(request.dtype))
-            )
-            return Work(request, Handle(request.name), zeros, zeros)
-        return None
-
     def _run_control(self, response: Response, work: Work) -> Any:
+        """A control collective's result (join, process sets, channels), or a data one the executor runs alone."""
         if response.kind == OpKind.JOIN:
             self._joined = False
             return response.join_last_rank
