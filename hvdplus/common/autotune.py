@@ -31,9 +31,9 @@ log = logging.getLogger("hvdplus")
 
 # The tunables in the order coordinate descent visits them (the ones with the largest effect first); the same
 # order encodes a configuration.
+TUNED = ("fusion_threshold", "cycle_time_ms", "hierarchical_allreduce", "cross_algorithm", "hierarchical_allgather")
 # The collectives whose bytes a sample counts (control operations such as joins move none).
 _DATA_KINDS = frozenset({OpKind.ALLREDUCE, OpKind.ALLGATHER, OpKind.BROADCAST, OpKind.ALLTOALL, OpKind.REDUCESCATTER})
-TUNED = ("fusion_threshold", "cycle_time_ms", "hierarchical_allreduce", "cross_algorithm", "hierarchical_allgather")
 FUSION_THRESHOLDS = tuple(mib * 1024 * 1024 for mib in (0, 1, 4, 16, 64, 128))
 CYCLE_TIMES_MS = (0.5, 1.0, 2.5, 5.0, 10.0)
 

@@ -1,6 +1,7 @@
 """Running a cycle's agreed responses on this rank: fused into batches (fusion.py), each batch by its kind, with the
-timeline's spans. Data collectives go to the executor, control ones (join, process sets, channels) to the
-coordinator; a joined rank contributes zeros to the allreduces it did not submit."""
+timeline's spans. The fusable data collectives go to the executor; the rest to the coordinator's `run_control`,
+which runs join, process sets and channels itself and hands alltoall and barrier on to the executor. A joined rank
+contributes zeros to the allreduces it did not submit."""
 
 from __future__ import annotations
 
@@ -45,17 +46,21 @@ class Dispatcher:
     def run(self, responses: list[Response], timeline: Timeline | None) -> None:
         """Run this rank's part of `responses` (every rank got the same list, in the same order)."""
         runnable = [response for response in responses if self._rank in response.members]
-        batches = [
-            [(response, self._take_work(response)) for response in batch]
-            for batch in plan_batches(runnable, self._tunables.fusion_threshold, self._engine.alone_bytes)
-        ]
-        names = [[work.request.name for _, work in pairs if work is not None] if timeline else [] for pairs in batches]
-        if timeline:  # agreed: each tensor leaves negotiation and queues behind the batches before its own
-            for pairs, batch_names in zip(batches, names):
-                timeline.end(batch_names)
-                timeline.begin(batch_names, pairs[0][0].kind.name)
-                timeline.begin(batch_names, "QUEUE")
+        batches: list[list[tuple[Response, Work | None]]] = []
         try:
+            for batch in plan_batches(runnable, self._tunables.fusion_threshold, self._engine.alone_bytes):
+                pairs: list[tuple[Response, Work | None]] = []
+                batches.append(pairs)
+                for response in batch:  # one by one: a failure puts back what was taken so far
+                    pairs.append((response, self._take_work(response)))
+            names = [
+                [work.request.name for _, work in pairs if work is not None] if timeline else [] for pairs in batches
+            ]
+            if timeline:  # agreed: each tensor leaves negotiation and queues behind the batches before its own
+                for pairs, batch_names in zip(batches, names):
+                    timeline.end(batch_names)
+                    timeline.begin(batch_names, pairs[0][0].kind.name)
+                    timeline.begin(batch_names, "QUEUE")
             for pairs, batch_names in zip(batches, names):
                 if timeline:
                     timeline.end(batch_names)
@@ -64,8 +69,8 @@ class Dispatcher:
                 if timeline:
                     timeline.end(batch_names)
         except BaseException:
-            # This cycle's work left flight when its batches were planned: put back what is unfinished, so that
-            # the failure reaches its handles too instead of leaving their callers waiting.
+            # This cycle's work left flight as its batches were planned: put back what is unfinished, so that the
+            # failure reaches its handles too instead of leaving their callers waiting.
             for pairs in batches:
                 for _, work in pairs:
                     if work is not None and not work.handle.done():

@@ -23,7 +23,7 @@ log = logging.getLogger("hvdplus")
 
 
 class StallInspector:
-    """Watches the coordinator's message table and its partially announced cache bits."""
+    """Watches a control plane's message table and its partially announced cache bits (agreement.py)."""
 
     def __init__(
         self, rank: int, settings: Settings, table: MessageTable, members: Callable[[int], tuple[int, ...]]

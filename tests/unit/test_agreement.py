@@ -122,7 +122,7 @@ def test_a_changed_collective_leaves_the_cache_on_every_rank_and_is_compared_aga
 
 
 def test_a_joined_rank_hits_the_cached_allreduces_of_its_sets_and_invalidates_the_rest():
-    _, agreements = ranks()
+    engines, agreements = ranks()
     for agreement in agreements:
         announce(agreement, Request("grad", OpKind.ALLREDUCE, shape=(4,)))
         announce(agreement, Request("gather", OpKind.ALLGATHER, shape=(4,)))
@@ -130,6 +130,18 @@ def test_a_joined_rank_hits_the_cached_allreduces_of_its_sets_and_invalidates_th
     announce(agreements[0], Request("grad", OpKind.ALLREDUCE, shape=(4,)))
     _, responses = round_of(agreements, joined=(False, True))  # rank 1 joined: it announces nothing itself
     assert [[r.key for r in rank] for rank in responses] == [[(0, "grad")]] * 2
+    # The allgather left the cache on both ranks (it cannot run with a joined rank): announced again, it is
+    # negotiated in full, while the allreduce is still agreed by its bit.
+    exchanged = [engine.exchanges for engine in engines]
+    for agreement in agreements:
+        announce(agreement, Request("gather", OpKind.ALLGATHER, shape=(4,)))
+    flags, responses = round_of(agreements)
+    assert flags & HAS_UNCACHED and [engine.exchanges for engine in engines] == [n + 1 for n in exchanged]
+    assert [[r.key for r in rank] for rank in responses] == [[(0, "gather")]] * 2
+    for agreement in agreements:
+        announce(agreement, Request("grad", OpKind.ALLREDUCE, shape=(4,)))
+    flags, responses = round_of(agreements)
+    assert not flags & HAS_UNCACHED and [[r.key for r in rank] for rank in responses] == [[(0, "grad")]] * 2
 
 
 def test_a_rank_outside_a_set_lets_the_members_cached_collectives_run():

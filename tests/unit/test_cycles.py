@@ -153,9 +153,14 @@ def test_a_short_spin_on_a_host_with_more_ranks_than_cores():
     assert control_spin_s(cores + 1) < control_spin_s(cores)
 
 
-def test_a_cycle_run_by_a_waiting_thread_does_not_take_its_numpy_error_state():
+@pytest.mark.parametrize("state_in_context", [True, False], ids=["numpy-2", "numpy-1-way"])
+def test_a_cycle_run_by_a_waiting_thread_does_not_take_its_numpy_error_state(monkeypatch, state_in_context):
     """A user thread's np.seterr(all="raise") would turn a float16 overflow inside a cycle (a scaled gradient)
-    into an engine failure that ends the job; the background thread's cycles never see it."""
+    into an engine failure that ends the job; the background thread's cycles never see it. Both ways of
+    keeping it out: a fresh context (numpy 2), and numpy's default error state (numpy 1, per thread)."""
+    import hvdplus.common.cycles as cycles_module
+
+    monkeypatch.setattr(cycles_module, "_STATE_IN_CONTEXT", state_in_context)
     seen: list[dict[str, str]] = []
 
     def cycle(spin: bool) -> bool:

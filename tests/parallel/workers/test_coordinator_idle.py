@@ -64,7 +64,7 @@ def test_a_rank_left_out_of_its_peers_collectives_stops_holding_them_back(hvd):
     others = hvd.add_process_set(list(range(1, hvd.size())))
     try:
         hvd.barrier()
-        calls = 8
+        calls = 10
         skipped = coordinator.graces_skipped
         if hvd.rank() == 0:
             time.sleep(calls * 0.08)
