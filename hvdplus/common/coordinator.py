@@ -236,6 +236,11 @@ class Coordinator:
         return self._thread.is_alive()
 
     @property
+    def failure(self) -> BaseException | None:
+        """Why this rank's collectives can no longer run (a failure, a shutdown); None while they can."""
+        return self._fatal
+
+    @property
     def thread_id(self) -> int | None:
         """The background thread's ident (benchmarks read its CPU clock: an idle job's, since while the ranks are
         busy threads that wait for collectives run most cycles)."""

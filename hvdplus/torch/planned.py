@@ -21,6 +21,7 @@ from hvdplus.common.grouping import bucket_indices
 from hvdplus.common.ops import Average, Min, ReduceOp, Sum
 from hvdplus.common.step_plan import Decision, agreement_words, decide, plan_digest
 from hvdplus.torch.mpi_ops import _DTYPE_NAMES, _plane_kind, allreduce
+from hvdplus.torch.planned_steps import Alive
 from hvdplus.torch.reducer import Reducer
 
 __all__ = ["DEVICE_BUCKET_BYTES", "bucket_sizes", "freeze_plan", "settings_allow", "try_freeze", "wire_dtype"]
@@ -136,6 +137,7 @@ def freeze_plan(
     key = set_id * 65536 + int(rt.auto_name("planned_group", set_id).rsplit(".", 1)[1])
     assert carrier is not None  # a freeze needs every rank eligible
     engine, plane = carrier
-    group = engine.open_planned(ranks, key, rt.settings.stall_shutdown_time_seconds or None)
+    alive = Alive(rt, len(ranks), "the opening of a planned group")  # a member that died before arriving ends the wait
+    group = engine.open_planned(ranks, key, rt.settings.stall_shutdown_time_seconds or None, alive)
     rt.coordinator.close_at_shutdown(group)
     return group, ranks, digest, plane == "host"

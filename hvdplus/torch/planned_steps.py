@@ -170,7 +170,9 @@ class Alive:
 
     def __call__(self) -> None:
         if not self._runtime.coordinator.running:
-            raise HorovodInternalError(f"hvdplus stopped while {self._what} was in flight")
+            why = self._runtime.coordinator.failure
+            stopped = f"hvdplus stopped while {self._what} was in flight"
+            raise HorovodInternalError(f"{stopped}: {why}" if why else stopped)
         settings = self._runtime.settings
         waited = time.monotonic() - self._started
         if not self._warned and not settings.stall_check_disable and waited > settings.stall_check_time_seconds:

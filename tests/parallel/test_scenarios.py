@@ -100,6 +100,23 @@ def test_a_failure_in_one_background_thread_is_named_on_every_rank(engine, where
         assert f"rank {rank}: no error" not in output, output
 
 
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("where", ["open", "step"])
+def test_a_rank_that_dies_on_the_planned_path_stops_its_peers_within_seconds(where):
+    """Rank 1 dies while its peers wait for it in the planned path: arriving in the plan's new group (`open`), or
+    in a planned step's allreduce (`step`). Over Gloo, run without a launcher that would stop them, the survivors
+    raise HorovodInternalError within seconds instead of waiting for the group's timeout (a year). (Over MPI, a rank
+    that dies ends the MPI job.)"""
+    code, output = run_job("gloo", 3, [str(SCENARIOS / "planned_death.py"), where], timeout=60)
+    assert code == 3, output
+    assert f"rank 1: exits in {where}" in output, output
+    for rank in (0, 2):
+        raised = re.search(rf"rank {rank}: raised after ([\d.]+) s: ", output)
+        assert raised and float(raised.group(1)) < 10, output
+        assert f"rank {rank}: no error" not in output, output
+
+
 @on_both_engines
 def test_stall_shutdown_names_the_tensor_and_the_missing_rank(engine):
     code, output = run_job(

@@ -214,10 +214,14 @@ class Channels(Protocol):
         """Collective over all ranks (run on the coordinator's thread, in the agreed order): a new point-to-point
         channel among all ranks."""
 
-    def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> PlannedGroup:
+    def open_planned(
+        self, ranks: Sequence[int], key: int, timeout_s: float | None, alive: Callable[[], None]
+    ) -> PlannedGroup:
         """Collective over `ranks` only (sorted global ranks, this rank among them), from any thread: a new
         `PlannedGroup`. `key` (equal on every member) tells apart groups opened at the same time; `timeout_s`
-        ends a collective that waits longer (None: never; engines whose waits poll check stalls themselves)."""
+        ends a collective that waits longer (None: never; engines whose waits poll check stalls themselves).
+        `alive()` is called about once a second while this rank waits for the other members to arrive, and raises
+        to give up (hvdplus stopped, say because a member died; a stall limit passed)."""
 
 
 @runtime_checkable

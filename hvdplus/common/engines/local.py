@@ -78,7 +78,9 @@ class LocalEngine:
     def open_channel(self) -> LocalChannel:
         return LocalChannel()
 
-    def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> LocalPlannedGroup:
+    def open_planned(
+        self, ranks: Sequence[int], key: int, timeout_s: float | None, alive: Callable[[], None]
+    ) -> LocalPlannedGroup:
         return LocalPlannedGroup()
 
     def shutdown(self) -> None:

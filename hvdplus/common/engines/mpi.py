@@ -178,7 +178,10 @@ class MPIEngine:
     def open_channel(self) -> MPIChannel:
         return MPIChannel(self.world.Dup(), self._MPI)
 
-    def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> MPIPlannedGroup:
+    def open_planned(
+        self, ranks: Sequence[int], key: int, timeout_s: float | None, alive: Callable[[], None]
+    ) -> MPIPlannedGroup:
+        """`alive` is not called: MPI's group creation blocks, and a rank that dies ends the MPI job."""
         with self._planned_lock:
             group = self._planned_parent.Get_group().Incl(list(ranks))
             comm = self._planned_parent.Create_group(group, tag=key % int(self.world.Get_attr(self._MPI.TAG_UB)))

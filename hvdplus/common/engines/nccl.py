@@ -8,7 +8,7 @@ the rendezvous when torch.distributed is not initialised (a job started by mpiru
 from __future__ import annotations
 
 import datetime
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hvdplus.common.engines.base import Engine
@@ -84,9 +84,11 @@ class TorchTensorEngine:
         group = self._dist.new_group(ranks, backend=self.backend, timeout=self._timeout)
         return group if self.rank in ranks else None
 
-    def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
+    def open_planned(
+        self, ranks: Sequence[int], key: int, timeout_s: float | None, alive: Callable[[], None]
+    ) -> TorchPlannedGroup:
         """The planned path's group of `ranks` on this engine's backend: its buffers are the tensors themselves."""
-        return self.planned_meeting.open(ranks, key, timeout_s)
+        return self.planned_meeting.open(ranks, key, timeout_s, alive)
 
     def allreduce(self, buf: Any, dtype: str, op: ReduceOp, group: Any, send: Any | None = None) -> None:
         if send is not None:  # both backends reduce in place

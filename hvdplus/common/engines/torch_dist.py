@@ -260,8 +260,10 @@ class TorchDistEngine:
     def open_channel(self) -> GlooChannel:
         return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
 
-    def open_planned(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
-        return self.planned_meeting.open(ranks, key, timeout_s)
+    def open_planned(
+        self, ranks: Sequence[int], key: int, timeout_s: float | None, alive: Callable[[], None]
+    ) -> TorchPlannedGroup:
+        return self.planned_meeting.open(ranks, key, timeout_s, alive)
 
     def shutdown(self) -> None:
         """Destroy the groups hvdplus made (all of them, if it also made the default group) and drop
@@ -479,16 +481,24 @@ class PlannedMeeting:
     ops: dict[ReduceOp, Any]
     tensor_of: Callable[[Any, str], Any]
 
-    def open(self, ranks: Sequence[int], key: int, timeout_s: float | None) -> TorchPlannedGroup:
+    def open(
+        self, ranks: Sequence[int], key: int, timeout_s: float | None, alive: Callable[[], None]
+    ) -> TorchPlannedGroup:
         """A group of `ranks` only, under a prefix of its own: the other ranks take no part (torch's new_group would
         need every rank of the job). A step's buckets start while a peer may still be busy (a checkpoint, say): no
-        timeout but the stall shutdown time, if set; a long wait is reported as a stall (_TorchPlannedWork)."""
+        timeout but the stall shutdown time, if set; a long wait is reported as a stall (_TorchPlannedWork).
+        The members first say in the store that they are here, each waiting for the others with `alive()` called
+        between short waits: torch's constructor would wait for a member that died before arriving as long as the
+        group's timeout, a year without a stall limit."""
         dist = self.dist
         prefix = dist.PrefixStore(
             f"hvdplus/planned/{self.backend}/{self.incarnation}/{key}/{'.'.join(map(str, ranks))}/", self.store
         )
         timeout = _PLANNED_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         index = list(ranks).index(self.rank)
+        prefix.set(f"here/{index}", "1")
+        arrivals = [f"here/{member}" for member in range(len(ranks))]
+        _await_keys(prefix, arrivals, alive)
         if self.backend == "nccl":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
@@ -502,6 +512,19 @@ class PlannedMeeting:
             # is up.
             group.allreduce([torch.zeros(1)]).wait()
         return TorchPlannedGroup(dist, group, len(ranks), self.ops, self.tensor_of)
+
+
+def _await_keys(store: Any, keys: list[str], alive: Callable[[], None]) -> None:
+    """Return once every key is in `store`, checking it at growing intervals (1 ms to 50 ms: members usually
+    arrive within milliseconds of each other) and calling `alive()` once a second. (`store.wait` with a timeout
+    raises a different error for each kind of store, some only a RuntimeError saying "Wait timeout".)"""
+    pause, last_alive = 1e-3, time.monotonic()
+    while not store.check(keys):
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+        if time.monotonic() - last_alive >= 1.0:
+            alive()
+            last_alive = time.monotonic()
 
 
 class TorchPlannedGroup:
