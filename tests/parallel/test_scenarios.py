@@ -102,16 +102,17 @@ def test_a_failure_in_one_background_thread_is_named_on_every_rank(engine, where
 
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("where", ["open", "step"])
+@pytest.mark.parametrize("where", ["open", "step", "join"])
 def test_a_rank_that_dies_on_the_planned_path_stops_its_peers_within_seconds(where):
-    """Rank 1 dies while its peers wait for it in the planned path: arriving in the plan's new group (`open`), or
-    in a planned step's allreduce (`step`). Over Gloo, run without a launcher that would stop them, the survivors
-    raise HorovodInternalError within seconds instead of waiting for the group's timeout (a year). (Over MPI, a rank
-    that dies ends the MPI job.)"""
+    """A rank dies while its peers wait for it on the planned path: arriving in the plan's new group (`open`), in a
+    planned step's allreduce (`step`), or while a joined peer serves the planned steps with zeros (`join`). Over
+    Gloo, run without a launcher that would stop them, the survivors raise HorovodInternalError within seconds
+    instead of waiting for the group's timeout (a year). (Over MPI, a rank that dies ends the MPI job.)"""
     code, output = run_job("gloo", 3, [str(SCENARIOS / "planned_death.py"), where], timeout=60)
+    dead = 0 if where == "join" else 1
     assert code == 3, output
-    assert f"rank 1: exits in {where}" in output, output
-    for rank in (0, 2):
+    assert f"rank {dead}: exits in {where}" in output, output
+    for rank in set(range(3)) - {dead}:
         raised = re.search(rf"rank {rank}: raised after ([\d.]+) s: ", output)
         assert raised and float(raised.group(1)) < 10, output
         assert f"rank {rank}: no error" not in output, output
