@@ -288,8 +288,7 @@ class Coordinator:
         tell rank 0 of their own (engines/base.py: bell_targets)."""
         next_round = self.rounds + 1
         delay = _BELL_FIRST_POLL_S if self._doorbell.polled else None
-        peers_work = self._graces_missed > _GRACES_BEFORE_SKIP
-        slow_from = time.monotonic() + (_PEER_POLL_FOR_S if peers_work else 0.0)
+        slow_from = time.monotonic() + (_PEER_POLL_FOR_S if self._left_out else 0.0)
         while not (own := self._has_own_work()) and not self._doorbell.rung(next_round):
             self._wake.wait(delay)
             self._wake.clear()
@@ -308,13 +307,18 @@ class Coordinator:
         data-parallel ranks, whose gradients come within milliseconds of each other, meet in one round; unless the
         last graces all passed without any (see _GRACES_BEFORE_SKIP)."""
         self._graces_missed += 1
-        if self._graces_missed > _GRACES_BEFORE_SKIP and self._graces_missed % _GRACE_RETEST:
+        if self._left_out and self._graces_missed % _GRACE_RETEST:
             self.graces_skipped += 1
             return
         if self._wake.wait(_BELL_GRACE_S):
             self._wake.clear()
         if self._has_own_work():
             self._graces_missed = 0
+
+    @property
+    def _left_out(self) -> bool:
+        """Whether the last graces all passed without work of this rank's own: its peers work without it."""
+        return self._graces_missed > _GRACES_BEFORE_SKIP
 
     def _has_own_work(self) -> bool:
         """Whether this rank has something for the next round: work submitted since the last one, or a shutdown."""

@@ -128,9 +128,8 @@ def ranks_that_shut_down(engine: Engine, asked: bool) -> str:
     except Exception as exc:  # a peer is already gone: say what we know
         log.debug("could not learn which ranks shut down: %s", exc)
         return "one or more ranks"
-    ranks = [rank for rank, flag in enumerate(flags) if flag]
-    named = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
-    return named + (" (this rank)" if ranks == [engine.rank] else "")
+    ranks = [rank for rank, flag in enumerate(flags) if flag]  # never empty: a rank's request raised the flag
+    return _names(ranks) + (" (this rank)" if ranks == [engine.rank] else "")
 
 
 def _names(ranks: list[int]) -> str:
