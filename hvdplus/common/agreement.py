@@ -5,11 +5,13 @@ every rank's words ([~flags, hit bits, ~hit bits, ~invalid bits(, autotune confi
 raised, the bits every rank hit (ready), any rank hit, and any rank invalidated. Collectives not in the cache are
 announced in full and matched in the message table (negotiation.py), whose stall inspector names missing ranks.
 Every rank applies the same puts, uses and evictions in the same order, so the cache's bits agree without being
-sent (Horovod's design). The coordinator runs the round and executes what it agrees.
+sent (Horovod's design). The round itself is one non-blocking bitwise AND (`exchange`); the coordinator executes
+what it agrees.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +21,7 @@ from hvdplus.common.announcements import exchange_announcements
 from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.executor import Work
+from hvdplus.common.frozen import FrozenPeerInspector
 from hvdplus.common.messages import Response
 from hvdplus.common.negotiation import MessageTable
 from hvdplus.common.ops import OpKind
@@ -29,6 +32,7 @@ from hvdplus.common.stall import StallInspector
 __all__ = ["Agreement", "HAS_UNCACHED", "SHUTDOWN", "STALL_ABORT", "BUSY"]
 
 HAS_UNCACHED, SHUTDOWN, STALL_ABORT, BUSY = 1, 2, 4, 8
+_SLEEP_S = 1e-3  # the longest sleep between tests of a round once a rank stops spinning for it
 
 
 class Agreement:
@@ -93,10 +97,27 @@ class Agreement:
         words[1 : 1 + 3 * self._words] = np.frombuffer(b"".join(self._bytes(m) for m in masks), dtype=np.int64)
         return words
 
+    def exchange(self, words: np.ndarray, spin_s: float, frozen: FrozenPeerInspector, round_number: int) -> np.ndarray:
+        """Control round `round_number`: the AND of every rank's `words`. Spins for `spin_s` (while work is in flight
+        the peers usually join within microseconds, and a sleep would add its length to every collective), then
+        sleeps between tests, up to 1 ms. A wait longer than a second is inspected for frozen peers (`frozen`
+        raises once one has been silent too long)."""
+        pending = self._engine.start_bitwise_and(words, self._group())
+        started = time.monotonic()
+        while (result := pending.wait(spin_s, _SLEEP_S, frozen.timeout_s)) is None:
+            frozen.waiting(round_number, time.monotonic() - started)
+            spin_s = 0.0
+        return result
+
     @staticmethod
     def flags(words: np.ndarray) -> int:
         """The flags any rank raised in the round whose AND is `words`."""
         return int(~words[0])
+
+    @staticmethod
+    def config(words: np.ndarray) -> int:
+        """Rank 0's autotune configuration in the round whose AND is `words` (the others send -1, all bits set)."""
+        return int(words[-1])
 
     def responses(self, words: np.ndarray) -> list[Response]:
         """After the round (the AND of every rank's words): the responses every rank runs now, in one order: the

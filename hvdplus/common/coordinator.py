@@ -8,9 +8,9 @@ runs the steps of a cycle; which thread runs it is common/cycles.py's choice.
 
 The control allreduce is non-blocking and waited for without spinning a core (a peer that is busy
 computing would otherwise make this thread poll MPI for as long). While work is in flight on any rank,
-cycles follow HOROVOD_CYCLE_TIME. Once a round shows that no rank has work, no round runs at all: every rank
-sleeps until it has work of its own or a peer rings its doorbell (engines/base.py: Doorbell) for the next round,
-so an idle job, or one computing between steps, costs its peers nothing.
+cycles follow HOROVOD_CYCLE_TIME. Once a round shows that no rank has work, no round runs at all until a rank has
+work or a peer rings (common/idle_spells.py). Join, process sets, channels and device planes are
+common/control_collectives.py's.
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
-import weakref
 from typing import Any
 
 import numpy as np
@@ -27,6 +25,7 @@ import numpy as np
 from hvdplus.common.agreement import BUSY, SHUTDOWN, STALL_ABORT, Agreement
 from hvdplus.common.autotune import TuningRun
 from hvdplus.common.buffer_ops import DataPlane, DeviceKind
+from hvdplus.common.control_collectives import ControlCollectives
 from hvdplus.common.cycles import Cycles
 from hvdplus.common.dispatch import Dispatcher
 from hvdplus.common.engines.base import Engine
@@ -34,8 +33,9 @@ from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
 from hvdplus.common.frozen import FrozenPeerInspector, failure_of, ranks_that_shut_down
 from hvdplus.common.handles import Handle
+from hvdplus.common.idle_spells import IdleSpells
 from hvdplus.common.in_flight import InFlight
-from hvdplus.common.messages import Request, Response
+from hvdplus.common.messages import Request
 from hvdplus.common.negotiation import device_kind
 from hvdplus.common.ops import OpKind
 from hvdplus.common.set_table import ProcessSetTable
@@ -48,28 +48,11 @@ __all__ = ["Coordinator", "control_spin_s"]
 
 log = logging.getLogger("hvdplus")
 
-# How a rank waits for the control round (see _exchange): spin while peers are expected at once, then sleep
-# between tests, up to 1 ms. On a host that runs more ranks than it has cores, the core a rank spins on is the one a
-# peer needs, so it spins only briefly (3 ranks on 2 cores, MPI, 3000 lone allreduces: 12.6-14.0 s spinning 2 ms,
-# 7.5-8.4 s not spinning, 6.5-7.1 s spinning 0.3 ms; the median call stays at ~0.33 ms only with a spin).
-_SPIN_S, _CROWDED_SPIN_S, _SLEEP_S = 2e-3, 3e-4, 1e-3
-# How often a rank with no work looks at a doorbell that must be polled (MPI's): the wait doubles from 1 ms to
-# 20 ms, so a rank that submits nothing joins a peer's work within 40 ms (two hops, through rank 0), and an idle
-# process wakes 50 times a second (a timed wake-up costs ~100 us of CPU on these VMs), running no round.
-_BELL_FIRST_POLL_S, _BELL_LAST_POLL_S = 1e-3, 2e-2
-# How long a rank woken by a peer's ring waits for work of its own before it joins: data-parallel ranks submit
-# their gradients within a few ms of each other, and joining at once would pull a rank still computing into
-# rounds that find nothing (each a round trip, and CPU taken from the compute on a shared host).
-_BELL_GRACE_S = 5e-3
-# A rank whose last graces all passed without work of its own (one outside the process set its peers work on, or
-# idle while they work) skips the grace, since the peers' collective waits for its round; it gives one again every
-# _GRACE_RETEST-th ring, to notice that it works with them again (Gloo, 3 ranks, a lone allreduce on a set without
-# the idle rank 0 after an idle spell: 5.3-5.9 ms with the grace).
-_GRACES_BEFORE_SKIP, _GRACE_RETEST = 3, 16
-# Such a rank polls a doorbell at most every 2 ms for the first 0.1 s of an idle spell: its peers' next collective
-# is likely to need it soon (MPI, the same set, a call every 20 ms: ~15 ms a call polling up to 20 ms). Then, as the
-# job may have gone idle, it slows down as any rank does (~50 extra wake-ups a spell, ~5 ms of CPU).
-_PEER_POLL_S, _PEER_POLL_FOR_S = 2e-3, 0.1
+# How long a rank spins for the control round while work is in flight (Agreement.exchange). On a host that runs
+# more ranks than it has cores, the core a rank spins on is the one a peer needs, so it spins only briefly (3 ranks
+# on 2 cores, MPI, 3000 lone allreduces: 12.6-14.0 s spinning 2 ms, 7.5-8.4 s not spinning, 6.5-7.1 s spinning
+# 0.3 ms; the median call stays at ~0.33 ms only with a spin).
+_SPIN_S, _CROWDED_SPIN_S = 2e-3, 3e-4
 _FAILED_JOIN_S = 2.0
 
 
@@ -88,8 +71,6 @@ class Coordinator:
     ) -> None:
         """`device_kinds`: the device kinds every rank can reduce on a plane of its own (`agreed_device_kinds`)."""
         self._engine = engine
-        self._settings = settings
-        self._topology = topology
         self.rank, self.size = engine.rank, engine.size
         self.tunables = Tunables.from_settings(settings)
         self._spin_s = control_spin_s(topology.local_size)
@@ -101,6 +82,11 @@ class Coordinator:
         self._sets = ProcessSetTable(engine, settings, topology)
         self._wake = threading.Event()
         self._doorbell = engine.open_doorbell(self._wake.set)
+        # Only this thread writes the timeline; others replace it through the slot, between cycles (set_timeline).
+        self._timeline = TimelineSlot(
+            Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
+        )
+        self._idle = IdleSpells(self._doorbell, self._wake, self.rank, self._has_own_work, self._timeline.settle)
         self._tuning = (
             TuningRun(self.tunables, settings, self.rank, self._sets[0].hierarchy is not None, len(topology.hosts))
             if settings.autotune
@@ -109,24 +95,18 @@ class Coordinator:
         self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables, self._planes)
         self._frozen = FrozenPeerInspector(engine, settings)
         self._in_flight = InFlight()
+        self._control = ControlCollectives(
+            engine, settings, topology, self._sets, self._device_kinds, self._planes, self._executor
+        )
         self._dispatcher = Dispatcher(
-            self.rank, self._executor, self._in_flight, self._planes, self.tunables, engine, self._run_control
+            self.rank, self._executor, self._in_flight, self._planes, self.tunables, engine, self._control.run
         )
         self._agreement = Agreement(
             engine, lambda: self._sets[0].group, settings, self._sets.members, self._sets.index_in
         )
-        self._joined = False
         self._shutdown_requested = False
         self._fatal: BaseException | None = None
-        self._channels: list[Any] = []  # point-to-point channels opened for the user (closed at shutdown)
-        self._owned_elsewhere: weakref.WeakSet[Any] = weakref.WeakSet()  # planned groups, closed at shutdown
         self.rounds = 0  # control rounds run so far (a test checks that idle ranks run none)
-        self._graces_missed = 0  # rings in a row since this rank last had work of its own when one woke it
-        self.graces_skipped = 0  # rings this rank joined at once, having had no work of its own lately (tests)
-        # Only this thread writes the timeline; others replace it through the slot, between cycles (set_timeline).
-        self._timeline = TimelineSlot(
-            Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
-        )
         # Device planes stay on the background thread: a waiting thread's current stream may be the user's.
         self._cycles = Cycles(
             self._cycle, self._fail, inline=not self._device_kinds, period_s=lambda: self.tunables.cycle_time_ms / 1e3
@@ -152,7 +132,7 @@ class Coordinator:
             work.ready = self._device_kinds[device_kind(request.device)].ops.ready(input)
         self._in_flight.put(work)
         # Event.set costs more than the check, and bursts need only one. Read after the put: a thread that goes idle
-        # after this check finds the work queued (_sleep_until_work looks before it sleeps).
+        # after this check finds the work queued (IdleSpells.wait_for_work looks before it sleeps).
         if not self._wake.is_set() and not self._cycles.waiters_drive:
             self._wake.set()
         if self._fatal is not None:  # the thread stopped while we queued: nobody will run this work
@@ -177,7 +157,7 @@ class Coordinator:
     def close_at_shutdown(self, channel: Any) -> None:
         """Close `channel` (a planned group) when the thread stops, if it is still alive then (held weakly: its
         owner may release it earlier)."""
-        self._owned_elsewhere.add(channel)
+        self._control.close_at_shutdown(channel)
 
     def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
         return self._sets.ranks(set_id)
@@ -190,6 +170,11 @@ class Coordinator:
             # After a failure the thread only releases the engine, which can wait on a frozen peer until the
             # transport's own timeout: do not hold the process's exit for it (the thread is a daemon).
             self._thread.join(_FAILED_JOIN_S if self._fatal is not None else None)
+
+    @property
+    def graces_skipped(self) -> int:
+        """Rings this rank joined at once, having had no work of its own lately (common/idle_spells.py)."""
+        return self._idle.graces_skipped
 
     @property
     def driven_cycles(self) -> int:
@@ -251,7 +236,7 @@ class Coordinator:
         try:
             while not self._cycles.stopped:
                 if self._cycles.idle:  # every rank saw the same round, so all stop running rounds together
-                    self._sleep_until_work()
+                    self._idle.wait_for_work(self.rounds + 1)
                     self._cycles.run()
                 else:
                     self._wake.wait(self._cycles.until_due())  # a submit nobody waits for ends it at once
@@ -262,7 +247,7 @@ class Coordinator:
         finally:
             for release in [
                 self._timeline.retire,
-                *(channel.close for channel in [*self._channels, *self._owned_elsewhere]),
+                *self._control.closers(),
                 self._doorbell.close,
                 *(plane.engine.shutdown for plane in self._planes.values()),
                 self._engine.shutdown,
@@ -282,44 +267,6 @@ class Coordinator:
         self._fail_everything(error)
         self._wake.set()
 
-    def _sleep_until_work(self) -> None:
-        """The last round showed no rank with work: run none until this rank has work of its own (a submit, a
-        shutdown) or a peer rings for the next round. Rank 0 passes every wake-up on to all ranks; the others
-        tell rank 0 of their own (engines/base.py: bell_targets)."""
-        next_round = self.rounds + 1
-        delay = _BELL_FIRST_POLL_S if self._doorbell.polled else None
-        slow_from = time.monotonic() + (_PEER_POLL_FOR_S if self._left_out else 0.0)
-        while not (own := self._has_own_work()) and not self._doorbell.rung(next_round):
-            self._wake.wait(delay)
-            self._wake.clear()
-            self._timeline.settle()  # a timeline swap asked for while idle needs no round
-            if delay is not None:
-                delay = min(2 * delay, _BELL_LAST_POLL_S if time.monotonic() >= slow_from else _PEER_POLL_S)
-        if own or self.rank == 0:
-            self._doorbell.ring(next_round)
-        if own:
-            self._graces_missed = 0
-        else:
-            self._grace_for_own_work()
-
-    def _grace_for_own_work(self) -> None:
-        """Woken by a peer's ring with no work of its own: give that work _BELL_GRACE_S to come, so that
-        data-parallel ranks, whose gradients come within milliseconds of each other, meet in one round; unless the
-        last graces all passed without any (see _GRACES_BEFORE_SKIP)."""
-        self._graces_missed += 1
-        if self._left_out and self._graces_missed % _GRACE_RETEST:
-            self.graces_skipped += 1
-            return
-        if self._wake.wait(_BELL_GRACE_S):
-            self._wake.clear()
-        if self._has_own_work():
-            self._graces_missed = 0
-
-    @property
-    def _left_out(self) -> bool:
-        """Whether the last graces all passed without work of this rank's own: its peers work without it."""
-        return self._graces_missed > _GRACES_BEFORE_SKIP
-
     def _has_own_work(self) -> bool:
         """Whether this rank has something for the next round: work submitted since the last one, or a shutdown."""
         return self._shutdown_requested or self._in_flight.queued
@@ -338,71 +285,34 @@ class Coordinator:
 
     def _cycle(self, spin: bool) -> bool | None:
         """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down. `spin`:
-        whether to spin while waiting for the peers in the control round (see _exchange)."""
+        whether to spin while waiting for the peers in the control round (see Agreement.exchange); it does not
+        after an idle spell: the peers may still be computing, and a spin would take the core this rank's own
+        compute (or, on a shared host, a peer's) needs."""
         timeline = self._timeline.settle()  # the one this cycle writes, whatever other threads ask meanwhile
         if timeline:
             timeline.cycle()
         self._drain_queue(timeline)
         self.rounds += 1
-        flags = (SHUTDOWN if self._shutdown_requested else 0) | (BUSY if self._in_flight or self._joined else 0)
+        joined = self._control.joined
+        flags = (SHUTDOWN if self._shutdown_requested else 0) | (BUSY if self._in_flight or joined else 0)
         config = None if self._tuning is None else self._tuning.word()
-        words = self._exchange(self._agreement.words(flags, self._joined, config), spin)
+        words = self._agreement.words(flags, joined, config)
+        words = self._agreement.exchange(words, self._spin_s if spin else 0.0, self._frozen, self.rounds)
         flags = self._agreement.flags(words)
         if flags & (SHUTDOWN | STALL_ABORT):
             self._stop(flags)
             return None
         responses = self._agreement.responses(words)
-        if len(self._planes) < len(self._device_kinds):
-            self._build_planes(responses)
+        self._control.build_planes(responses)
         self._dispatcher.run(responses, timeline)
         if self._tuning is not None:
-            self._tuning.after_cycle(int(words[-1]), responses)
+            self._tuning.after_cycle(self._agreement.config(words), responses)
         self._agreement.stalls.warn()
         return bool(flags & BUSY)
 
-    def _exchange(self, words: np.ndarray, spin: bool) -> np.ndarray:
-        """The control round. While work is in flight the peers usually join within microseconds: spin for up to
-        2 ms (a sleep would add its length to every collective; 0.3 ms on a host with more ranks than cores), then
-        sleep. The first round after an idle spell does not spin: the peers may still be computing, and a spin would
-        take the core this rank's own compute (or, on a shared host, a peer's) needs. A wait longer than a second is
-        inspected for frozen peers."""
-        pending = self._engine.start_bitwise_and(words, self._engine.world)
-        spin_s = self._spin_s if spin else 0.0
-        started = time.monotonic()
-        while (result := pending.wait(spin_s, _SLEEP_S, self._frozen.timeout_s)) is None:
-            self._frozen.waiting(self.rounds, time.monotonic() - started)  # raises once a peer is silent too long
-            spin_s = 0.0
-        return result
-
-    def _build_planes(self, responses: list[Response]) -> None:
-        """Build the plane of each device kind at its first agreed collective, with a group for every process set.
-        Collective: every rank sees the same responses in the same order, members or not."""
-        for response in responses:
-            kind = device_kind(response.first.device)
-            if kind in self._device_kinds and kind not in self._planes:
-                plane = self._device_kinds[kind].build(self._engine, self._settings, self._topology)
-                self._sets.add_plane(plane)
-                self._planes[kind] = plane
-
-    def _run_control(self, response: Response, work: Work) -> Any:
-        """A control collective's result (join, process sets, channels), or a data one the executor runs alone."""
-        if response.kind == OpKind.JOIN:
-            self._joined = False
-            return response.join_last_rank
-        if response.kind == OpKind.ADD_PROCESS_SET:
-            return self._sets.add(tuple(sorted(work.request.ranks or ())), self._planes.values())
-        if response.kind == OpKind.OPEN_CHANNEL:
-            self._channels.append(self._engine.open_channel())
-            return self._channels[-1]
-        if response.kind == OpKind.REMOVE_PROCESS_SET:
-            removed = work.request.root  # the id of the set to remove travels in `root`
-            self._sets.remove(removed)
-            return removed
-        return self._executor.run(response, work, response.members.index(self.rank))
-
     def mark_joined(self) -> None:
         """Called by join(): from now on this rank contributes zeros to every allreduce."""
-        self._joined = True
+        self._control.joined = True
 
     # ----------------------------------------------------------------- shutdown
     def _stop(self, flags: int) -> None:
