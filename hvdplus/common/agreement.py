@@ -22,8 +22,9 @@ from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.executor import Work
 from hvdplus.common.frozen import FrozenPeerInspector
-from hvdplus.common.messages import Response
-from hvdplus.common.negotiation import MessageTable
+from hvdplus.common.in_flight import Names
+from hvdplus.common.messages import Key, Request, Response
+from hvdplus.common.negotiation import MessageTable, is_join, join_key
 from hvdplus.common.ops import OpKind
 from hvdplus.common.response_cache import Lookup, ResponseCache
 from hvdplus.common.settings import Settings
@@ -46,14 +47,17 @@ class Agreement:
         settings: Settings,
         members: Callable[[int], tuple[int, ...]],
         index_in: Callable[[int], int | None],
+        set_id: int = 0,
     ) -> None:
         """`group()`: the rounds' engine group, asked for at each use (holding it would keep a Gloo group's
         connections open after the engine's shutdown, and peers blocked on this rank would wait for its exit).
-        `members(set_id)`: a process set's ranks; `index_in(set_id)`: this rank's place in it (None: not in it)."""
+        `members(set_id)`: a process set's ranks; `index_in(set_id)`: this rank's place in it (None: not in it).
+        `set_id`: whose rounds these are: the whole job's (0), or one process set's own."""
         self._engine, self._group, self._settings = engine, group, settings
         self._members, self._index_in = members, index_in
-        self._table = MessageTable()
-        self.stalls = StallInspector(engine.rank, settings, self._table, members)
+        self.set_id = set_id
+        self._table = MessageTable(join_key(set_id))
+        self.stalls = StallInspector(index_in(set_id) or 0, settings, self._table, members)
         self._cache = ResponseCache(-(-settings.cache_capacity // 64) * 64)
         self._words = self._cache.capacity // 64
         self._full = (1 << self._cache.capacity) - 1
@@ -62,6 +66,9 @@ class Agreement:
         # round (it has nothing to announce there), or the members' cached collectives would never be ready.
         self._foreign = 0
         self._to_send: list[Work] = []
+        self._shadows: list[Request] = []  # to send: collectives this rank holds on other sets' rounds (shadow_held)
+        self._shadowed: dict[Key, Request] = {}  # entries here this rank sent a shadow for: its request elsewhere
+        self._names: Names | None = None
         self._invalid: set[int] = set()
 
     def announce(self, work: Work) -> None:
@@ -73,6 +80,33 @@ class Agreement:
             if status == Lookup.INVALID:
                 self._invalid.add(bit)
             self._to_send.append(work)
+
+    def shadow_held(self, names: Names) -> None:
+        """Tell the next round of the collectives this rank holds on another process set's rounds under the name of
+        an entry that waits for it here, once each, as shadows: then the message table can name the two sets that
+        groups of ranks wait on each other with (MessageTable._deadlocks), although each set's rounds keep a
+        table of their own. Also send the shadows other sets' rounds posted for these (`_pass_on`)."""
+        self._shadows += names.take_posted(self.set_id)
+        for key in self._table.missing_here(self._engine.rank):
+            if key in self._shadowed or is_join(key) or self._index_in(key[0]) is None:
+                continue
+            request = names.held(key[1])
+            if request is not None and request.process_set != key[0]:
+                self._shadowed[key] = request
+                self._shadows.append(request._replace(shadow=1 << self._engine.rank))
+        self._names = names
+
+    def _pass_on(self, errors: list[Response]) -> None:
+        """An entry that a shadow of this rank failed (two sets whose ranks wait on each other): its ranks' request
+        goes, as a shadow, to the rounds of the set this rank holds the name on, where that entry waits for them, so
+        that it fails too, even if they have already dropped the name (their entry failed first)."""
+        for response in errors:
+            held = self._shadowed.get(response.key)
+            if held is not None and self._names is not None:
+                mask = mask_of(
+                    rank for rank, request in zip(response.members, response.requests) if request is not None
+                )
+                self._names.post(held.process_set, response.first._replace(shadow=mask))
 
     def words(self, flags: int, joined: bool, config: int | None) -> np.ndarray:
         """This rank's words for the round: `flags` (plus HAS_UNCACHED and STALL_ABORT, which are this object's),
@@ -87,7 +121,7 @@ class Agreement:
                         hits |= 1 << bit
                     else:
                         invalid |= 1 << bit
-        flags |= HAS_UNCACHED if self._to_send else 0
+        flags |= HAS_UNCACHED if self._to_send or self._shadows else 0
         flags |= STALL_ABORT if self.stalls.abort_due() else 0
         words = np.empty(1 + 3 * self._words + (config is not None), dtype=np.int64)
         words[0] = ~flags
@@ -149,6 +183,7 @@ class Agreement:
         """The job failed: drop the work announced and not agreed (its handles fail with the rest)."""
         self._hits.clear()
         self._to_send.clear()
+        self._shadows.clear()
 
     def _bytes(self, mask: int) -> bytes:
         return mask.to_bytes(self._words * 8, "little")
@@ -164,14 +199,22 @@ class Agreement:
     def _negotiate(self) -> list[Response]:
         """Full negotiation: every rank's uncached announcements, matched in the table; the errors it found, then
         the collectives every member has announced."""
-        requests = [work.request for work in self._to_send]
+        requests = [work.request for work in self._to_send] + self._shadows
         self._to_send.clear()
-        errors = []
+        self._shadows.clear()
+        errors: list[Response] = []
         for request, ranks in exchange_announcements(
-            self._engine, self._group(), requests, self._settings.negotiation_doubling_ranks
+            self._engine,
+            self._group(),
+            requests,
+            self._settings.negotiation_doubling_ranks,
+            self._members(self.set_id),
         ):
             problem = self._table.add(request, ranks)
             if problem:
                 members = self._members(request.process_set)
                 errors.append(Response(request.key, request.kind, (request,), error=problem, members=members))
-        return errors + self._table.take_ready(self._members)
+        decided = errors + self._table.take_ready(self._members)
+        self._pass_on([response for response in decided if response.error])
+        self._shadowed = {key: held for key, held in self._shadowed.items() if key in self._table}
+        return decided

@@ -29,25 +29,28 @@ _Merged = dict[Request, tuple[int, int]]  # request -> (ranks mask, order)
 
 
 def exchange_announcements(
-    engine: Engine, group: Any, requests: Sequence[Request], doubling_from: int
+    engine: Engine, group: Any, requests: Sequence[Request], doubling_from: int, ranks: Sequence[int] | None = None
 ) -> list[tuple[Request, int]]:
-    """Every rank's new requests, merged: (request, ranks mask) in an order all ranks share.
-    Jobs of `doubling_from` ranks or more use recursive doubling, smaller ones one allgather."""
-    rank, size = engine.rank, engine.size
+    """Every rank's new requests, merged: (request, mask of global ranks) in an order all ranks share. `ranks`:
+    the global ranks of `group`, in its order (None: the whole job). Groups of `doubling_from` ranks or more use
+    recursive doubling, smaller ones one allgather."""
+    ranks = range(engine.size) if ranks is None else ranks
+    index, size = ranks.index(engine.rank), len(ranks)
     if size >= doubling_from:
-        merged = _recursive_doubling(engine, group, _own(requests, rank, size), rank, size)
+        merged = _recursive_doubling(engine, group, _own(requests, ranks[index], index, size), index, size)
     else:
         merged = {}
         for peer, data in enumerate(
             engine.allgather_bytes(pickle.dumps(list(requests), pickle.HIGHEST_PROTOCOL), group)
         ):
-            _merge(merged, _own(pickle.loads(data), peer, size))
+            _merge(merged, _own(pickle.loads(data), ranks[peer], peer, size))
     return [(request, mask) for request, (mask, _) in sorted(merged.items(), key=lambda item: item[1][1])]
 
 
-def _own(requests: Sequence[Request], rank: int, size: int) -> _Merged:
-    """One rank's list as entries; order = position * size + rank, so a merge keeps the earliest (position, rank)."""
-    return {request: (1 << rank, position * size + rank) for position, request in enumerate(requests)}
+def _own(requests: Sequence[Request], rank: int, index: int, size: int) -> _Merged:
+    """One rank's list as entries, under global rank `rank`; order = position * size + index (its place in the
+    group), so a merge keeps the earliest (position, index)."""
+    return {request: (1 << rank, position * size + index) for position, request in enumerate(requests)}
 
 
 def _merge(into: _Merged, other: _Merged) -> None:

@@ -33,10 +33,16 @@ class ControlCollectives:
         device_kinds: dict[str, DeviceKind],
         planes: dict[str, DataPlane],
         executor: Executor,
+        set_added: Callable[[int], None],
+        set_removing: Callable[[int], None],
+        join_done: Callable[[], None],
     ) -> None:
-        """`planes`: the device planes built so far, by kind (this object adds them)."""
+        """`planes`: the device planes built so far, by kind (this object adds them). `set_added(id)` and
+        `set_removing(id)`: collective over all ranks, right after a process set is added and before it is removed
+        (its own rounds start and stop there); `join_done()`: after a join completed, before it returns."""
         self._engine, self._settings, self._topology = engine, settings, topology
         self._sets, self._device_kinds, self._planes, self._executor = sets, device_kinds, planes, executor
+        self._set_added, self._set_removing, self._join_done = set_added, set_removing, join_done
         self.joined = False  # this rank called join() and the join has not completed: it contributes zeros
         self._channels: list[Any] = []  # point-to-point channels opened for the user (closed at shutdown)
         self._owned_elsewhere: weakref.WeakSet[Any] = weakref.WeakSet()  # planned groups, closed at shutdown
@@ -45,14 +51,18 @@ class ControlCollectives:
         """A control collective's result (join, process sets, channels), or a data one the executor runs alone."""
         if response.kind == OpKind.JOIN:
             self.joined = False
+            self._join_done()
             return response.join_last_rank
         if response.kind == OpKind.ADD_PROCESS_SET:
-            return self._sets.add(tuple(sorted(work.request.ranks or ())), self._planes.values())
+            set_id = self._sets.add(tuple(sorted(work.request.ranks or ())), self._planes.values())
+            self._set_added(set_id)
+            return set_id
         if response.kind == OpKind.OPEN_CHANNEL:
             self._channels.append(self._engine.open_channel())
             return self._channels[-1]
         if response.kind == OpKind.REMOVE_PROCESS_SET:
             removed = work.request.root  # the id of the set to remove travels in `root`
+            self._set_removing(removed)
             self._sets.remove(removed)
             return removed
         return self._executor.run(response, work, response.members.index(self._engine.rank))

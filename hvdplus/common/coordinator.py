@@ -1,16 +1,13 @@
-"""The background thread: queue -> negotiate -> fuse -> execute -> complete handles.
+"""The background threads: queue -> negotiate -> fuse -> execute -> complete handles, in the rounds of each set of
+ranks (common/set_rounds.py): the whole job's, and each process set's own, which its members run alone.
 
-Every rank runs the same cycle in lock step. Each cycle costs one small bitwise-AND allreduce
-(the response-cache bits plus flags), whose size does not depend on the number of ranks; announcements
-not in the cache are exchanged merged (common/announcements.py: ranks that agree share one entry), and
-every rank derives the same ordered list of responses from the same table (common/agreement.py). This module
-runs the steps of a cycle; which thread runs it is common/cycles.py's choice.
-
-The control allreduce is non-blocking and waited for without spinning a core (a peer that is busy
-computing would otherwise make this thread poll MPI for as long). While work is in flight on any rank,
-cycles follow HOROVOD_CYCLE_TIME. Once a round shows that no rank has work, no round runs at all until a rank has
-work or a peer rings (common/idle_spells.py). Join, process sets, channels and device planes are
-common/control_collectives.py's.
+In each set's rounds every member runs the same cycle in lock step. Each cycle costs one small bitwise-AND
+allreduce (the response-cache bits plus flags), whose size does not depend on the number of ranks; announcements
+not in the cache are exchanged merged (common/announcements.py: ranks that agree share one entry), and every member
+derives the same ordered list of responses from the same table (common/agreement.py). While work is in flight,
+cycles follow HOROVOD_CYCLE_TIME; once a round shows that no member has work, none runs until a member has work or
+a peer rings (common/idle_spells.py). Join, process sets, channels and device planes are
+common/control_collectives.py's, run in the whole job's rounds.
 """
 
 from __future__ import annotations
@@ -22,27 +19,23 @@ from typing import Any
 
 import numpy as np
 
-from hvdplus.common.agreement import BUSY, SHUTDOWN, STALL_ABORT, Agreement
-from hvdplus.common.autotune import TuningRun
 from hvdplus.common.buffer_ops import DataPlane, DeviceKind
-from hvdplus.common.control_collectives import ControlCollectives
-from hvdplus.common.cycles import Cycles
-from hvdplus.common.dispatch import Dispatcher
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
-from hvdplus.common.executor import Executor, Work
-from hvdplus.common.frozen import FrozenPeerInspector, failure_of, ranks_that_shut_down
+from hvdplus.common.executor import Work
+from hvdplus.common.frozen import failure_of
 from hvdplus.common.handles import Handle
-from hvdplus.common.idle_spells import IdleSpells
-from hvdplus.common.in_flight import InFlight
+from hvdplus.common.in_flight import Names
 from hvdplus.common.messages import Request
 from hvdplus.common.negotiation import device_kind
 from hvdplus.common.ops import OpKind
+from hvdplus.common.set_rounds import SetRounds
 from hvdplus.common.set_table import ProcessSetTable
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline, TimelineSlot
 from hvdplus.common.topology import Topology
 from hvdplus.common.tunables import Tunables
+from hvdplus.common.world_rounds import WorldEvents, WorldRounds
 
 __all__ = ["Coordinator", "control_spin_s"]
 
@@ -63,14 +56,14 @@ def control_spin_s(local_ranks: int) -> float:
 
 
 class Coordinator:
-    """Owns the engine after init: all collectives of this process run in its cycles, on its background thread or
-    on a thread that waits for one (common/cycles.py)."""
+    """Owns the engine after init: every collective of this process runs in the rounds of its set, on their
+    background thread or on a thread that waits for one (common/cycles.py)."""
 
     def __init__(
         self, engine: Engine, settings: Settings, topology: Topology, device_kinds: dict[str, DeviceKind] | None = None
     ) -> None:
         """`device_kinds`: the device kinds every rank can reduce on a plane of its own (`agreed_device_kinds`)."""
-        self._engine = engine
+        self._engine, self._settings = engine, settings
         self.rank, self.size = engine.rank, engine.size
         self.tunables = Tunables.from_settings(settings)
         self._spin_s = control_spin_s(topology.local_size)
@@ -80,43 +73,44 @@ class Coordinator:
         self.device_kinds = tuple(self._device_kinds)
         self._planes: dict[str, DataPlane] = {}
         self._sets = ProcessSetTable(engine, settings, topology)
-        self._wake = threading.Event()
-        self._doorbell = engine.open_doorbell(self._wake.set)
-        # Only this thread writes the timeline; others replace it through the slot, between cycles (set_timeline).
+        self._names = Names()
+        self._fatal: BaseException | None = None
+        self._set_rounds: dict[int, SetRounds] = {}  # the rounds of each process set this rank is in
+        self._set_joins: list[Handle] = []  # join() in those rounds, which the world's join waits for
+        # Only the world's thread swaps the timeline; others write it (set_timeline).
         self._timeline = TimelineSlot(
             Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
         )
-        self._idle = IdleSpells(self._doorbell, self._wake, self.rank, self._has_own_work, self._timeline.settle)
-        self._tuning = (
-            TuningRun(self.tunables, settings, self.rank, self._sets[0].hierarchy is not None, len(topology.hosts))
-            if settings.autotune
-            else None
+        wake = threading.Event()
+        doorbell = engine.open_doorbell(wake.set)
+        assert doorbell is not None  # every rank is in the world's
+        self._world = WorldRounds(
+            engine,
+            settings,
+            topology,
+            self._sets,
+            self._names,
+            wake,
+            doorbell,
+            self.tunables,
+            self._spin_s,
+            self._timeline,
+            self._planes,
+            self._device_kinds,
+            WorldEvents(
+                self._fail,
+                self._stopped,
+                self._stop_set_rounds,
+                self._open_set_rounds,
+                self._close_set_rounds,
+                self._finish_set_joins,
+            ),
         )
-        self._executor = Executor(engine, lambda set_id: self._sets[set_id], self.tunables, self._planes)
-        self._frozen = FrozenPeerInspector(engine, settings)
-        self._in_flight = InFlight()
-        self._control = ControlCollectives(
-            engine, settings, topology, self._sets, self._device_kinds, self._planes, self._executor
-        )
-        self._dispatcher = Dispatcher(
-            self.rank, self._executor, self._in_flight, self._planes, self.tunables, engine, self._control.run
-        )
-        self._agreement = Agreement(
-            engine, lambda: self._sets[0].group, settings, self._sets.members, self._sets.index_in
-        )
-        self._shutdown_requested = False
-        self._fatal: BaseException | None = None
-        self.rounds = 0  # control rounds run so far (a test checks that idle ranks run none)
-        # Device planes stay on the background thread: a waiting thread's current stream may be the user's.
-        self._cycles = Cycles(
-            self._cycle, self._fail, inline=not self._device_kinds, period_s=lambda: self.tunables.cycle_time_ms / 1e3
-        )
-        self._thread = threading.Thread(target=self._loop, name="hvdplus-coordinator", daemon=True)
-        self._thread.start()
+        self._world.thread.start()
 
     # ----------------------------------------------------------------- public, any thread
     def submit(self, request: Request, input: np.ndarray | None = None, output: np.ndarray | None = None) -> Handle:
-        """Queue one collective; the handle completes when every rank has run it."""
+        """Queue one collective; the handle completes when every member of its set has run it."""
         if self._fatal is not None:
             raise HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}")
         if request.process_set not in self._sets:
@@ -126,75 +120,100 @@ class Coordinator:
                 f"rank {self.rank} is not a member of process set {request.process_set} "
                 f"(ranks {list(self._sets[request.process_set].ranks)}); only members may submit"
             )
-        self._in_flight.reserve(request.name)
-        work = Work(request, Handle(request.name, self._cycles.drive), input, output)
-        if self.device_kinds and input is not None and not isinstance(input, np.ndarray):  # a device tensor
+        on_device = input is not None and not isinstance(input, np.ndarray)
+        # Device tensors travel in the world's rounds, which own the device planes.
+        rounds = self._world if request.process_set == 0 or on_device else self._set_rounds.get(request.process_set)
+        if rounds is None:  # removed since the check above
+            raise ValueError(f"process set {request.process_set} does not exist (it was removed or never added)")
+        self._names.reserve(request)
+        work = Work(request, rounds.new_handle(request.name), input, output)
+        if on_device:
             work.ready = self._device_kinds[device_kind(request.device)].ops.ready(input)
-        self._in_flight.put(work)
-        # Event.set costs more than the check, and bursts need only one. Read after the put: a thread that goes idle
-        # after this check finds the work queued (IdleSpells.wait_for_work looks before it sleeps).
-        if not self._wake.is_set() and not self._cycles.waiters_drive:
-            self._wake.set()
-        if self._fatal is not None:  # the thread stopped while we queued: nobody will run this work
+        rounds.submit(work)
+        if self._fatal is not None:  # the threads stopped while we queued: nobody will run this work
             work.handle.set_error(HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}"))
         return work.handle
 
+    def mark_joined(self) -> None:
+        """Called by join(), before it submits: from now on this rank contributes zeros to every allreduce, in the
+        world's rounds and in those of each of its process sets."""
+        self._world.control.joined = True
+        self._set_joins = [rounds.join() for rounds in self._set_rounds.values()]
+
     @property
     def timeline(self) -> Timeline | None:
-        """The timeline written now (rank 0's, when one is on), which the planned path writes beside this thread."""
+        """The timeline written now (rank 0's, when one is on), which the planned path writes beside the rounds."""
         return self._timeline.current
 
     def set_timeline(self, timeline: Timeline | None) -> None:
-        """Write `timeline` from the next cycle on (None: stop) and close the one it replaces. The background
-        thread makes the swap between its cycles, where it holds no timeline; this returns once it has (at once
-        if the thread has stopped), so the replaced file is complete and closed."""
+        """Write `timeline` from the world's next cycle on (None: stop) and close the one it replaces. The world's
+        thread makes the swap between its cycles; this returns once it has (at once if the thread has stopped), so
+        the replaced file is complete and closed."""
         swap = self._timeline.replace(timeline)
-        if swap is None or threading.current_thread() is self._thread or self._cycles.in_cycle:  # cannot wait
+        if swap is None or threading.current_thread() is self._world.thread or self._world.cycles.in_cycle:
             return
-        self._wake.set()  # an idle thread settles it where it sleeps, without starting a round
+        self._world.wake()  # an idle thread settles it where it sleeps, without starting a round
         swap.wait()
 
     def close_at_shutdown(self, channel: Any) -> None:
         """Close `channel` (a planned group) when the thread stops, if it is still alive then (held weakly: its
         owner may release it earlier)."""
-        self._control.close_at_shutdown(channel)
+        self._world.control.close_at_shutdown(channel)
 
     def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
         return self._sets.ranks(set_id)
 
     def shutdown(self) -> None:
-        """Stop the thread once every rank's cycle sees the request (any rank's request stops all)."""
-        self._shutdown_requested = True
-        self._wake.set()
-        if threading.current_thread() is not self._thread and not self._cycles.in_cycle:  # (a signal handler's)
+        """Stop the threads once every rank's world round sees the request (any rank's request stops all)."""
+        self._world.request_stop()
+        if threading.current_thread() is not self._world.thread and not self._world.cycles.in_cycle:
             # After a failure the thread only releases the engine, which can wait on a frozen peer until the
             # transport's own timeout: do not hold the process's exit for it (the thread is a daemon).
-            self._thread.join(_FAILED_JOIN_S if self._fatal is not None else None)
+            self._world.thread.join(_FAILED_JOIN_S if self._fatal is not None else None)
+
+    # ----------------------------------------------------------------- counters (tests, benchmarks)
+    @property
+    def _all_rounds(self) -> list[SetRounds]:
+        return [self._world, *self._set_rounds.values()]
+
+    @property
+    def rounds(self) -> int:
+        """Control rounds run so far, in every set's rounds (a test checks that idle ranks run none)."""
+        return sum(rounds.rounds for rounds in self._all_rounds)
 
     @property
     def graces_skipped(self) -> int:
         """Rings this rank joined at once, having had no work of its own lately (common/idle_spells.py)."""
-        return self._idle.graces_skipped
+        return sum(rounds.graces_skipped for rounds in self._all_rounds)
 
     @property
     def driven_cycles(self) -> int:
-        """Cycles run so far by threads waiting for a collective rather than by the background thread."""
-        return self._cycles.driven
+        """Cycles run so far by threads waiting for a collective rather than by the background threads."""
+        return sum(rounds.cycles.driven for rounds in self._all_rounds)
+
+    @property
+    def busy(self) -> bool:
+        """Whether collectives of this rank are queued or in flight."""
+        return any(rounds.busy for rounds in self._all_rounds)
 
     @property
     def largest_batch(self) -> dict[OpKind, int]:
         """The most collectives of each kind that one engine call carried so far (fusion tests read it)."""
-        return dict(self._executor.largest_batch)
+        largest: dict[OpKind, int] = {}
+        for rounds in self._all_rounds:
+            for kind, count in rounds.executor.largest_batch.items():
+                largest[kind] = max(count, largest.get(kind, 0))
+        return largest
 
     @property
     def plane_runs(self) -> dict[str, int]:
         """Engine calls run on each device plane so far, by plane name (tests check the device path ran)."""
-        return dict(self._executor.plane_runs)
+        return dict(self._world.executor.plane_runs)
 
     @property
     def plane_tensors(self) -> dict[str, int]:
         """Tensors those engine calls carried, by plane name (more tensors than calls: fusion happened)."""
-        return dict(self._executor.plane_tensors)
+        return dict(self._world.executor.plane_tensors)
 
     @property
     def built_planes(self) -> tuple[str, ...]:
@@ -209,16 +228,20 @@ class Coordinator:
     @property
     def hierarchical_runs(self) -> dict[str, int]:
         """Engine calls run hierarchically so far, by kind and cross-host algorithm (tests and benchmarks)."""
-        return dict(self._executor.hierarchical_runs)
+        runs: dict[str, int] = {}
+        for rounds in self._all_rounds:
+            for kind, count in rounds.executor.hierarchical_runs.items():
+                runs[kind] = runs.get(kind, 0) + count
+        return runs
 
     @property
     def autotune_done(self) -> bool:
         """On rank 0 with autotune on: whether the search has settled on its best configuration."""
-        return self._tuning is not None and self._tuning.done
+        return self._world.tuning is not None and self._world.tuning.done
 
     @property
     def running(self) -> bool:
-        return self._thread.is_alive()
+        return self._world.thread.is_alive()
 
     @property
     def failure(self) -> BaseException | None:
@@ -227,102 +250,65 @@ class Coordinator:
 
     @property
     def thread_id(self) -> int | None:
-        """The background thread's ident (benchmarks read its CPU clock: an idle job's, since while the ranks are
+        """The world's thread's ident (benchmarks read its CPU clock: an idle job's, since while the ranks are
         busy threads that wait for collectives run most cycles)."""
-        return self._thread.ident
+        return self._world.thread.ident
 
-    # ----------------------------------------------------------------- background thread
-    def _loop(self) -> None:
-        try:
-            while not self._cycles.stopped:
-                if self._cycles.idle:  # every rank saw the same round, so all stop running rounds together
-                    self._idle.wait_for_work(self.rounds + 1)
-                    self._cycles.run()
-                else:
-                    self._wake.wait(self._cycles.until_due())  # a submit nobody waits for ends it at once
-                    self._wake.clear()
-                    self._cycles.run_if_due(self._has_urgent_work)
-        except BaseException as exc:  # the doorbell failed
-            self._fail(exc)
-        finally:
-            for release in [
-                self._timeline.retire,
-                *self._control.closers(),
-                self._doorbell.close,
-                *(plane.engine.shutdown for plane in self._planes.values()),
-                self._engine.shutdown,
-            ]:
-                try:  # each on its own: a failing one must not keep the host engine's resources
-                    release()
-                except Exception as exc:  # pragma: no cover - best effort at exit
-                    log.debug("shutdown of %s failed: %s", release, exc)
-            self._sets.release()
-
+    # ----------------------------------------------------------------- what the world's rounds call
     def _fail(self, exc: BaseException) -> None:
-        """A cycle or the doorbell failed (engine failure, a failed or frozen peer): every pending and future call
-        fails, and the background thread stops."""
+        """A cycle or a doorbell failed (engine failure, a failed or frozen peer): every pending and future call
+        fails, in every set's rounds, and the threads stop."""
         error = failure_of(self._engine, exc)
         log.error("hvdplus background thread failed: %s", error)
+        if self._fatal is None:
+            self._fatal = error
+        for rounds in self._all_rounds:
+            rounds.abandon(error)
+
+    def _stopped(self, error: HorovodInternalError) -> None:
+        """The whole job's rounds agreed to stop (a shutdown, a stall): why collectives can no longer run."""
         self._fatal = error
-        self._fail_everything(error)
-        self._wake.set()
 
-    def _has_own_work(self) -> bool:
-        """Whether this rank has something for the next round: work submitted since the last one, or a shutdown."""
-        return self._shutdown_requested or self._in_flight.queued
+    def _stop_set_rounds(self, clean: bool) -> None:
+        """The world's thread is stopping: stop each set's rounds, after a final round of its members (`clean`: they
+        all stop in this same world round), or at once (a failure)."""
+        for rounds in self._set_rounds.values():
+            if clean:
+                rounds.stop(str(self._fatal))
+            else:
+                rounds.abandon(HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}"))
 
-    def _has_urgent_work(self) -> bool:
-        """Whether the background thread's next cycle cannot wait for the cycle time: a shutdown, or work that no
-        waiting thread runs (one that waits runs the cycle for its own work, and the background thread taking it
-        would add a round)."""
-        return self._shutdown_requested if self._cycles.waiters_drive else self._has_own_work()
+    def _open_set_rounds(self, set_id: int) -> None:
+        """Collective over all ranks, as a process set is added: its own rounds, on its members."""
+        wake = threading.Event()
+        doorbell = self._engine.open_doorbell(wake.set, self._sets.members(set_id))
+        if doorbell is None:  # not a member
+            return
+        rounds = SetRounds(
+            self._engine,
+            self._settings,
+            self._sets,
+            set_id,
+            self._names,
+            wake,
+            doorbell,
+            Tunables.from_settings(self._settings),  # autotune tunes the world's rounds only
+            self._spin_s,
+            self._timeline,
+            self._fail,
+        )
+        self._set_rounds[set_id] = rounds
+        rounds.thread.start()
 
-    def _drain_queue(self, timeline: Timeline | None) -> None:
-        for work in self._in_flight.take_queued():
-            if timeline:
-                timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
-            self._agreement.announce(work)
+    def _close_set_rounds(self, set_id: int) -> None:
+        """Collective over all ranks, as a process set is removed: its members stop its rounds together."""
+        rounds = self._set_rounds.pop(set_id, None)
+        if rounds is not None:
+            rounds.stop(f"process set {set_id} was removed")
 
-    def _cycle(self, spin: bool) -> bool | None:
-        """One negotiation cycle: whether any rank has work in flight, or None once the job shuts down. `spin`:
-        whether to spin while waiting for the peers in the control round (see Agreement.exchange); it does not
-        after an idle spell: the peers may still be computing, and a spin would take the core this rank's own
-        compute (or, on a shared host, a peer's) needs."""
-        timeline = self._timeline.settle()  # the one this cycle writes, whatever other threads ask meanwhile
-        if timeline:
-            timeline.cycle()
-        self._drain_queue(timeline)
-        self.rounds += 1
-        joined = self._control.joined
-        flags = (SHUTDOWN if self._shutdown_requested else 0) | (BUSY if self._in_flight or joined else 0)
-        config = None if self._tuning is None else self._tuning.word()
-        words = self._agreement.words(flags, joined, config)
-        words = self._agreement.exchange(words, self._spin_s if spin else 0.0, self._frozen, self.rounds)
-        flags = self._agreement.flags(words)
-        if flags & (SHUTDOWN | STALL_ABORT):
-            self._stop(flags)
-            return None
-        responses = self._agreement.responses(words)
-        self._control.build_planes(responses)
-        self._dispatcher.run(responses, timeline)
-        if self._tuning is not None:
-            self._tuning.after_cycle(self._agreement.config(words), responses)
-        self._agreement.stalls.warn()
-        return bool(flags & BUSY)
-
-    def mark_joined(self) -> None:
-        """Called by join(): from now on this rank contributes zeros to every allreduce."""
-        self._control.joined = True
-
-    # ----------------------------------------------------------------- shutdown
-    def _stop(self, flags: int) -> None:
-        if flags & STALL_ABORT:
-            reason = self._agreement.stalls.abort_reason()
-        else:
-            reason = f"hvdplus was shut down on {ranks_that_shut_down(self._engine, self._shutdown_requested)}"
-        self._fatal = HorovodInternalError(reason)
-        self._fail_everything(HorovodInternalError(f"{reason}; the collective cannot complete"))
-
-    def _fail_everything(self, error: HorovodInternalError) -> None:
-        self._in_flight.fail_all(error)
-        self._agreement.forget_work()
+    def _finish_set_joins(self) -> None:
+        """The world's join completed: wait for this rank's join in each of its sets' rounds, which every member
+        submitted before the world's, so that work submitted after join() returns meets no joined rank there."""
+        joins, self._set_joins = self._set_joins, []
+        for handle in joins:
+            handle.wait()

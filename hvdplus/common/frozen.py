@@ -26,17 +26,22 @@ _GRACE_S = 1.0  # how long after its own beacon a rank waits for the others' bef
 
 
 class FrozenPeerInspector:
-    """Watches one rank's waits for control rounds; `waiting` raises once a peer has been silent too long."""
+    """Watches one rank's waits for the control rounds of one set of ranks (the whole job, or a process set's own
+    rounds: `stream`, its id); `waiting` raises once a peer has been silent too long."""
 
-    def __init__(self, engine: Engine, settings: Settings) -> None:
-        self._engine, self._settings = engine, settings
+    def __init__(
+        self, engine: Engine, settings: Settings, stream: int = 0, ranks: tuple[int, ...] | None = None
+    ) -> None:
+        """`ranks`: the global ranks of the rounds (None: every rank)."""
+        self._engine, self._settings, self._stream = engine, settings, stream
+        self._ranks = tuple(range(engine.size)) if ranks is None else ranks
         self._beaconed_round = -1
         self._warned_round = -1
 
     @property
     def timeout_s(self) -> float | None:
-        """How long to wait for a round before calling `waiting` (None: never, a job of one rank)."""
-        return INSPECT_EVERY_S if self._engine.size > 1 else None
+        """How long to wait for a round before calling `waiting` (None: never, rounds of one rank)."""
+        return INSPECT_EVERY_S if len(self._ranks) > 1 else None
 
     def waiting(self, round_number: int, waited_s: float) -> None:
         """Called while this rank has waited `waited_s` for control round `round_number`."""
@@ -51,7 +56,7 @@ class FrozenPeerInspector:
         if waited_s < first_limit:
             return
         if self._beaconed_round != round_number:
-            self._engine.send_beacon(round_number)
+            self._engine.send_beacon(round_number, self._stream, self._ranks)
             self._beaconed_round = round_number
             return  # the peers' beacons need a moment
         silent = self._silent(round_number)
@@ -77,15 +82,11 @@ class FrozenPeerInspector:
             )
 
     def _silent(self, round_number: int) -> list[int]:
-        heard = self._engine.beacons()
-        return [
-            peer
-            for peer in range(self._engine.size)
-            if peer != self._engine.rank and heard.get(peer, -1) < round_number
-        ]
+        heard = self._engine.beacons(self._stream, self._ranks)
+        return [peer for peer in self._ranks if peer != self._engine.rank and heard.get(peer, -1) < round_number]
 
     def _lowest_live(self, silent: list[int]) -> int:
-        return min(set(range(self._engine.size)) - set(silent))
+        return min(set(self._ranks) - set(silent))
 
 
 def peer_failure(engine: Engine) -> HorovodInternalError | None:

@@ -1,5 +1,6 @@
 """This rank's collectives from submit to completion: queued until a cycle takes them, then in flight by key until a
-response runs them. A name is unique while its collective is in flight (Horovod's rule: a duplicate raises)."""
+response runs them. A name is unique on a rank while its collective is in flight (Horovod's rule: a duplicate
+raises), across the rounds of every process set: `Names` is shared by each set's `InFlight`."""
 
 from __future__ import annotations
 
@@ -9,33 +10,60 @@ from collections.abc import Iterator
 
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Work
-from hvdplus.common.messages import Key
+from hvdplus.common.messages import Key, Request
 
-__all__ = ["InFlight"]
+__all__ = ["InFlight", "Names"]
+
+
+class Names:
+    """The names of this rank's collectives in flight, on every set's rounds, with their requests."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # submitting threads add names, cycles discard them
+        self._held: dict[str, Request] = {}
+        self._posted: dict[int, list[Request]] = {}  # shadows one set's rounds pass to another's (agreement.py)
+
+    def reserve(self, request: Request) -> None:
+        """Claim a collective's name before it is submitted; ValueError if one by that name is in flight."""
+        with self._lock:
+            if request.name in self._held:
+                raise ValueError(
+                    f"a collective named {request.name!r} is already in flight on this rank; "
+                    f"names must be unique until synchronize() returns (duplicate name)"
+                )
+            self._held[request.name] = request
+
+    def held(self, name: str) -> Request | None:
+        """This rank's request in flight under `name`, if any (on whichever set)."""
+        return self._held.get(name)
+
+    def release(self, names: list[str]) -> None:
+        with self._lock:
+            for name in names:
+                self._held.pop(name, None)
+
+    def post(self, set_id: int, shadow: Request) -> None:
+        """Have set `set_id`'s rounds send `shadow` in their next negotiation."""
+        with self._lock:
+            self._posted.setdefault(set_id, []).append(shadow)
+
+    def take_posted(self, set_id: int) -> list[Request]:
+        with self._lock:
+            return self._posted.pop(set_id, [])
 
 
 class InFlight:
-    """Submitted from any thread; taken, run and failed by the thread running a cycle."""
+    """One set's rounds' collectives: submitted from any thread; taken, run and failed by the thread running a
+    cycle."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: Names) -> None:
         self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards the names: submitting threads add them, cycles discard them
-        self._names: set[str] = set()
+        self.names = names
         self._by_key: dict[Key, Work] = {}
 
     def __len__(self) -> int:
         """Collectives taken by a cycle and not run yet."""
         return len(self._by_key)
-
-    def reserve(self, name: str) -> None:
-        """Claim `name` for a collective about to be submitted; ValueError if one by that name is in flight."""
-        with self._lock:
-            if name in self._names:
-                raise ValueError(
-                    f"a collective named {name!r} is already in flight on this rank; "
-                    f"names must be unique until synchronize() returns (duplicate name)"
-                )
-            self._names.add(name)
 
     def put(self, work: Work) -> None:
         """Queue `work` (its name reserved) for the next cycle."""
@@ -60,8 +88,7 @@ class InFlight:
         """The work of an agreed response, if this rank submitted it; its name is free again."""
         work = self._by_key.pop(key, None)
         if work is not None:
-            with self._lock:
-                self._names.discard(work.request.name)
+            self.names.release([work.request.name])
         return work
 
     def put_back(self, work: Work) -> None:
@@ -73,6 +100,5 @@ class InFlight:
         list(self.take_queued())
         for work in self._by_key.values():
             work.handle.set_error(error)
+        self.names.release([work.request.name for work in self._by_key.values()])
         self._by_key.clear()
-        with self._lock:
-            self._names.clear()

@@ -36,6 +36,9 @@ class Request(NamedTuple):
     group: int = 0  # the number of tensors of the grouped call this request belongs to (0: not a group of several)
     tag: str = ""  # what the call is for, when one name is reused for different data (ZeRO-3's positional names)
     call: str = ""  # a member of a named grouped call (not packed): the call's name, whose members fail together
+    # Not to run: the mask of the ranks that hold this collective on its set's rounds, told to another set's rounds
+    # whose entry of the same name waits for them (agreement.py: shadow_held); 0 for a collective to run.
+    shadow: int = 0
 
     @property
     def key(self) -> Key:

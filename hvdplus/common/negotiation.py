@@ -14,9 +14,31 @@ from hvdplus.common.bitmask import bits, mask_of
 from hvdplus.common.messages import Key, Request, Response, SameRequest
 from hvdplus.common.ops import OpKind
 
-__all__ = ["MessageTable", "Stall", "validate", "device_kind", "disagreement", "JOIN_KEY", "NOT_WITH_JOIN"]
+__all__ = [
+    "MessageTable",
+    "Stall",
+    "validate",
+    "device_kind",
+    "disagreement",
+    "JOIN_KEY",
+    "NOT_WITH_JOIN",
+    "is_join",
+    "join_key",
+]
 
-JOIN_KEY: Key = (0, "__hvdplus_join__")
+JOIN_KEY: Key = (0, "__hvdplus_join__")  # join() on the whole job; a process set's rounds join under its own id
+
+
+def join_key(set_id: int) -> Key:
+    """The key of join in the rounds of `set_id`: JOIN_KEY in the whole job's, a name of its own in a process
+    set's (this rank's join() is in flight in both at once, and names are unique on a rank)."""
+    return JOIN_KEY if set_id == 0 else (set_id, f"{JOIN_KEY[1]}.{set_id}")
+
+
+def is_join(key: Key) -> bool:
+    """Whether `key` is a join's, in the whole job's rounds or a process set's."""
+    return key == join_key(key[0])
+
 
 _SAME_SHAPE = (OpKind.ALLREDUCE, OpKind.BROADCAST, OpKind.REDUCESCATTER)
 # Horovod's words (controller.cc, ConstructResponse) for the collectives that fail while a member has joined.
@@ -149,7 +171,9 @@ class MessageTable:
     all N ranks agree on is one request and one integer, and readiness is a mask test: the table's cost
     follows the number of names, not the number of ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, join_key: Key = JOIN_KEY) -> None:
+        """`join_key`: the key of join in the rounds this table serves (the world's, or a process set's own)."""
+        self._join_key = join_key
         self._pending: dict[Key, dict[Request, int]] = {}
         self._announced: dict[Key, int] = {}
         self._latest: dict[Key, int] = {}  # the ranks of each entry's most recent announcement
@@ -159,19 +183,33 @@ class MessageTable:
         # members only some ranks submitted, not failed yet). Those members fail too, now or when announced, so
         # that none is left waiting for ranks that grouped fewer tensors.
         self._failed_calls: dict[tuple[int, str], tuple[str, set[int]]] = {}
+        # This round's shadows: a rank missing from an entry that holds the entry's name on another process set
+        # says so (Request.shadow), so that `_deadlocks` can see both sets' entries although each set's rounds
+        # keep a table of their own. Shadows are never run, and are dropped at the end of the round.
+        self._shadows: dict[Key, int] = {}
 
     def __len__(self) -> int:
         return len(self._pending)
 
+    def __contains__(self, key: Key) -> bool:
+        return key in self._pending
+
     @property
     def joined(self) -> tuple[int, ...]:
         """Ranks that have called join() and not yet been released."""
-        return tuple(_ranks_of(self._announced.get(JOIN_KEY, 0)))
+        return tuple(_ranks_of(self._announced.get(self._join_key, 0)))
+
+    def missing_here(self, rank: int) -> list[Key]:
+        """The entries that wait for `rank`: announced by other ranks, not by it."""
+        return [key for key, announced in self._announced.items() if not announced >> rank & 1]
 
     def add(self, request: Request, ranks: int) -> str | None:
         """Record that the ranks of the bit mask `ranks` announced `request`; return an error if one of them
         already announced this name."""
         key = request.key
+        if request.shadow:
+            self._shadows[key] = self._shadows.get(key, 0) | request.shadow
+            return None
         announced = self._announced.get(key, 0)
         if announced & ranks:
             again = _ranks_of(announced & ranks)
@@ -194,7 +232,7 @@ class MessageTable:
 
     def take_ready(self, members: Callable[[int], tuple[int, ...]]) -> list[Response]:
         """Remove and return every entry all its members announced (or errors), in arrival order."""
-        joined = self._announced.get(JOIN_KEY, 0)
+        joined = self._announced.get(self._join_key, 0)
         ready = []
         for key in list(self._pending):
             response = self._decide(key, members(key[0]), joined)
@@ -204,6 +242,7 @@ class MessageTable:
         ready += self._members_of_failed_calls(ready, members)
         for response in ready:
             self._forget(response.key)
+        self._shadows.clear()
         return ready
 
     def _members_of_failed_calls(
@@ -248,7 +287,7 @@ class MessageTable:
         first = next(iter(variants))
         member_mask = self._members_mask(key[0], members)
         missing = member_mask & ~announced
-        if key == JOIN_KEY:
+        if key == self._join_key:
             if missing or announced & ~member_mask:
                 return None
             last = _ranks_of(self._latest[key])[-1]
@@ -279,13 +318,14 @@ class MessageTable:
         that holds the name on set B, and B waits for a rank holding it on A, neither can finish.
         """
         by_name: dict[str, list[Key]] = {}
-        for key in self._pending:
+        for key in [*self._pending, *self._shadows]:
             by_name.setdefault(key[1], []).append(key)
+        announced = {**self._shadows, **self._announced}
         errors = []
         for name, keys in by_name.items():
             for i, key_a in enumerate(keys):
                 for key_b in keys[i + 1 :]:
-                    a, b = self._announced[key_a], self._announced[key_b]
+                    a, b = announced[key_a], announced[key_b]
                     set_a, set_b = (self._members_mask(key[0], members(key[0])) for key in (key_a, key_b))
                     if set_a & ~a & b and set_b & ~b & a:
                         used = {r: f"process set {key_a[0]}" for r in _ranks_of(a)}
@@ -294,7 +334,7 @@ class MessageTable:
                             f"Mismatched process sets for collective {name!r}: "
                             f"{disagreement(dict(sorted(used.items())))}."
                         )
-                        for key in (key_a, key_b):
+                        for key in (key for key in (key_a, key_b) if key in self._pending):
                             errors.append(
                                 Response(
                                     key,

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 
 from hvdplus.common.bitmask import bits
-from hvdplus.common.negotiation import JOIN_KEY, MessageTable
+from hvdplus.common.negotiation import MessageTable, is_join
 from hvdplus.common.settings import Settings
 
 __all__ = ["StallInspector"]
@@ -28,6 +28,7 @@ class StallInspector:
     def __init__(
         self, rank: int, settings: Settings, table: MessageTable, members: Callable[[int], tuple[int, ...]]
     ) -> None:
+        """`rank`: this rank's place among the ranks of the rounds (0 warns and flags the abort)."""
         self._rank, self._settings, self._table, self._members = rank, settings, table, members
         self._partial_cycles: dict[int, int] = {}
         self._last_warning = 0.0
@@ -64,7 +65,7 @@ class StallInspector:
         now = time.monotonic()
         if now - self._last_warning < threshold:
             return
-        stalls = [s for s in self._table.stalls(threshold, self._members) if s.key != JOIN_KEY]
+        stalls = [s for s in self._table.stalls(threshold, self._members) if not is_join(s.key)]
         if stalls:
             self._last_warning = now
             lines = [
@@ -87,7 +88,7 @@ class StallInspector:
             sorted(
                 f"{s.description} (missing ranks {list(s.missing)})"  # same text everywhere
                 for s in self._table.stalls(limit / 2, self._members)
-                if s.key != JOIN_KEY
+                if not is_join(s.key)
             )
         )
         return f"a collective stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}" + (

@@ -102,11 +102,30 @@ class Timeline:
     def closed(self) -> bool:
         return self._file.closed
 
+    def tolerant(self) -> Timeline:
+        """This timeline, for a writer beside the slot's owner (a process set's rounds): its events are dropped
+        once a swap closed it, where this object's own raise."""
+        return _Tolerant(self)
+
     def close(self) -> None:
         """Write what is left and close the file (idempotent)."""
         self.flush()
         with self._lock:
             self._file.close()
+
+
+class _Tolerant(Timeline):
+    """A second face of one timeline: the same state (its __dict__ is the timeline's own, so events, rows and the
+    file's position stay one), with events that come after the close dropped."""
+
+    def __init__(self, timeline: Timeline) -> None:  # noqa: D107 - shares the state, builds none
+        self.__dict__ = timeline.__dict__
+
+    def _emit(self, event: dict) -> None:
+        try:
+            super()._emit(event)
+        except RuntimeError:  # closed by a swap under this writer: dropped, as the planned path drops its own
+            pass
 
 
 class TimelineSlot:

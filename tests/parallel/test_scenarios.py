@@ -118,6 +118,40 @@ def test_a_rank_that_dies_on_the_planned_path_stops_its_peers_within_seconds(whe
         assert f"rank {rank}: no error" not in output, output
 
 
+_MPI = pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")
+_STALL = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "2"}
+_FROZEN = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "1", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+_SET_FAILURES = [
+    ("gloo", "dead", {}),  # over MPI, a rank that dies ends the MPI job
+    ("gloo", "stall", _STALL),
+    pytest.param("mpi", "stall", _STALL, marks=_MPI),
+    ("gloo", "frozen", _FROZEN),
+    pytest.param("mpi", "frozen", _FROZEN, marks=_MPI),
+]
+_SET_FAILURE_TEXT = {
+    "dead": "",
+    "stall": r"stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=2: allreduce 'late.tensor' "
+    r"\(missing ranks \[2\]\)",
+    "frozen": r"rank 2 did not answer a control round for \d+ s",
+}
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("engine, mode, env", _SET_FAILURES)
+def test_a_failure_in_a_process_sets_own_rounds_reaches_every_rank(engine, mode, env):
+    """A member of a process set dies, stalls or freezes while its peer waits for it in the set's own rounds
+    (common/set_rounds.py): the peer raises within seconds, naming it, and rank 0, outside the set and sharing no
+    round with them, raises at its next collective instead of hanging."""
+    code, output = run_job(engine, 3, [str(SCENARIOS / "set_failures.py"), mode], env, timeout=90)
+    # (mpirun reports a rank that exits without MPI_Finalize, as these do once hvdplus failed, with exit code 1.)
+    assert code == (3 if mode == "dead" else 1 if engine == "mpi" else 0), output
+    raised = re.search(rf"rank 1: raised after ([\d.]+) s: .*{_SET_FAILURE_TEXT[mode]}", output)
+    assert raised and float(raised.group(1)) < 10, output
+    assert re.search(r"rank 0: raised after ([\d.]+) s", output), output
+    assert "no error" not in output, output
+
+
 @on_both_engines
 def test_stall_shutdown_names_the_tensor_and_the_missing_rank(engine):
     code, output = run_job(

@@ -1,7 +1,7 @@
 """MessageTable readiness, validation errors, join and process-set deadlock detection."""
 
 from hvdplus.common.messages import Request
-from hvdplus.common.negotiation import JOIN_KEY, MessageTable, validate
+from hvdplus.common.negotiation import JOIN_KEY, MessageTable, is_join, join_key, validate
 from hvdplus.common.ops import OpKind, ReduceOp
 
 
@@ -260,6 +260,51 @@ def test_overlapping_sets_without_cycle_do_not_error():
     announce(table, 1, req(process_set=1))
     [response] = table.take_ready(sets)
     assert response.key == (1, "t") and response.error is None
+
+
+def test_a_shadow_from_a_set_whose_rounds_keep_their_own_table_names_the_deadlock_and_never_runs():
+    """Each process set's rounds keep a table of their own (common/set_rounds.py): the set [0, 1]'s table sees
+    rank 1's allreduce 't' and, as a shadow, rank 0's 't' on the whole job; it fails its entry with the same error
+    one table of both sets gives, and drops the shadow."""
+    pair = MessageTable(join_key(1))
+    sets = members_of({0: (0, 1), 1: (0, 1)})
+    announce(pair, 1, req(process_set=1))
+    assert pair.take_ready(sets) == [] and pair.missing_here(0) == [(1, "t")]
+    pair.add(req(process_set=0, shadow=1 << 0), 1 << 1)  # sent by rank 1 on behalf of rank 0, who holds it
+    [response] = pair.take_ready(sets)
+    assert response.key == (1, "t") and "Mismatched process sets" in (response.error or "")
+    assert "rank 0" in response.error and "rank 1" in response.error
+    assert len(pair) == 0
+
+
+def test_a_shadow_without_a_deadlock_is_dropped_and_the_entry_waits_on():
+    """Rank 1 holds 't' on set [1, 2] while set [0, 1]'s entry waits for it: no one on [1, 2] waits for [0, 1]'s
+    ranks, so nothing fails; the shadow goes and the entry keeps waiting."""
+    first = MessageTable(join_key(1))
+    sets = members_of({0: (0, 1, 2), 1: (0, 1), 2: (1, 2)})
+    announce(first, 0, req(process_set=1))
+    first.add(req(process_set=2, shadow=1 << 1), 1 << 1)
+    assert first.take_ready(sets) == []
+    assert len(first) == 1 and first.missing_here(1) == [(1, "t")]
+    announce(first, 1, req(process_set=1))
+    [response] = first.take_ready(sets)
+    assert response.error is None
+
+
+def test_a_process_sets_own_rounds_join_under_a_key_of_their_own():
+    """join() is in flight in the whole job's rounds and each set's at once: each has its own name."""
+    pair = MessageTable(join_key(1))
+    sets = members_of({0: (0, 1, 2), 1: (1, 2)})
+    assert join_key(0) == JOIN_KEY and join_key(1) != JOIN_KEY and all(map(is_join, (join_key(0), join_key(1))))
+    assert not is_join((1, JOIN_KEY[1]))
+    announce(pair, 2, Request(name=join_key(1)[1], kind=OpKind.JOIN, process_set=1))
+    announce(pair, 1, req(process_set=1))
+    [response] = pair.take_ready(sets)  # the joined rank 2 contributes zeros
+    assert response.error is None and response.requests == (req(process_set=1), None)
+    assert pair.joined == (2,)
+    announce(pair, 1, Request(name=join_key(1)[1], kind=OpKind.JOIN, process_set=1))
+    [response] = pair.take_ready(sets)
+    assert response.kind == OpKind.JOIN and response.join_last_rank == 1 and pair.joined == ()
 
 
 # ------------------------------------------------------------------ stalls and drop

@@ -184,20 +184,23 @@ class ControlPlane(Protocol):
         """Control plane: start the bitwise AND of an int64 vector across `group`; non-blocking, so the
         coordinator waits for a late peer without polling a core (MPI's blocking calls spin)."""
 
-    def open_doorbell(self, on_ring: Callable[[], None]) -> Doorbell:
-        """Collective over all ranks (at the coordinator's start): this rank's doorbell, which calls `on_ring`
-        when a ring arrives unless it is `polled`."""
+    def open_doorbell(self, on_ring: Callable[[], None], ranks: Sequence[int] | None = None) -> Doorbell | None:
+        """Collective over all ranks (at the coordinator's start, or as a process set is added): this rank's
+        doorbell among `ranks` (sorted global ranks; None: all), which calls `on_ring` when a ring arrives unless
+        it is `polled`; None on a rank outside `ranks`. Rings travel through `ranks[0]`."""
 
 
 class Liveness(Protocol):
     """How ranks tell a frozen or failed peer from a slow one, beside the collectives."""
 
-    def send_beacon(self, round_number: int) -> None:
-        """Stall path: tell every other rank, without blocking, that this one is alive and waiting in control
-        round `round_number` (a frozen or hung rank sends none, which is how the others name it)."""
+    def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
+        """Stall path: tell `peers` (None: every other rank), without blocking, that this one is alive and waiting
+        in control round `round_number` of `stream` (0: the world's rounds; a process set's id: that set's own),
+        a frozen or hung rank sends none, which is how the others name it."""
 
-    def beacons(self) -> dict[int, int]:
-        """Stall path: the latest round each other rank has announced with `send_beacon` (never blocks long)."""
+    def beacons(self, stream: int = 0, peers: Sequence[int] | None = None) -> dict[int, int]:
+        """Stall path: the latest round of `stream` each of `peers` (None: every other rank) has announced with
+        `send_beacon` (never blocks long)."""
 
     def announce_failure(self, message: str) -> None:
         """Failure path: tell every other rank, without blocking, that this rank's runtime stopped and why (best

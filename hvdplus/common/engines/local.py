@@ -60,10 +60,10 @@ class LocalEngine:
     def start_bitwise_and(self, words: np.ndarray, group: str) -> Done:
         return Done(words.copy())
 
-    def send_beacon(self, round_number: int) -> None:
+    def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
         return None
 
-    def beacons(self) -> dict[int, int]:
+    def beacons(self, stream: int = 0, peers: Sequence[int] | None = None) -> dict[int, int]:
         return {}
 
     def announce_failure(self, message: str) -> None:
@@ -72,7 +72,7 @@ class LocalEngine:
     def failures(self) -> dict[int, str]:
         return {}
 
-    def open_doorbell(self, on_ring: Callable[[], None]) -> LocalDoorbell:
+    def open_doorbell(self, on_ring: Callable[[], None], ranks: Sequence[int] | None = None) -> LocalDoorbell:
         return LocalDoorbell()
 
     def open_channel(self) -> LocalChannel:

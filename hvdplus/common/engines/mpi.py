@@ -23,6 +23,11 @@ _FAILURE_TAG = _BEACON_TAG + 1
 _FAILURE_BYTES = 2000  # a failure notice is cut to this: small enough to be sent eagerly, without a receiver
 
 
+def _beacon_tag(stream: int) -> int:
+    """The tag of a stream's beacons: the world's, or (above the failure notices') a process set's."""
+    return _BEACON_TAG if stream == 0 else _FAILURE_TAG + stream
+
+
 def check_launcher_size(world_size: int, environ: Mapping[str, str], library: str) -> None:
     """Refuse a COMM_WORLD whose size differs from the job its launcher started.
 
@@ -66,8 +71,8 @@ class MPIEngine:
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
         self._half_ops: dict[tuple[str, ReduceOp], Any] = {}
         self._beacon_sends: list[tuple[Any, np.ndarray]] = []
-        self._beacon_recvs: dict[int, tuple[Any, np.ndarray]] = {}
-        self._heard: dict[int, int] = {}
+        self._beacon_recvs: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}  # (stream, peer) -> its receive
+        self._heard: dict[int, dict[int, int]] = {}  # stream -> peer -> round
         self._failure_sends: list[tuple[Any, np.ndarray]] = []
         self._failures: dict[int, str] = {}
         # The parent of planned groups: `Create_group` is collective over the new group's members only, and
@@ -141,18 +146,23 @@ class MPIEngine:
         out = np.empty_like(words)
         return _MPIPending(group.Iallreduce(words, out, op=self._MPI.BAND), words, out)
 
-    def send_beacon(self, round_number: int) -> None:
-        others = [peer for peer in range(self.size) if peer != self.rank]
-        self._beacon_sends = _send_round(self.world, round_number, others, self._beacon_sends, _BEACON_TAG)
+    def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
+        others = [peer for peer in (range(self.size) if peers is None else peers) if peer != self.rank]
+        tag = _beacon_tag(stream)
+        self._beacon_sends = _send_round(self.world, round_number, others, self._beacon_sends, tag)
 
-    def beacons(self) -> dict[int, int]:
-        if not self._beacon_recvs:  # posted on the first stall only: a healthy job never has them pending
-            self._beacon_recvs = {peer: self._post_beacon_recv(peer) for peer in range(self.size) if peer != self.rank}
-        for peer, (request, buf) in list(self._beacon_recvs.items()):
+    def beacons(self, stream: int = 0, peers: Sequence[int] | None = None) -> dict[int, int]:
+        heard = self._heard.setdefault(stream, {})
+        for peer in range(self.size) if peers is None else peers:
+            if peer == self.rank:
+                continue
+            # Posted on the first stall only: a healthy job never has them pending.
+            request, buf = self._beacon_recvs.get((stream, peer)) or self._post_beacon_recv(stream, peer)
             while request.Test():
-                self._heard[peer] = int(buf[0])
-                request, buf = self._beacon_recvs[peer] = self._post_beacon_recv(peer)
-        return dict(self._heard)
+                heard[peer] = int(buf[0])
+                request, buf = self._post_beacon_recv(stream, peer)
+            self._beacon_recvs[(stream, peer)] = request, buf
+        return dict(heard)
 
     def announce_failure(self, message: str) -> None:
         buf = np.frombuffer(message.encode()[:_FAILURE_BYTES], dtype=np.uint8)
@@ -168,12 +178,15 @@ class MPIEngine:
             self._failures[status.Get_source()] = buf.tobytes().decode(errors="replace")
         return dict(self._failures)
 
-    def _post_beacon_recv(self, peer: int) -> tuple[Any, np.ndarray]:
+    def _post_beacon_recv(self, stream: int, peer: int) -> tuple[Any, np.ndarray]:
         buf = np.empty(1, dtype=np.int64)
-        return self.world.Irecv(buf, source=peer, tag=_BEACON_TAG), buf
+        return self.world.Irecv(buf, source=peer, tag=_beacon_tag(stream)), buf
 
-    def open_doorbell(self, on_ring: Callable[[], None]) -> MPIDoorbell:
-        return MPIDoorbell(self.world.Dup(), self._MPI.ANY_SOURCE)
+    def open_doorbell(self, on_ring: Callable[[], None], ranks: Sequence[int] | None = None) -> MPIDoorbell | None:
+        if ranks is None:
+            return MPIDoorbell(self.world.Dup(), self._MPI.ANY_SOURCE)
+        comm = self.new_group(ranks)  # collective over the world; a communicator of its own for the rings
+        return None if comm is None else MPIDoorbell(comm, self._MPI.ANY_SOURCE)
 
     def open_channel(self) -> MPIChannel:
         return MPIChannel(self.world.Dup(), self._MPI)

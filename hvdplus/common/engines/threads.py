@@ -52,7 +52,7 @@ class ThreadWorld:
         self._lock = threading.Lock()
         self._rounds: dict[int, _Round] = {}
         self._mail: defaultdict[tuple[int, int], queue.SimpleQueue] = defaultdict(queue.SimpleQueue)
-        self.beacons: dict[int, int] = {}  # rank -> the control round it last said it waits in
+        self.beacons: dict[int, int] = {}  # rank -> the control round it last said it waits in (the world's)
         self.failures: dict[int, str] = {}  # rank -> why its runtime stopped
         self.doorbells: dict[int, ThreadDoorbell] = {}
         self.engines = [ThreadEngine(self, rank) for rank in range(size)]
@@ -232,10 +232,11 @@ class ThreadEngine:
         self._engine_cpu[threading.get_ident()] += time.thread_time() - started
         return _ThreadPending(self, sequence, entry, self._log_size * words.nbytes)
 
-    def send_beacon(self, round_number: int) -> None:
+    def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
+        assert stream == 0, "simulated ranks have no process sets"
         self._world.beacons[self.rank] = round_number
 
-    def beacons(self) -> dict[int, int]:
+    def beacons(self, stream: int = 0, peers: Sequence[int] | None = None) -> dict[int, int]:
         return {peer: round_number for peer, round_number in dict(self._world.beacons).items() if peer != self.rank}
 
     def announce_failure(self, message: str) -> None:
@@ -244,7 +245,8 @@ class ThreadEngine:
     def failures(self) -> dict[int, str]:
         return {peer: message for peer, message in dict(self._world.failures).items() if peer != self.rank}
 
-    def open_doorbell(self, on_ring: Callable[[], None]) -> ThreadDoorbell:
+    def open_doorbell(self, on_ring: Callable[[], None], ranks: Sequence[int] | None = None) -> ThreadDoorbell:
+        assert ranks is None or list(ranks) == list(range(self.size)), "simulated ranks have no process sets"
         return ThreadDoorbell(self._world, self.rank, on_ring)
 
     def shutdown(self) -> None:

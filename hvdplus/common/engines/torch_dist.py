@@ -230,14 +230,15 @@ class TorchDistEngine:
         )
         return _GlooPending(work, out)
 
-    def send_beacon(self, round_number: int) -> None:
+    def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
         if self._beacon_store is not None:  # the store's server outlives a frozen rank (hvdplusrun holds it)
-            self._beacon_store.set(f"hvdplus/beacon/{self.rank}", str(round_number))
+            self._beacon_store.set(_beacon_key(stream, self.rank), str(round_number))
 
-    def beacons(self) -> dict[int, int]:
+    def beacons(self, stream: int = 0, peers: Sequence[int] | None = None) -> dict[int, int]:
         if self._beacon_store is None:
             return {}
-        keys = {peer: f"hvdplus/beacon/{peer}" for peer in range(self.size) if peer != self.rank}
+        others = [peer for peer in (range(self.size) if peers is None else peers) if peer != self.rank]
+        keys = {peer: _beacon_key(stream, peer) for peer in others}
         return {peer: int(self._beacon_store.get(key)) for peer, key in keys.items() if self._beacon_store.check([key])}
 
     def announce_failure(self, message: str) -> None:
@@ -254,8 +255,10 @@ class TorchDistEngine:
             if self._beacon_store.check([key])
         }
 
-    def open_doorbell(self, on_ring: Callable[[], None]) -> GlooDoorbell:
-        return GlooDoorbell(self._dist, self._torch, self.rank, self.size, on_ring)
+    def open_doorbell(self, on_ring: Callable[[], None], ranks: Sequence[int] | None = None) -> GlooDoorbell | None:
+        members = list(range(self.size)) if ranks is None else list(ranks)
+        group = self._dist.new_group(members, backend="gloo", timeout=GlooDoorbell.NEVER)  # every rank creates it
+        return GlooDoorbell(self._dist, self._torch, members, group, on_ring) if self.rank in members else None
 
     def open_channel(self) -> GlooChannel:
         return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
@@ -379,6 +382,11 @@ def _authenticated_store(dist: Any, launch: LaunchEnv, timeout_seconds: float) -
     )
 
 
+def _beacon_key(stream: int, rank: int) -> str:
+    """The store key of a rank's latest beacon in the world's rounds (stream 0) or a process set's."""
+    return f"hvdplus/beacon/{rank}" if stream == 0 else f"hvdplus/beacon/{stream}/{rank}"
+
+
 class GlooDoorbell:
     """Rings travel on a Gloo group of their own. Gloo's point-to-point works report completion only through a
     wait, and a wait that times out breaks the group, so a thread sleeps in an any-source receive (the group's
@@ -387,12 +395,13 @@ class GlooDoorbell:
     polled = False
 
     _TAG = 0
-    _NEVER = datetime.timedelta(days=365)
+    NEVER = datetime.timedelta(days=365)
 
-    def __init__(self, dist: Any, torch: Any, rank: int, size: int, on_ring: Callable[[], None]) -> None:
-        self._dist, self._torch, self._rank, self._size = dist, torch, rank, size
+    def __init__(self, dist: Any, torch: Any, members: list[int], group: Any, on_ring: Callable[[], None]) -> None:
+        """`members`: the doorbell's global ranks, this rank among them; `group`: their Gloo group."""
+        self._dist, self._torch, self._members, self._group = dist, torch, members, group
+        self._index = members.index(dist.get_rank())
         self._on_ring = on_ring
-        self._group = dist.new_group(list(range(size)), backend="gloo", timeout=self._NEVER)
         self._heard = -1
         self._outbox: queue.SimpleQueue[int | None] = queue.SimpleQueue()
         self._threads = [
@@ -431,8 +440,8 @@ class GlooDoorbell:
             while (round_number := self._outbox.get()) is not None:
                 bell = self._torch.tensor([round_number])
                 for work in [
-                    self._dist.isend(bell, dst=peer, group=self._group, tag=self._TAG)
-                    for peer in bell_targets(self._rank, self._size)
+                    self._dist.isend(bell, dst=self._members[peer], group=self._group, tag=self._TAG)
+                    for peer in bell_targets(self._index, len(self._members))
                 ]:
                     work.wait()
         except Exception as exc:  # as above

@@ -30,9 +30,9 @@ hvd.allreduce(torch.ones(1), name="warmup")
 if hvd.rank() == 1:
     coordinator = runtime().coordinator
     if WHERE == "cycle":
-        coordinator._drain_queue = injected
+        coordinator._world._agreement.announce = injected
     else:
-        coordinator._executor.run_allgather = injected
+        coordinator._world.executor.run_allgather = injected
 start = time.monotonic()
 try:
     hvd.allgather(torch.ones(2, 3), name="victim")
