@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 import torch
 
+from hvdplus.torch.device_plane import CPU_TEST_KIND
+
 STEPS = 6
 LONG = 30  # steps of the test of rounds on ranks outside the process set
 PER_RANK = 4
@@ -226,7 +228,7 @@ def test_process_set_without_rank_0(hvd):
         # negotiated in the whole job's rounds, where every step takes a round of every rank, members or not;
         # planned, rank 0 then runs only the rounds of the first (negotiated) step and the agreement. Rank 0 waits
         # for the end on a channel (point to point, no round), not in a collective, which would run rounds itself.
-        in_world_rounds = bool(runtime().coordinator.device_kinds)
+        in_world_rounds = CPU_TEST_KIND in runtime().coordinator.device_kinds  # CPU tensors on a device plane
         channel = open_channel()
         for enabled in (False, True):
             hvd.barrier()
