@@ -34,6 +34,10 @@ __all__ = ["Agreement", "HAS_UNCACHED", "SHUTDOWN", "STALL_ABORT", "BUSY"]
 
 HAS_UNCACHED, SHUTDOWN, STALL_ABORT, BUSY = 1, 2, 4, 8
 _SLEEP_S = 1e-3  # the longest sleep between tests of a round once a rank stops spinning for it
+# How long an entry waits for this rank before it tells the entry's rounds of the same name held on another set: a
+# name that another set's rounds have just finished with is released a moment later, and a shadow sent in that
+# moment would name two sets that do not wait on each other.
+_SHADOW_AFTER_S = 0.25
 
 
 class Agreement:
@@ -87,10 +91,10 @@ class Agreement:
         groups of ranks wait on each other with (MessageTable._deadlocks), although each set's rounds keep a
         table of their own. Also send the shadows other sets' rounds posted for these (`_pass_on`)."""
         self._shadows += names.take_posted(self.set_id)
-        for key in self._table.missing_here(self._engine.rank):
+        for key in self._table.missing_here(self._engine.rank, _SHADOW_AFTER_S):
             if key in self._shadowed or is_join(key) or self._index_in(key[0]) is None:
                 continue
-            request = names.held(key[1])
+            request = names.undecided(key[1])
             if request is not None and request.process_set != key[0]:
                 self._shadowed[key] = request
                 self._shadows.append(request._replace(shadow=1 << self._engine.rank))

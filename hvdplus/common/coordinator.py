@@ -138,7 +138,7 @@ class Coordinator:
         """Called by join(), before it submits: from now on this rank contributes zeros to every allreduce, in the
         world's rounds and in those of each of its process sets."""
         self._world.control.joined = True
-        self._set_joins = [rounds.join() for rounds in self._set_rounds.values()]
+        self._set_joins = [rounds.join() for rounds in list(self._set_rounds.values())]
 
     @property
     def timeline(self) -> Timeline | None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from hvdplus.common.buffer_ops import DataPlane
 from hvdplus.common.engines.base import Engine
+from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
 from hvdplus.common.fusion import plan_batches
 from hvdplus.common.handles import Handle
@@ -37,11 +38,13 @@ class Dispatcher:
         tunables: Tunables,
         engine: Engine,
         run_control: Callable[[Response, Work], Any],
+        joined: Callable[[], bool],
     ) -> None:
         """`planes`: the coordinator's device planes, by kind (it adds them as it builds them); `run_control`: the
-        result of a control collective."""
+        result of a control collective; `joined()`: whether this rank has joined in these rounds."""
         self._rank, self._executor, self._in_flight = rank, executor, in_flight
         self._planes, self._tunables, self._engine, self._run_control = planes, tunables, engine, run_control
+        self._joined = joined
 
     def run(self, responses: list[Response], timeline: Timeline | None) -> None:
         """Run this rank's part of `responses` (every rank got the same list, in the same order)."""
@@ -100,11 +103,18 @@ class Dispatcher:
             work.handle.set_result(self._run_control(head, work))
 
     def _take_work(self, response: Response) -> Work | None:
-        """This rank's work for a response; a joined rank contributes zeros to an allreduce."""
+        """This rank's work for a response; a joined rank contributes zeros to an allreduce. A rank that has not
+        joined always has its work for a response that runs, unless a failure elsewhere failed it meanwhile: then it
+        raises rather than send zeros for a collective it submitted."""
         work = self._in_flight.take(response.key)
-        if work is not None:
+        if work is not None or response.error is not None:
             return work
-        if response.kind == OpKind.ALLREDUCE and response.error is None:
+        if not self._joined():
+            raise HorovodInternalError(
+                f"{response.first.describe()} was agreed, but it is no longer in flight on rank {self._rank} "
+                f"(hvdplus stopped meanwhile)"
+            )
+        if response.kind == OpKind.ALLREDUCE:
             request = response.first
             plane = self._planes.get(device_kind(request.device)) if request.op != ReduceOp.ADASUM else None
             zeros = (

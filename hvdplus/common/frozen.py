@@ -4,8 +4,9 @@ HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, fails every live rank; a peer whose runtime
 
 The control round is a collective, so while one rank is frozen (SIGSTOP, a hung driver call, a dead NFS mount)
 the others wait in it and learn nothing from it. So a rank that has waited HOROVOD_STALL_CHECK_TIME_SECONDS
-sends a beacon to every other rank (the engine's `send_beacon`, point to point, never blocking), and the ranks
-that have not sent one for this round after a grace second are the silent ones. The lowest live rank logs the
+sends a beacon to every other rank of the rounds (the engine's `send_beacon`, point to point, never blocking; a
+process set's rounds use a stream of beacons of their own, to their members), and the ranks that have not sent one
+for this round after a grace second are the silent ones. The lowest live rank logs the
 warning; at the shutdown time every live rank raises, naming them.
 """
 

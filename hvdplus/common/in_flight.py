@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Work
@@ -21,6 +21,7 @@ class Names:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # submitting threads add names, cycles discard them
         self._held: dict[str, Request] = {}
+        self._agreed: set[str] = set()  # held names whose collective its rounds have agreed (decided, not run yet)
         self._posted: dict[int, list[Request]] = {}  # shadows one set's rounds pass to another's (agreement.py)
 
     def reserve(self, request: Request) -> None:
@@ -33,14 +34,23 @@ class Names:
                 )
             self._held[request.name] = request
 
-    def held(self, name: str) -> Request | None:
-        """This rank's request in flight under `name`, if any (on whichever set)."""
-        return self._held.get(name)
+    def undecided(self, name: str) -> Request | None:
+        """This rank's request in flight under `name` (on whichever set's rounds), unless its rounds agreed it."""
+        return None if name in self._agreed else self._held.get(name)
+
+    def agreed(self, keys: Iterable[Key]) -> None:
+        """A round agreed these collectives (this rank's among them, if held, are about to run)."""
+        with self._lock:
+            for key in keys:
+                held = self._held.get(key[1])
+                if held is not None and held.key == key:
+                    self._agreed.add(key[1])
 
     def release(self, names: list[str]) -> None:
         with self._lock:
             for name in names:
                 self._held.pop(name, None)
+                self._agreed.discard(name)
 
     def post(self, set_id: int, shadow: Request) -> None:
         """Have set `set_id`'s rounds send `shadow` in their next negotiation."""
@@ -53,12 +63,13 @@ class Names:
 
 
 class InFlight:
-    """One set's rounds' collectives: submitted from any thread; taken, run and failed by the thread running a
-    cycle."""
+    """One set's rounds' collectives: submitted from any thread; taken and run by the thread running a cycle;
+    failed by any thread (a failure in another set's rounds fails them all)."""
 
     def __init__(self, names: Names) -> None:
         self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
         self.names = names
+        self._lock = threading.Lock()  # guards _by_key: `fail_all` may come from another thread than the cycle's
         self._by_key: dict[Key, Work] = {}
 
     def __len__(self) -> int:
@@ -81,24 +92,28 @@ class InFlight:
                 work = self._queue.get_nowait()
             except queue.Empty:
                 return
-            self._by_key[work.request.key] = work
+            with self._lock:
+                self._by_key[work.request.key] = work
             yield work
 
     def take(self, key: Key) -> Work | None:
         """The work of an agreed response, if this rank submitted it; its name is free again."""
-        work = self._by_key.pop(key, None)
+        with self._lock:
+            work = self._by_key.pop(key, None)
         if work is not None:
             self.names.release([work.request.name])
         return work
 
     def put_back(self, work: Work) -> None:
         """Work a failing cycle took and did not finish: in flight again, so that the failure reaches it."""
-        self._by_key[work.request.key] = work
+        with self._lock:
+            self._by_key[work.request.key] = work
 
     def fail_all(self, error: HorovodInternalError) -> None:
         """Every queued and in-flight collective fails with `error`."""
         list(self.take_queued())
-        for work in self._by_key.values():
+        with self._lock:
+            failed, self._by_key = list(self._by_key.values()), {}
+        for work in failed:
             work.handle.set_error(error)
-        self.names.release([work.request.name for work in self._by_key.values()])
-        self._by_key.clear()
+        self.names.release([work.request.name for work in failed])

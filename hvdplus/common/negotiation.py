@@ -199,9 +199,14 @@ class MessageTable:
         """Ranks that have called join() and not yet been released."""
         return tuple(_ranks_of(self._announced.get(self._join_key, 0)))
 
-    def missing_here(self, rank: int) -> list[Key]:
-        """The entries that wait for `rank`: announced by other ranks, not by it."""
-        return [key for key, announced in self._announced.items() if not announced >> rank & 1]
+    def missing_here(self, rank: int, waited_s: float = 0.0) -> list[Key]:
+        """The entries that have waited at least `waited_s` for `rank`: announced by other ranks, not by it."""
+        now = time.monotonic()
+        return [
+            key
+            for key, announced in self._announced.items()
+            if not announced >> rank & 1 and now - self._since[key] >= waited_s
+        ]
 
     def add(self, request: Request, ranks: int) -> str | None:
         """Record that the ranks of the bit mask `ranks` announced `request`; return an error if one of them

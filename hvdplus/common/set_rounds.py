@@ -4,7 +4,7 @@ inspector), doorbell, idle spells and cycles, and a thread of its own, so a set'
 rounds, and sets run out of phase: a rank blocked in one set's engine call does not hold up another set's.
 
 Every member runs the same sequence of its set's rounds, but which thread of a rank runs the next one does not
-matter (common/cycles.py). The whole job's rounds (coordinator.py: WorldRounds) also run what only they can: join,
+matter (common/cycles.py). The whole job's rounds (world_rounds.py) also run what only they can: join,
 process sets, channels, device planes (every device tensor travels in them), autotune and the timeline's cycle
 marks. A process set's rounds join on their own when the rank calls join() (its members' allreduces on the set get
 its zeros), and stop with a final round of their members when the set is removed or the job shuts down.
@@ -26,7 +26,7 @@ from hvdplus.common.dispatch import Dispatcher
 from hvdplus.common.engines.base import Doorbell, Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Executor, Work
-from hvdplus.common.frozen import FrozenPeerInspector
+from hvdplus.common.frozen import FrozenPeerInspector, peer_failure
 from hvdplus.common.handles import Handle
 from hvdplus.common.idle_spells import IdleSpells
 from hvdplus.common.in_flight import InFlight, Names
@@ -41,8 +41,6 @@ from hvdplus.common.tunables import Tunables
 __all__ = ["SetRounds"]
 
 log = logging.getLogger("hvdplus")
-
-_STOP_WAIT_S = 30.0  # how long a clean stop waits for a set's final round (its members stop in the same world round)
 
 
 class SetRounds:
@@ -73,7 +71,7 @@ class SetRounds:
         self._in_flight = InFlight(names)
         self.executor = Executor(engine, lambda id_: sets[id_], tunables, self._planes)
         self._dispatcher = Dispatcher(
-            engine.rank, self.executor, self._in_flight, self._planes, tunables, engine, self._run_control
+            engine.rank, self.executor, self._in_flight, self._planes, tunables, engine, self._run_control, self._joined
         )
         self._agreement = Agreement(
             engine, lambda: sets[set_id].group, settings, sets.members, sets.index_in, set_id=set_id
@@ -86,7 +84,7 @@ class SetRounds:
         self._stop_reason = ""
         # Device planes stay on the background thread: a waiting thread's current stream may be the user's.
         self.cycles = Cycles(
-            self._cycle, fail, inline=not self._planes_possible(), period_s=lambda: tunables.cycle_time_ms / 1e3
+            self._cycle, self._failed, inline=not self._planes_possible(), period_s=lambda: tunables.cycle_time_ms / 1e3
         )
         self.thread = threading.Thread(target=self._loop, name=f"hvdplus-rounds-{set_id}", daemon=True)
 
@@ -94,6 +92,9 @@ class SetRounds:
     def submit(self, work: Work) -> Handle:
         """Queue `work` (its name reserved) for these rounds."""
         self._in_flight.put(work)
+        if self.cycles.stopped:  # stopped meanwhile (the set removed by a peer's round, a failure): none will run it
+            reason = self._stop_reason or "a failure"
+            self._in_flight.fail_all(HorovodInternalError(f"process set {self.set_id}'s rounds stopped: {reason}"))
         # Event.set costs more than the check, and bursts need only one. Read after the put: a thread that goes idle
         # after this check finds the work queued (IdleSpells.wait_for_work looks before it sleeps).
         if not self._wake.is_set() and not self.cycles.waiters_drive:
@@ -113,12 +114,13 @@ class SetRounds:
 
     def stop(self, reason: str) -> None:
         """Stop after a final round with the other members (who stop in the same world round): queued and later
-        work fails with `reason`. Waits for the thread, unless called from it."""
+        work fails with `reason`. Waits for the thread, unless called from it (a member that fails meanwhile ends
+        the final round with an error, which ends the thread too)."""
         self._stop_reason = reason
         self._stop_requested = True
         self._wake.set()
         if threading.current_thread() is not self.thread and not self.cycles.in_cycle:
-            self.thread.join(_STOP_WAIT_S)
+            self.thread.join()
 
     def abandon(self, error: HorovodInternalError) -> None:
         """The job failed: fail every collective of these rounds and run no more (no final round: peers may be
@@ -177,9 +179,7 @@ class SetRounds:
     def _stopped(self, flags: int) -> None:
         """The round carried SHUTDOWN or STALL_ABORT: fail what is in flight here with the reason."""
         if flags & STALL_ABORT:  # the whole job stops, as when the world's rounds flag it (the cycle's failure)
-            error = HorovodInternalError(self._agreement.stalls.abort_reason())
-            self._engine.announce_failure(str(error))  # the ranks outside the set learn it too
-            raise error
+            raise HorovodInternalError(self._agreement.stalls.abort_reason())
         reason = self._stop_reason or f"process set {self.set_id}'s rounds were stopped by a peer (shutdown)"
         self.fail_everything(HorovodInternalError(f"{reason}; the collective cannot complete"))
 
@@ -202,9 +202,17 @@ class SetRounds:
                     self._wake.clear()
                     self.cycles.run_if_due(self._has_urgent_work)
         except BaseException as exc:  # the doorbell failed
-            self._fail_job(exc)
+            self._failed(exc)
         finally:
             self._release()
+
+    def _failed(self, exc: BaseException) -> None:
+        """A cycle or the doorbell failed: every set's work fails. A verdict of a set's own rounds (a member frozen or
+        stalled) is announced, as a failed rank announces its error, so that the ranks outside the set, which share
+        no round with these, name it too."""
+        if self.set_id != 0 and isinstance(exc, HorovodInternalError) and peer_failure(self._engine) is None:
+            self._engine.announce_failure(str(exc))
+        self._fail_job(exc)
 
     def _has_own_work(self) -> bool:
         """Whether this rank has something for the next round: work submitted since the last one, or a stop."""
@@ -237,6 +245,7 @@ class SetRounds:
             self._stopped(flags)
             return None
         responses = self._agreement.responses(words)
+        self._in_flight.names.agreed(response.key for response in responses)
         self._prepare(responses)
         self._dispatcher.run(responses, timeline)
         self._after(words, responses)

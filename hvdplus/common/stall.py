@@ -1,5 +1,6 @@
-"""Stalled collectives: ones that only some ranks submitted. Rank 0 warns after HOROVOD_STALL_CHECK_TIME_SECONDS,
-naming the missing ranks; after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS every rank fails with the same message.
+"""Stalled collectives: ones that only some ranks submitted. The first rank of the rounds (rank 0 in the whole job's,
+a process set's first member in its own) warns after HOROVOD_STALL_CHECK_TIME_SECONDS, naming the missing ranks;
+after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS every rank fails with the same message.
 
 A collective that is in the response cache is announced by a bit, not by name, so it never reaches the message
 table that names missing ranks. A cached collective that only some ranks keep announcing for many cycles is
@@ -53,12 +54,15 @@ class StallInspector:
         self._partial_cycles.pop(bit, None)
 
     def abort_due(self) -> bool:
-        """On rank 0: whether a collective has stalled past the shutdown time (the flag it sets in the round)."""
+        """On the rounds' first rank: whether a collective (not a join, which may wait for long, as Horovod's does)
+        has stalled past the shutdown time (the flag it sets in the round)."""
         limit = self._settings.stall_shutdown_time_seconds
-        return self._rank == 0 and limit > 0 and bool(self._table.stalls(limit, self._members))
+        if self._rank != 0 or limit <= 0:
+            return False
+        return any(not is_join(stall.key) for stall in self._table.stalls(limit, self._members))
 
     def warn(self) -> None:
-        """On rank 0, at most once per check time: log the collectives only some ranks submitted."""
+        """On the rounds' first rank, at most once per check time: log the collectives only some ranks submitted."""
         if self._rank != 0 or self._settings.stall_check_disable or len(self._table) == 0:
             return
         threshold = self._settings.stall_check_time_seconds
@@ -80,9 +84,9 @@ class StallInspector:
             )
 
     def abort_reason(self) -> str:
-        """The error every rank raises when rank 0 flagged a stall abort. Every rank holds the same table, so
-        every rank can name what stalled and who is missing (at half the limit: each rank dates an entry by
-        its own clock)."""
+        """The error every rank raises when the rounds' first rank flagged a stall abort. Every rank holds the same
+        table, so every rank can name what stalled and who is missing (at half the limit: each rank dates an entry
+        by its own clock)."""
         limit = self._settings.stall_shutdown_time_seconds
         stalled = "; ".join(
             sorted(

@@ -75,6 +75,9 @@ class MPIEngine:
         self._heard: dict[int, dict[int, int]] = {}  # stream -> peer -> round
         self._failure_sends: list[tuple[Any, np.ndarray]] = []
         self._failures: dict[int, str] = {}
+        # Beacons and failure notices are sent and read by every set's rounds, each on a thread of its own: one
+        # thread at a time (a notice probed by two threads would leave one of them in its receive for good).
+        self._liveness_lock = threading.Lock()
         # The parent of planned groups: `Create_group` is collective over the new group's members only, and
         # runs on a communicator that no other thread's collective uses.
         self._planned_parent = self.world.Dup()
@@ -148,10 +151,14 @@ class MPIEngine:
 
     def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
         others = [peer for peer in (range(self.size) if peers is None else peers) if peer != self.rank]
-        tag = _beacon_tag(stream)
-        self._beacon_sends = _send_round(self.world, round_number, others, self._beacon_sends, tag)
+        with self._liveness_lock:
+            self._beacon_sends = _send_round(self.world, round_number, others, self._beacon_sends, _beacon_tag(stream))
 
     def beacons(self, stream: int = 0, peers: Sequence[int] | None = None) -> dict[int, int]:
+        with self._liveness_lock:
+            return self._read_beacons(stream, peers)
+
+    def _read_beacons(self, stream: int, peers: Sequence[int] | None) -> dict[int, int]:
         heard = self._heard.setdefault(stream, {})
         for peer in range(self.size) if peers is None else peers:
             if peer == self.rank:
@@ -166,17 +173,21 @@ class MPIEngine:
 
     def announce_failure(self, message: str) -> None:
         buf = np.frombuffer(message.encode()[:_FAILURE_BYTES], dtype=np.uint8)
-        self._failure_sends = [
-            (self.world.Isend(buf, dest=peer, tag=_FAILURE_TAG), buf) for peer in range(self.size) if peer != self.rank
-        ]
+        with self._liveness_lock:
+            self._failure_sends += [
+                (self.world.Isend(buf, dest=peer, tag=_FAILURE_TAG), buf)
+                for peer in range(self.size)
+                if peer != self.rank
+            ]
 
     def failures(self) -> dict[int, str]:
         status = self._MPI.Status()
-        while self.world.Iprobe(source=self._MPI.ANY_SOURCE, tag=_FAILURE_TAG, status=status):
-            buf = np.empty(status.Get_count(self._MPI.BYTE), dtype=np.uint8)
-            self.world.Recv(buf, source=status.Get_source(), tag=_FAILURE_TAG)
-            self._failures[status.Get_source()] = buf.tobytes().decode(errors="replace")
-        return dict(self._failures)
+        with self._liveness_lock:
+            while self.world.Iprobe(source=self._MPI.ANY_SOURCE, tag=_FAILURE_TAG, status=status):
+                buf = np.empty(status.Get_count(self._MPI.BYTE), dtype=np.uint8)
+                self.world.Recv(buf, source=status.Get_source(), tag=_FAILURE_TAG)
+                self._failures[status.Get_source()] = buf.tobytes().decode(errors="replace")
+            return dict(self._failures)
 
     def _post_beacon_recv(self, stream: int, peer: int) -> tuple[Any, np.ndarray]:
         buf = np.empty(1, dtype=np.int64)
@@ -247,6 +258,7 @@ class MPIDoorbell:
             if not request.Test():
                 request.Free()
         self._sends.clear()
+        self._comm.Free()  # a removed process set's doorbell must not keep its context id
 
 
 def _send_round(

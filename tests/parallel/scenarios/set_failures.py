@@ -5,8 +5,8 @@ outside it); argv[1] says which:
 * stall: rank 2 never submits the set's 'late.tensor' (run with HOROVOD_STALL_SHUTDOWN_TIME_SECONDS);
 * frozen: rank 2 stops (SIGSTOP) while rank 1 waits in a set round (run with the stall variables as well).
 
-Rank 1 must raise within seconds, naming rank 2; rank 0, which shares no round with them, raises at its next
-collective instead of hanging."""
+Rank 1 must raise within seconds (naming rank 2 when it stalls or freezes: a dead one breaks the transport); rank 0,
+which shares no round with them, raises at its next collective instead of hanging, with the set's error."""
 
 import os
 import signal
