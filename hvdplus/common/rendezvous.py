@@ -25,9 +25,18 @@ import socketserver
 import struct
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
 
-__all__ = ["RendezvousServer", "RendezvousClient", "RendezvousTimeout", "new_secret", "publish_secret", "await_secret"]
+__all__ = [
+    "RendezvousServer",
+    "RendezvousClient",
+    "RendezvousTimeout",
+    "new_secret",
+    "publish_secret",
+    "await_secret",
+    "with_published_secret",
+]
 
 log = logging.getLogger("hvdplus.runner")
 
@@ -78,6 +87,24 @@ def await_secret(path: str, timeout: float) -> str:
                     f"with srun --mpi=pmix for the MPI engine"
                 ) from None
             time.sleep(0.05)
+
+
+_Connected = TypeVar("_Connected")
+
+
+def with_published_secret(path: str, connect: Callable[[str], _Connected], timeout: float) -> _Connected:
+    """`connect(secret)` with the secret rank 0 published at `path`. A file left by an earlier job step of the same
+    ids that died before removing it (a restarted Slurm numbers jobs from 1 again) may be read before rank 0
+    replaces it: while the server rejects the secret, the file is read again, until `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        secret = await_secret(path, max(deadline - time.monotonic(), 0.0))
+        try:
+            return connect(secret)
+        except PermissionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _mac(key: bytes, *parts: bytes) -> bytes:

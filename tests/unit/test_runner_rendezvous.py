@@ -90,3 +90,30 @@ def test_tampered_frame_closes_the_connection(server):
 def test_server_binds_only_the_given_address(server):
     srv, _ = server
     assert srv._listeners["127.0.0.1"].server_address[0] == "127.0.0.1"
+
+
+def test_a_stale_published_secret_is_read_again_until_the_server_takes_it(server, tmp_path):
+    """Plain srun: a secret file that a crashed step of the same ids left (a restarted Slurm reuses job ids) is
+    read before rank 0 replaces it; the worker reads it again while the server rejects it, then connects."""
+    srv, secret = server
+    path = str(tmp_path / "srun-5.0.secret")
+    rendezvous.publish_secret(path, new_secret())  # the stale one
+    tried: list[str] = []
+
+    def connect(candidate):
+        tried.append(candidate)
+        return _client(srv, candidate)
+
+    threading.Timer(0.3, rendezvous.publish_secret, (path, secret)).start()  # rank 0 publishes its own
+    client = rendezvous.with_published_secret(path, connect, timeout=10.0)
+    client.set("k", b"v")
+    assert srv.get("k") == b"v" and tried[-1] == secret and len(set(tried)) == 2
+    client.close()
+
+
+def test_a_secret_the_server_keeps_rejecting_raises_after_the_timeout(server, tmp_path):
+    srv, _ = server
+    path = str(tmp_path / "srun-6.0.secret")
+    rendezvous.publish_secret(path, new_secret())
+    with pytest.raises(PermissionError):
+        rendezvous.with_published_secret(path, lambda candidate: _client(srv, candidate), timeout=0.5)

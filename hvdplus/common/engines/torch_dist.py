@@ -58,7 +58,7 @@ class TorchDistEngine:
             ) from exc
         self._torch, self._dist = torch, dist
         self._beacon_store: Any = None  # the rendezvous store, when hvdplus made it
-        self._srun_server: Any = None  # rank 0 under plain srun serves the step's rendezvous (see _srun_secret)
+        self._srun_server: Any = None  # rank 0 under plain srun serves the step's rendezvous (see _srun_store)
         self._srun_secret_file = ""
         if launch.rank is None or launch.size is None:
             raise RuntimeError(
@@ -110,7 +110,7 @@ class TorchDistEngine:
         if launch.rendezvous_file:
             return self._dist.FileStore(launch.rendezvous_file, self.size)
         if launch.srun_secret_file and not launch.secret_key:
-            launch = self._srun_secret(launch, timeout.total_seconds())
+            return self._srun_store(launch, timeout.total_seconds())
         if launch.secret_key and launch.rendezvous_addr and launch.rendezvous_port:
             # hvdplusrun's authenticated rendezvous. torch only keeps the C++ half of a Python store:
             # hold the Python object for the engine's lifetime or its methods vanish.
@@ -130,22 +130,28 @@ class TorchDistEngine:
             "HVDPLUS_RENDEZVOUS_PORT (rank 0 listens there) or HVDPLUS_RENDEZVOUS_FILE"
         )
 
-    def _srun_secret(self, launch: LaunchEnv, timeout_seconds: float) -> LaunchEnv:
+    def _srun_store(self, launch: LaunchEnv, timeout_seconds: float) -> Any:
         """Plain srun has no launcher to hand out a secret: rank 0 serves the authenticated store on the step's
-        first node and publishes a fresh secret in a file only this user can read; the others wait for it."""
-        from hvdplus.common.rendezvous import RendezvousServer, await_secret, new_secret, publish_secret
+        first node and publishes a fresh secret in a file only this user can read; the others read it (again, while
+        the server rejects what they read: a file a crashed step left)."""
+        from hvdplus.common.rendezvous import RendezvousServer, new_secret, publish_secret, with_published_secret
 
         # _with_srun_rendezvous sets the secret file with the step's first node and its port
         assert launch.srun_secret_file is not None and launch.rendezvous_addr is not None
         assert launch.rendezvous_port is not None
+
+        def connect(secret: str) -> Any:
+            return _authenticated_store(self._dist, dataclasses.replace(launch, secret_key=secret), timeout_seconds)
+
         if self.rank == 0:
             secret = new_secret()
             self._srun_server = RendezvousServer([launch.rendezvous_addr], secret, port=launch.rendezvous_port)
             publish_secret(launch.srun_secret_file, secret)
             self._srun_secret_file = launch.srun_secret_file
+            self._store = connect(secret)
         else:
-            secret = await_secret(launch.srun_secret_file, timeout_seconds)
-        return dataclasses.replace(launch, secret_key=secret)
+            self._store = with_published_secret(launch.srun_secret_file, connect, timeout_seconds)
+        return self._store
 
     def _tensor(self, buf: np.ndarray, dtype: str | None = None) -> Any:
         tensor = self._torch.from_numpy(buf)
