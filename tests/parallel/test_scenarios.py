@@ -148,8 +148,11 @@ def test_a_failure_in_a_process_sets_own_rounds_reaches_every_rank(engine, mode,
     assert code == (3 if mode == "dead" else 1 if engine == "mpi" else 0), output
     raised = re.search(rf"rank 1: raised after ([\d.]+) s: .*{_SET_FAILURE_TEXT[mode]}", output)
     assert raised and float(raised.group(1)) < 10, output
-    # Rank 0 names the set's failure: a member announced it (a dead rank breaks the transport instead).
-    assert re.search(rf"rank 0: raised after ([\d.]+) s: .*{_SET_FAILURE_TEXT[mode]}", output), output
+    # Rank 0 names the set's failure, which a member announced (a dead rank breaks the transport instead). A frozen
+    # rank 2 may also hold up a round of the whole job: rank 0 then names it (with rank 1, whose rounds stopped).
+    silent = r"(rank 2|ranks \[[\d, ]*2\]) did not answer a control round"
+    named = silent if mode == "frozen" else _SET_FAILURE_TEXT[mode]
+    assert re.search(rf"rank 0: raised after ([\d.]+) s: .*{named}", output), output
     assert "no error" not in output, output
 
 
