@@ -52,11 +52,13 @@ class Agreement:
         members: Callable[[int], tuple[int, ...]],
         index_in: Callable[[int], int | None],
         set_id: int = 0,
+        names: Names | None = None,
     ) -> None:
         """`group()`: the rounds' engine group, asked for at each use (holding it would keep a Gloo group's
         connections open after the engine's shutdown, and peers blocked on this rank would wait for its exit).
         `members(set_id)`: a process set's ranks; `index_in(set_id)`: this rank's place in it (None: not in it).
-        `set_id`: whose rounds these are: the whole job's (0), or one process set's own."""
+        `set_id`: whose rounds these are: the whole job's (0), or one process set's own. `names`: this rank's
+        collectives in flight on every set's rounds (shadow_held)."""
         self._engine, self._group, self._settings = engine, group, settings
         self._members, self._index_in = members, index_in
         self.set_id = set_id
@@ -72,7 +74,7 @@ class Agreement:
         self._to_send: list[Work] = []
         self._shadows: list[Request] = []  # to send: collectives this rank holds on other sets' rounds (shadow_held)
         self._shadowed: dict[Key, Request] = {}  # entries here this rank sent a shadow for: its request elsewhere
-        self._names: Names | None = None
+        self._names = Names() if names is None else names
         self._invalid: set[int] = set()
 
     def announce(self, work: Work) -> None:
@@ -85,20 +87,19 @@ class Agreement:
                 self._invalid.add(bit)
             self._to_send.append(work)
 
-    def shadow_held(self, names: Names) -> None:
+    def shadow_held(self) -> None:
         """Tell the next round of the collectives this rank holds on another process set's rounds under the name of
         an entry that waits for it here, once each, as shadows: then the message table can name the two sets that
         groups of ranks wait on each other with (MessageTable._deadlocks), although each set's rounds keep a
         table of their own. Also send the shadows other sets' rounds posted for these (`_pass_on`)."""
-        self._shadows += names.take_posted(self.set_id)
+        self._shadows += self._names.take_posted(self.set_id)
         for key in self._table.missing_here(self._engine.rank, _SHADOW_AFTER_S):
             if key in self._shadowed or is_join(key) or self._index_in(key[0]) is None:
                 continue
-            request = names.undecided(key[1])
+            request = self._names.undecided(key[1])
             if request is not None and request.process_set != key[0]:
                 self._shadowed[key] = request
                 self._shadows.append(request._replace(shadow=1 << self._engine.rank))
-        self._names = names
 
     def _pass_on(self, errors: list[Response]) -> None:
         """An entry that a shadow of this rank failed (two sets whose ranks wait on each other): its ranks' request
@@ -106,7 +107,7 @@ class Agreement:
         that it fails too, even if they have already dropped the name (their entry failed first)."""
         for response in errors:
             held = self._shadowed.get(response.key)
-            if held is not None and self._names is not None:
+            if held is not None:
                 mask = mask_of(
                     rank for rank, request in zip(response.members, response.requests) if request is not None
                 )

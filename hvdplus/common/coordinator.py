@@ -29,7 +29,7 @@ from hvdplus.common.in_flight import Names
 from hvdplus.common.messages import Request
 from hvdplus.common.negotiation import device_kind
 from hvdplus.common.ops import OpKind
-from hvdplus.common.set_rounds import SetRounds
+from hvdplus.common.set_rounds import RoundsContext, SetRounds
 from hvdplus.common.set_table import ProcessSetTable
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline, TimelineSlot
@@ -81,24 +81,21 @@ class Coordinator:
         self._timeline = TimelineSlot(
             Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
         )
+        self._context = RoundsContext(
+            engine, settings, self._sets, self._names, self._spin_s, self._timeline, self._fail
+        )
         wake = threading.Event()
         doorbell = engine.open_doorbell(wake.set)
         assert doorbell is not None  # every rank is in the world's
         self._world = WorldRounds(
-            engine,
-            settings,
+            self._context,
             topology,
-            self._sets,
-            self._names,
             wake,
             doorbell,
             self.tunables,
-            self._spin_s,
-            self._timeline,
             self._planes,
             self._device_kinds,
             WorldEvents(
-                self._fail,
                 self._stopped,
                 self._stop_set_rounds,
                 self._open_set_rounds,
@@ -284,19 +281,8 @@ class Coordinator:
         doorbell = self._engine.open_doorbell(wake.set, self._sets.members(set_id))
         if doorbell is None:  # not a member
             return
-        rounds = SetRounds(
-            self._engine,
-            self._settings,
-            self._sets,
-            set_id,
-            self._names,
-            wake,
-            doorbell,
-            Tunables.from_settings(self._settings),  # autotune tunes the world's rounds only
-            self._spin_s,
-            self._timeline,
-            self._fail,
-        )
+        # Autotune tunes the world's rounds only: a set's keep the configured values.
+        rounds = SetRounds(self._context, set_id, wake, doorbell, Tunables.from_settings(self._settings))
         self._set_rounds[set_id] = rounds
         rounds.thread.start()
 

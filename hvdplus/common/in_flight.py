@@ -58,6 +58,8 @@ class Names:
             self._posted.setdefault(set_id, []).append(shadow)
 
     def take_posted(self, set_id: int) -> list[Request]:
+        if set_id not in self._posted:  # every cycle asks: no lock for the usual answer
+            return []
         with self._lock:
             return self._posted.pop(set_id, [])
 

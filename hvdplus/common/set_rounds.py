@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,9 +39,22 @@ from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline, TimelineSlot
 from hvdplus.common.tunables import Tunables
 
-__all__ = ["SetRounds"]
+__all__ = ["RoundsContext", "SetRounds"]
 
 log = logging.getLogger("hvdplus")
+
+
+@dataclass(frozen=True)
+class RoundsContext:
+    """What every set's rounds on this rank share."""
+
+    engine: Engine
+    settings: Settings
+    sets: ProcessSetTable
+    names: Names  # this rank's collectives in flight, on every set's rounds
+    spin_s: float  # how long a round is spun for while work is in flight (coordinator.control_spin_s)
+    timeline: TimelineSlot
+    fail: Callable[[BaseException], None]  # what a failure does to the whole job: every set's work fails
 
 
 class SetRounds:
@@ -48,33 +62,29 @@ class SetRounds:
 
     def __init__(
         self,
-        engine: Engine,
-        settings: Settings,
-        sets: ProcessSetTable,
+        context: RoundsContext,
         set_id: int,
-        names: Names,
         wake: threading.Event,
         doorbell: Doorbell,
         tunables: Tunables,
-        spin_s: float,
-        timeline: TimelineSlot,
-        fail: Callable[[BaseException], None],
         planes: dict[str, DataPlane] | None = None,
     ) -> None:
-        """`wake`: the event `doorbell` sets when it rings; `fail(exc)`: what a failure does to the whole job (every
-        set's work fails). `planes`: the device planes whose collectives these rounds run (the world's)."""
+        """`wake`: the event `doorbell` sets when it rings. `planes`: the device planes whose collectives these
+        rounds run (the world's)."""
+        engine, settings, sets = context.engine, context.settings, context.sets
         self.set_id, self._engine, self._sets = set_id, engine, sets
         self.ranks = sets.members(set_id)
-        self.tunables, self._spin_s, self._timeline, self._fail_job = tunables, spin_s, timeline, fail
+        self.tunables, self._spin_s = tunables, context.spin_s
+        self._timeline, self._fail_job = context.timeline, context.fail
         self._wake, self._doorbell = wake, doorbell
         self._planes = {} if planes is None else planes
-        self._in_flight = InFlight(names)
+        self._in_flight = InFlight(context.names)
         self.executor = Executor(engine, lambda id_: sets[id_], tunables, self._planes)
         self._dispatcher = Dispatcher(
             engine.rank, self.executor, self._in_flight, self._planes, tunables, engine, self._run_control, self._joined
         )
         self._agreement = Agreement(
-            engine, lambda: sets[set_id].group, settings, sets.members, sets.index_in, set_id=set_id
+            engine, lambda: sets[set_id].group, settings, sets.members, sets.index_in, set_id, context.names
         )
         self._frozen = FrozenPeerInspector(engine, settings, set_id, None if set_id == 0 else self.ranks)
         self._idle = IdleSpells(doorbell, wake, self.ranks.index(engine.rank), self._has_own_work, self._between_wakes)
@@ -234,7 +244,7 @@ class SetRounds:
             if timeline:
                 timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
             self._agreement.announce(work)
-        self._agreement.shadow_held(self._in_flight.names)
+        self._agreement.shadow_held()
         self.rounds += 1
         joined = self._joined()
         flags = (SHUTDOWN if self._stop_requested else 0) | (BUSY if self._in_flight or joined else 0)
@@ -254,7 +264,7 @@ class SetRounds:
 
     def _run_control(self, response: Response, work: Work) -> Any:
         """A control collective's result, or a data one the executor runs alone (alltoall, barrier)."""
-        if response.kind == OpKind.JOIN and response.key[0] == self.set_id and self.set_id != 0:
+        if response.kind == OpKind.JOIN and self.set_id != 0:  # this set's own join
             self.joined = False
             return response.join_last_rank
         if response.kind in (OpKind.JOIN, OpKind.ADD_PROCESS_SET, OpKind.REMOVE_PROCESS_SET, OpKind.OPEN_CHANNEL):

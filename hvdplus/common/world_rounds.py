@@ -17,16 +17,13 @@ from hvdplus.common.agreement import STALL_ABORT, Agreement
 from hvdplus.common.autotune import TuningRun
 from hvdplus.common.buffer_ops import DataPlane, DeviceKind
 from hvdplus.common.control_collectives import ControlCollectives
-from hvdplus.common.engines.base import Doorbell, Engine
+from hvdplus.common.engines.base import Doorbell
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.executor import Work
 from hvdplus.common.frozen import ranks_that_shut_down
-from hvdplus.common.in_flight import Names
 from hvdplus.common.messages import Response
-from hvdplus.common.set_rounds import SetRounds
-from hvdplus.common.set_table import ProcessSetTable
-from hvdplus.common.settings import Settings
-from hvdplus.common.timeline import Timeline, TimelineSlot
+from hvdplus.common.set_rounds import RoundsContext, SetRounds
+from hvdplus.common.timeline import Timeline
 from hvdplus.common.topology import Topology
 from hvdplus.common.tunables import Tunables
 
@@ -39,7 +36,6 @@ log = logging.getLogger("hvdplus")
 class WorldEvents:
     """What the whole job's rounds tell the coordinator, which owns the sets' rounds."""
 
-    failed: Callable[[BaseException], None]  # a cycle or the doorbell failed: every set's work fails
     stopped: Callable[[HorovodInternalError], None]  # the rounds agreed to stop (shutdown, stall): why
     stopping: Callable[[bool], None]  # the thread stops: stop the sets' rounds (cleanly: after their final round)
     set_added: Callable[[int], None]  # collective over all ranks: a set was just registered
@@ -52,30 +48,24 @@ class WorldRounds(SetRounds):
 
     def __init__(
         self,
-        engine: Engine,
-        settings: Settings,
+        context: RoundsContext,
         topology: Topology,
-        sets: ProcessSetTable,
-        names: Names,
         wake: threading.Event,
         doorbell: Doorbell,
         tunables: Tunables,
-        spin_s: float,
-        timeline: TimelineSlot,
         planes: dict[str, DataPlane],
         device_kinds: dict[str, DeviceKind],
         events: WorldEvents,
     ) -> None:
         """`planes`: the device planes built so far, by kind (built here, at each kind's first collective)."""
         self._device_kinds, self._events = device_kinds, events
-        super().__init__(
-            engine, settings, sets, 0, names, wake, doorbell, tunables, spin_s, timeline, events.failed, planes
-        )
+        super().__init__(context, 0, wake, doorbell, tunables, planes)
+        engine, settings = context.engine, context.settings
         self.control = ControlCollectives(
             engine,
             settings,
             topology,
-            sets,
+            context.sets,
             device_kinds,
             planes,
             self.executor,
@@ -84,7 +74,7 @@ class WorldRounds(SetRounds):
             events.join_done,
         )
         self.tuning = (
-            TuningRun(tunables, settings, engine.rank, sets[0].hierarchy is not None, len(topology.hosts))
+            TuningRun(tunables, settings, engine.rank, context.sets[0].hierarchy is not None, len(topology.hosts))
             if settings.autotune
             else None
         )
