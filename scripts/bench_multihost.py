@@ -261,7 +261,7 @@ def autotune_worker(comm) -> dict:
     )
     hvd.init()
     started, steps = time.perf_counter(), 0
-    while not comm.bcast(runtime().coordinator.autotune_done if comm.rank == 0 else None):
+    while not comm.bcast(runtime().coordinator.counters.autotune_done if comm.rank == 0 else None):
         _steps_per_second(comm, hvd, tensors, 1)
         steps += 1
     search_s = time.perf_counter() - started
@@ -323,7 +323,7 @@ def worker(args: argparse.Namespace) -> None:
             hvd.init()
             for label, seconds in _time_mode(comm, hvd, tensors, mode, args.reps).items():
                 samples[mode][label].append(seconds)
-            runs[mode] = runtime().coordinator.hierarchical_runs
+            runs[mode] = runtime().coordinator.counters.hierarchical_runs
             hvd.shutdown()
     if comm.rank == 0:
         record = {

@@ -70,13 +70,13 @@ class _Rank:
     def __init__(self, engine: ThreadEngine, settings: Settings) -> None:
         self.engine = engine
         self.coordinator = Coordinator(engine, settings, Topology.single_host(engine.rank, engine.size))
-        self.clock = time.pthread_getcpuclockid(self.coordinator.thread_id)
+        self.clock = time.pthread_getcpuclockid(self.coordinator.counters.thread_id)
         self.submit_cpu = 0.0
 
     def snapshot(self) -> tuple[float, int, int]:
         """(hvdplus CPU s, cycles, bytes received) so far."""
-        thread_cpu = time.clock_gettime(self.clock) - self.engine.engine_cpu(self.coordinator.thread_id)
-        return thread_cpu + self.submit_cpu, self.coordinator.rounds, self.engine.bytes_received
+        thread_cpu = time.clock_gettime(self.clock) - self.engine.engine_cpu(self.coordinator.counters.thread_id)
+        return thread_cpu + self.submit_cpu, self.coordinator.counters.rounds, self.engine.bytes_received
 
     def step(self, names: list[str]) -> None:
         """Submit one allreduce per name, then wait for all (the CPU of the submits is counted)."""

@@ -26,10 +26,11 @@ from hvdplus.common.executor import Work
 from hvdplus.common.frozen import failure_of
 from hvdplus.common.handles import Handle
 from hvdplus.common.in_flight import Names
+from hvdplus.common.member_rounds import MemberRounds
 from hvdplus.common.messages import Request
 from hvdplus.common.negotiation import device_kind
-from hvdplus.common.ops import OpKind
-from hvdplus.common.set_rounds import RoundsContext, SetRounds
+from hvdplus.common.round_counters import RoundCounters
+from hvdplus.common.set_rounds import RoundsContext
 from hvdplus.common.set_table import ProcessSetTable
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline, TimelineSlot
@@ -75,20 +76,17 @@ class Coordinator:
         self._sets = ProcessSetTable(engine, settings, topology)
         self._names = Names()
         self._fatal: BaseException | None = None
-        self._set_rounds: dict[int, SetRounds] = {}  # the rounds of each process set this rank is in
-        self._set_joins: list[Handle] = []  # join() in those rounds, which the world's join waits for
         # Only the world's thread swaps the timeline; others write it (set_timeline).
         self._timeline = TimelineSlot(
             Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
         )
-        self._context = RoundsContext(
-            engine, settings, self._sets, self._names, self._spin_s, self._timeline, self._fail
-        )
+        context = RoundsContext(engine, settings, self._sets, self._names, self._spin_s, self._timeline, self._fail)
+        self._member = MemberRounds(context)
         wake = threading.Event()
         doorbell = engine.open_doorbell(wake.set)
         assert doorbell is not None  # every rank is in the world's
         self._world = WorldRounds(
-            self._context,
+            context,
             topology,
             wake,
             doorbell,
@@ -97,12 +95,13 @@ class Coordinator:
             self._device_kinds,
             WorldEvents(
                 self._stopped,
-                self._stop_set_rounds,
-                self._open_set_rounds,
-                self._close_set_rounds,
-                self._finish_set_joins,
+                lambda clean: self._member.stop(clean, self._fatal),
+                self._member.open,
+                self._member.close,
+                self._member.finish_joins,
             ),
         )
+        self.counters = RoundCounters(self._world, self._member.all, self._planes)
         self._world.thread.start()
 
     # ----------------------------------------------------------------- public, any thread
@@ -119,7 +118,7 @@ class Coordinator:
             )
         on_device = input is not None and not isinstance(input, np.ndarray)
         # Device tensors travel in the world's rounds, which own the device planes.
-        rounds = self._world if request.process_set == 0 or on_device else self._set_rounds.get(request.process_set)
+        rounds = self._world if request.process_set == 0 or on_device else self._member.get(request.process_set)
         if rounds is None:  # removed since the check above
             raise ValueError(f"process set {request.process_set} does not exist (it was removed or never added)")
         self._names.reserve(request)
@@ -135,7 +134,7 @@ class Coordinator:
         """Called by join(), before it submits: from now on this rank contributes zeros to every allreduce, in the
         world's rounds and in those of each of its process sets."""
         self._world.control.joined = True
-        self._set_joins = [rounds.join() for rounds in list(self._set_rounds.values())]
+        self._member.join()
 
     @property
     def timeline(self) -> Timeline | None:
@@ -168,73 +167,10 @@ class Coordinator:
             # transport's own timeout: do not hold the process's exit for it (the thread is a daemon).
             self._world.thread.join(_FAILED_JOIN_S if self._fatal is not None else None)
 
-    # ----------------------------------------------------------------- counters (tests, benchmarks)
-    @property
-    def _all_rounds(self) -> list[SetRounds]:
-        return [self._world, *self._set_rounds.values()]
-
-    @property
-    def rounds(self) -> int:
-        """Control rounds run so far, in every set's rounds (a test checks that idle ranks run none)."""
-        return sum(rounds.rounds for rounds in self._all_rounds)
-
-    @property
-    def graces_skipped(self) -> int:
-        """Rings this rank joined at once, having had no work of its own lately (common/idle_spells.py)."""
-        return sum(rounds.graces_skipped for rounds in self._all_rounds)
-
-    @property
-    def driven_cycles(self) -> int:
-        """Cycles run so far by threads waiting for a collective rather than by the background threads."""
-        return sum(rounds.cycles.driven for rounds in self._all_rounds)
-
-    @property
-    def busy(self) -> bool:
-        """Whether collectives of this rank are queued or in flight."""
-        return any(rounds.busy for rounds in self._all_rounds)
-
-    @property
-    def largest_batch(self) -> dict[OpKind, int]:
-        """The most collectives of each kind that one engine call carried so far (fusion tests read it)."""
-        largest: dict[OpKind, int] = {}
-        for rounds in self._all_rounds:
-            for kind, count in rounds.executor.largest_batch.items():
-                largest[kind] = max(count, largest.get(kind, 0))
-        return largest
-
-    @property
-    def plane_runs(self) -> dict[str, int]:
-        """Engine calls run on each device plane so far, by plane name (tests check the device path ran)."""
-        return dict(self._world.executor.plane_runs)
-
-    @property
-    def plane_tensors(self) -> dict[str, int]:
-        """Tensors those engine calls carried, by plane name (more tensors than calls: fusion happened)."""
-        return dict(self._world.executor.plane_tensors)
-
-    @property
-    def built_planes(self) -> tuple[str, ...]:
-        """The device planes built so far: each at its device kind's first collective."""
-        return tuple(plane.name for plane in self._planes.values())
-
     def plane_engine(self, kind: str) -> Any | None:
         """The engine of device kind `kind`'s plane, once built (the planned path opens its groups on it)."""
         plane = self._planes.get(kind)
         return None if plane is None else plane.engine
-
-    @property
-    def hierarchical_runs(self) -> dict[str, int]:
-        """Engine calls run hierarchically so far, by kind and cross-host algorithm (tests and benchmarks)."""
-        runs: dict[str, int] = {}
-        for rounds in self._all_rounds:
-            for kind, count in rounds.executor.hierarchical_runs.items():
-                runs[kind] = runs.get(kind, 0) + count
-        return runs
-
-    @property
-    def autotune_done(self) -> bool:
-        """On rank 0 with autotune on: whether the search has settled on its best configuration."""
-        return self._world.tuning is not None and self._world.tuning.done
 
     @property
     def running(self) -> bool:
@@ -245,12 +181,6 @@ class Coordinator:
         """Why this rank's collectives can no longer run (a failure, a shutdown); None while they can."""
         return self._fatal
 
-    @property
-    def thread_id(self) -> int | None:
-        """The world's thread's ident (benchmarks read its CPU clock: an idle job's, since while the ranks are
-        busy threads that wait for collectives run most cycles)."""
-        return self._world.thread.ident
-
     # ----------------------------------------------------------------- what the world's rounds call
     def _fail(self, exc: BaseException) -> None:
         """A cycle or a doorbell failed (engine failure, a failed or frozen peer): every pending and future call
@@ -259,42 +189,9 @@ class Coordinator:
         log.error("hvdplus background thread failed: %s", error)
         if self._fatal is None:
             self._fatal = error
-        for rounds in self._all_rounds:
+        for rounds in [self._world, *self._member.all()]:
             rounds.abandon(error)
 
     def _stopped(self, error: HorovodInternalError) -> None:
         """The whole job's rounds agreed to stop (a shutdown, a stall): why collectives can no longer run."""
         self._fatal = error
-
-    def _stop_set_rounds(self, clean: bool) -> None:
-        """The world's thread is stopping: stop each set's rounds, after a final round of its members (`clean`: they
-        all stop in this same world round), or at once (a failure)."""
-        for rounds in self._set_rounds.values():
-            if clean:
-                rounds.stop(str(self._fatal))
-            else:
-                rounds.abandon(HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}"))
-
-    def _open_set_rounds(self, set_id: int) -> None:
-        """Collective over all ranks, as a process set is added: its own rounds, on its members."""
-        wake = threading.Event()
-        doorbell = self._engine.open_doorbell(wake.set, self._sets.members(set_id))
-        if doorbell is None:  # not a member
-            return
-        # Autotune tunes the world's rounds only: a set's keep the configured values.
-        rounds = SetRounds(self._context, set_id, wake, doorbell, Tunables.from_settings(self._settings))
-        self._set_rounds[set_id] = rounds
-        rounds.thread.start()
-
-    def _close_set_rounds(self, set_id: int) -> None:
-        """Collective over all ranks, as a process set is removed: its members stop its rounds together."""
-        rounds = self._set_rounds.pop(set_id, None)
-        if rounds is not None:
-            rounds.stop(f"process set {set_id} was removed")
-
-    def _finish_set_joins(self) -> None:
-        """The world's join completed: wait for this rank's join in each of its sets' rounds, which every member
-        submitted before the world's, so that work submitted after join() returns meets no joined rank there."""
-        joins, self._set_joins = self._set_joins, []
-        for handle in joins:
-            handle.wait()

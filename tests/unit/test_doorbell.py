@@ -55,7 +55,7 @@ def _wait_until_idle(coordinators: list[Coordinator]) -> list[int]:
     rounds, deadline = None, time.monotonic() + 10
     while time.monotonic() < deadline:
         time.sleep(0.05)
-        now = [c.rounds for c in coordinators]
+        now = [c.counters.rounds for c in coordinators]
         if now == rounds:
             return now
         rounds = now
@@ -65,7 +65,7 @@ def _wait_until_idle(coordinators: list[Coordinator]) -> list[int]:
 def test_idle_ranks_run_no_rounds_until_the_last_rank_submits(coordinators):
     idle = _wait_until_idle(coordinators)
     time.sleep(0.3)
-    assert [c.rounds for c in coordinators] == idle
+    assert [c.counters.rounds for c in coordinators] == idle
     outputs = [np.empty(2, np.float32) for _ in coordinators]
 
     def submit(c: Coordinator):
@@ -73,7 +73,7 @@ def test_idle_ranks_run_no_rounds_until_the_last_rank_submits(coordinators):
 
     handles = [submit(coordinators[-1])]  # not rank 0: its ring reaches the others through rank 0
     time.sleep(0.1)  # the others join the round the ring names, and keep rounds running until they submit
-    assert all(c.rounds > r for c, r in zip(coordinators, idle))
+    assert all(c.counters.rounds > r for c, r in zip(coordinators, idle))
     handles += [submit(c) for c in coordinators[:-1]]
     for handle in handles:
         handle.wait(10)

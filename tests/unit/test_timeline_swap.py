@@ -124,10 +124,10 @@ def test_an_idle_job_swaps_without_a_round_and_a_stopped_one_at_once(tmp_path):
         for handle, _ in pending:
             handle.wait(10)
         time.sleep(0.3)  # the round after the last work finds nothing: every rank sleeps
-        rounds = [c.rounds for c in coordinators]
+        rounds = [c.counters.rounds for c in coordinators]
         coordinators[0].set_timeline(Timeline(str(tmp_path / "idle.json")))
         coordinators[0].set_timeline(None)
-        assert [c.rounds for c in coordinators] == rounds
+        assert [c.counters.rounds for c in coordinators] == rounds
         assert json.loads((tmp_path / "idle.json").read_text()) == []
     finally:
         for coordinator in coordinators:

@@ -56,26 +56,26 @@ def check_allgather(process_set, tag):
 
 check_allreduce(hvd.global_process_set, "global")
 check_allgather(hvd.global_process_set, "global")
-runs = runtime().coordinator.hierarchical_runs
+runs = runtime().coordinator.counters.hierarchical_runs
 if expect == "flat":
     assert not runs, runs
 else:
     assert runs.get(f"allreduce/{expect}", 0) >= 2, runs  # the 1 MiB buffer: sum and average (bfloat16 too if 1)
     assert runs.get("allgather", 0) >= 2, runs  # the lone allgather and the fused batch
 if evens.included():  # one rank per host (2 hosts), or hosts with different counts (3): flat
-    before = runtime().coordinator.hierarchical_runs
+    before = runtime().coordinator.counters.hierarchical_runs
     check_allreduce(evens, "evens")
-    assert runtime().coordinator.hierarchical_runs == before
+    assert runtime().coordinator.counters.hierarchical_runs == before
 if everyone_but_last.included():  # the last host is a rank short: flat, with a logged reason
-    before = runtime().coordinator.hierarchical_runs
+    before = runtime().coordinator.counters.hierarchical_runs
     check_allreduce(everyone_but_last, "but_last")
     check_allgather(everyone_but_last, "but_last")
-    assert runtime().coordinator.hierarchical_runs == before
+    assert runtime().coordinator.counters.hierarchical_runs == before
 if but_first_host.included():  # hierarchical without rank 0 where it spans 2+ equal hosts, else flat
-    before = runtime().coordinator.hierarchical_runs
+    before = runtime().coordinator.counters.hierarchical_runs
     check_allreduce(but_first_host, "but_first")
     check_allgather(but_first_host, "but_first")
-    after = runtime().coordinator.hierarchical_runs
+    after = runtime().coordinator.counters.hierarchical_runs
     if expect != "flat" and len(slots) > 2:
         assert after.get(f"allreduce/{expect}", 0) >= before.get(f"allreduce/{expect}", 0) + 2, (before, after)
         assert after.get("allgather", 0) >= before.get("allgather", 0) + 2, (before, after)

@@ -21,15 +21,15 @@ def test_idle_ranks_run_no_control_rounds(hvd):
     more after the others, which then ended theirs and started the next allreduce, whose rounds it counted."""
     from hvdplus.common.basics import runtime
 
-    coordinator = runtime().coordinator
+    counters = runtime().coordinator.counters
     start = hvd.broadcast_object(time.time() + 1.0, root_rank=0)
     time.sleep(max(0.0, start - time.time()))
-    before = coordinator.rounds
+    before = counters.rounds
     time.sleep(max(0.0, start + 1.0 - time.time()))
     # One late ring (a peer slowed on 2 shared cores) may still cost one round.
-    assert coordinator.rounds - before <= 1, f"{coordinator.rounds - before} control rounds in an idle second"
+    assert counters.rounds - before <= 1, f"{counters.rounds - before} control rounds in an idle second"
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum, name="after.idle").item() == hvd.size()
-    assert coordinator.rounds > before
+    assert counters.rounds > before
 
 
 @pytest.mark.parametrize("left_out", ["last", "first"])
@@ -64,16 +64,16 @@ def test_a_rank_left_out_of_its_peers_collectives_stops_holding_them_back(hvd):
     for a data-parallel peer's gradients to come) and joins at once. The members' sums stay right either way."""
     from hvdplus.common.basics import runtime
 
-    coordinator = runtime().coordinator
-    in_world_rounds = CPU_TEST_KIND in coordinator.device_kinds  # CPU tensors on a device plane
+    counters = runtime().coordinator.counters
+    in_world_rounds = CPU_TEST_KIND in runtime().coordinator.device_kinds  # CPU tensors on a device plane
     others = hvd.add_process_set(list(range(1, hvd.size())))
     try:
         hvd.barrier()
         calls = 10
-        skipped, rounds = coordinator.graces_skipped, coordinator.rounds
+        skipped, rounds = counters.graces_skipped, counters.rounds
         if hvd.rank() == 0:
             time.sleep(calls * 0.03)  # while the members still work (then they wait in the barrier, which needs it)
-            ran = coordinator.rounds - rounds
+            ran = counters.rounds - rounds
             time.sleep(calls * 0.05)
         else:
             for step in range(calls):
@@ -82,7 +82,7 @@ def test_a_rank_left_out_of_its_peers_collectives_stops_holding_them_back(hvd):
                 assert total.tolist() == [float(step * (hvd.size() - 1))] * 2
         hvd.barrier()
         if hvd.rank() == 0 and in_world_rounds:  # rings that came while rank 0 slept still woke it one by one
-            assert coordinator.graces_skipped - skipped >= 2, coordinator.graces_skipped - skipped
+            assert counters.graces_skipped - skipped >= 2, counters.graces_skipped - skipped
         elif hvd.rank() == 0:
             assert ran <= 1, f"rank 0 ran {ran} rounds for a set it is not in"  # 1: the barrier's last (idle) one
     finally:
@@ -95,13 +95,13 @@ def test_a_blocking_collective_runs_its_cycle_on_the_callers_thread(hvd):
     Each gives every rank the right sum."""
     from hvdplus.common.basics import runtime
 
-    coordinator = runtime().coordinator
+    counters = runtime().coordinator.counters
     hvd.allreduce(torch.ones(1), name="driven.warmup")  # negotiated once; busy from here while calls follow
-    driven = coordinator.driven_cycles
+    driven = counters.driven_cycles
     calls = 50
     for step in range(calls):
         total = hvd.allreduce(torch.full((4,), float(step + hvd.rank())), op=hvd.Sum, name="driven")
         assert total.tolist() == [float(hvd.size() * step + sum(range(hvd.size())))] * 4
     # A call after an idle spell (a peer descheduled on 2 shared cores for longer than the cycle time) goes
     # through the background thread's doorbell; most must not.
-    assert coordinator.driven_cycles - driven >= calls // 2, coordinator.driven_cycles - driven
+    assert counters.driven_cycles - driven >= calls // 2, counters.driven_cycles - driven

@@ -64,7 +64,7 @@ def test_grouped_calls_with_different_numbers_of_tensors(hvd, packed):
     # The member only rank 1 submitted failed too: nothing is left in flight to keep the background thread busy.
     from hvdplus.common.basics import runtime
 
-    assert not runtime().coordinator.busy
+    assert not runtime().coordinator.counters.busy
 
 
 def test_mismatched_kinds(hvd):

@@ -106,7 +106,7 @@ def test_many_small_reducescatters_and_allgathers_fuse(hvd):
         np.testing.assert_array_equal(
             handle.wait(), np.concatenate([member_input(r, r + 1, float(i)) for r in range(n)])
         )
-    largest = runtime().coordinator.largest_batch
+    largest = runtime().coordinator.counters.largest_batch
     assert largest.get(OpKind.REDUCESCATTER, 0) >= 2 and largest.get(OpKind.ALLGATHER, 0) >= 2, largest
 
 

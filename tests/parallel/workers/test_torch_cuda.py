@@ -36,14 +36,14 @@ def cuda(hvd):
 
 
 def nccl_runs() -> int:
-    return runtime().coordinator.plane_runs.get(cuda_plane(), 0)
+    return runtime().coordinator.counters.plane_runs.get(cuda_plane(), 0)
 
 
 def test_nccl_is_the_plane_for_cuda(hvd, cuda):
     assert hvd.nccl_built() or cuda_plane() == "cudagloo"
     assert "cuda" in runtime().coordinator.device_kinds
     hvd.allreduce(torch.ones(1, device=cuda), name="cuda.first")
-    assert cuda_plane() in runtime().coordinator.built_planes
+    assert cuda_plane() in runtime().coordinator.counters.built_planes
 
 
 def test_fused_input_written_on_a_side_stream_is_waited_for(hvd, cuda):
@@ -75,15 +75,15 @@ def test_allreduce_stays_on_the_gpu(hvd, cuda, dtype):
 
 
 def test_fused_allreduces_and_grouped_on_the_gpu(hvd, cuda):
-    coordinator = runtime().coordinator
-    runs, tensors = nccl_runs(), coordinator.plane_tensors.get(cuda_plane(), 0)
+    counters = runtime().coordinator.counters
+    runs, tensors = nccl_runs(), counters.plane_tensors.get(cuda_plane(), 0)
     handles = [
         hvd.allreduce_async(torch.full((1000,), float(k), device=cuda), name=f"cuda.fuse.{k}", op=hvd.Average)
         for k in range(16)
     ]
     for k, handle in enumerate(handles):
         assert torch.equal(hvd.synchronize(handle).cpu(), torch.full((1000,), float(k)))
-    assert coordinator.plane_tensors[cuda_plane()] - tensors == 16 and nccl_runs() - runs < 16  # fused on the GPU
+    assert counters.plane_tensors[cuda_plane()] - tensors == 16 and nccl_runs() - runs < 16  # fused on the GPU
     grouped = hvd.grouped_allreduce([torch.ones(3, device=cuda), torch.ones(5, device=cuda) * 2], op=hvd.Sum)
     assert [g.device for g in grouped] == [cuda, cuda]
     assert grouped[1].cpu().tolist() == [2.0 * hvd.size()] * 5

@@ -21,11 +21,11 @@ pytestmark = pytest.mark.skipif(
 
 
 def plane_runs() -> int:
-    return runtime().coordinator.plane_runs.get("torchgloo", 0)
+    return runtime().coordinator.counters.plane_runs.get("torchgloo", 0)
 
 
 def plane_tensors() -> int:
-    return runtime().coordinator.plane_tensors.get("torchgloo", 0)
+    return runtime().coordinator.counters.plane_tensors.get("torchgloo", 0)
 
 
 def test_the_plane_is_built_at_its_first_collective(hvd):
@@ -34,7 +34,7 @@ def test_the_plane_is_built_at_its_first_collective(hvd):
     coordinator = runtime().coordinator
     assert coordinator.device_kinds == ("torchcpu",)
     hvd.allreduce(torch.ones(1), op=hvd.Sum, name="plane.first")
-    assert coordinator.built_planes == ("torchgloo",)
+    assert coordinator.counters.built_planes == ("torchgloo",)
 
 
 def test_allreduce_runs_on_the_plane_in_place(hvd):

@@ -109,7 +109,7 @@ def test_planned_steps_match_negotiated_with_no_copies_and_no_rounds(hvd):
     def count_rounds(step: int) -> None:
         if step == 1:  # let the background thread finish the round after the agreement (it finds no more work)
             time.sleep(0.1)
-        rounds.append(runtime().coordinator.rounds)
+        rounds.append(runtime().coordinator.counters.rounds)
 
     with planned(True):
         model, optimizer = train(hvd, "plan.a", after=count_rounds)
@@ -233,7 +233,7 @@ def test_process_set_without_rank_0(hvd):
         for enabled in (False, True):
             hvd.barrier()
             time.sleep(0.05)  # the barrier's last round, in which every rank finds no more work
-            before = runtime().coordinator.rounds
+            before = runtime().coordinator.counters.rounds
             done = np.zeros(1, dtype=np.int64)
             if hvd.rank() != 0:
                 with planned(enabled):
@@ -242,7 +242,7 @@ def test_process_set_without_rank_0(hvd):
                     channel.isend(done, 0, 0).wait(lambda: None)
             else:
                 channel.irecv(done, 1, 0).wait(lambda: None)
-                rounds = runtime().coordinator.rounds - before
+                rounds = runtime().coordinator.counters.rounds - before
                 kind = "planned" if enabled else "negotiated"
                 if not in_world_rounds:
                     assert rounds == 0, f"rank 0 ran {rounds} control rounds during {LONG} {kind} steps of others"

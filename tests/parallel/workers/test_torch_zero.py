@@ -105,7 +105,7 @@ def test_matches_single_process_adamw_and_holds_one_nth_of_the_state(hvd, passes
     moments = sum(state["exp_avg"].numel() for state in optimizer.state.values())
     assert moments in (total // hvd.size(), total // hvd.size() + 1)  # this rank's shard, not the model
     assert all(p.grad is None for p in model.parameters())  # the gradients live in the flat buffer
-    assert runtime().coordinator.largest_batch.get(OpKind.REDUCESCATTER, 0) >= 1
+    assert runtime().coordinator.counters.largest_batch.get(OpKind.REDUCESCATTER, 0) >= 1
 
 
 def test_two_param_groups_with_their_own_lr_and_a_frozen_parameter(hvd):
