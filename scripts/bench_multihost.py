@@ -12,6 +12,8 @@ host with `hvdplusrun -H hostA:L,hostB:L --mpi`, for each shape H x L. Every ran
    never timed beside a running hvdplus:
      flat            HOROVOD_HIERARCHICAL_ALLREDUCE=0
      hierarchical    =1, the cross-host step chosen by hvdplus (halving-doubling for 2 hosts)
+     hier-unchunked  =1, as hierarchical but never pipelined in chunks (HVDPLUS_HIERARCHICAL_CHUNK_BYTES=0;
+                     hierarchical pipelines buffers of two chunks or more, --chunk-bytes)
      hier-engine     =1, the cross-host step left to Open MPI's Allreduce
      flat-fp16, hierarchical-fp16    the same with Compression.fp16
    A time is the slowest rank's, per call; reported numbers are medians over rounds (and over runs).
@@ -51,12 +53,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = {  # name: (HOROVOD_HIERARCHICAL_ALLREDUCE, cross algorithm, compression)
-    "flat": ("0", "auto", "none"),
-    "hierarchical": ("1", "auto", "none"),
-    "hier-engine": ("1", "engine", "none"),
-    "flat-fp16": ("0", "auto", "fp16"),
-    "hierarchical-fp16": ("1", "auto", "fp16"),
+MODES = {  # name: (HOROVOD_HIERARCHICAL_ALLREDUCE, cross algorithm, compression, HVDPLUS_HIERARCHICAL_CHUNK_BYTES)
+    "flat": ("0", "auto", "none", ""),
+    "hierarchical": ("1", "auto", "none", ""),
+    "hier-unchunked": ("1", "auto", "none", "0"),
+    "hier-engine": ("1", "engine", "none", ""),
+    "flat-fp16": ("0", "auto", "fp16", ""),
+    "hierarchical-fp16": ("1", "auto", "fp16", ""),
 }
 SIZES = {"64K": 1 << 16, "1M": 1 << 20, "16M": 1 << 24, "64M": 1 << 26, "256M": 1 << 28}
 GLOO_PORT = 29555  # rank 0's store for the raw torch.distributed baseline in --engine gloo jobs
@@ -314,9 +317,10 @@ def worker(args: argparse.Namespace) -> None:
             samples["raw"][label].append(_time_raw(comm, array, args.reps))
         order = modes if round_index % 2 == 0 else modes[::-1]
         for mode in order:
-            hierarchical, algorithm, _ = MODES[mode]
+            hierarchical, algorithm, _, chunk_bytes = MODES[mode]
             os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = hierarchical
             os.environ["HVDPLUS_CROSS_ALGORITHM"] = algorithm
+            os.environ["HVDPLUS_HIERARCHICAL_CHUNK_BYTES"] = chunk_bytes or str(args.chunk_bytes)
             import hvdplus.torch as hvd
             from hvdplus.common.basics import runtime
 
@@ -350,7 +354,8 @@ def _job(topology, hosts: int, local: int, args: argparse.Namespace, out: Path) 
         f"{sys.executable} {Path(__file__).resolve()} --worker --engine {args.engine} "
         f"--master {topology.hosts[0].addr} "
         f"--hosts {hosts} --local {local} --sizes {args.sizes} --modes {args.modes} "
-        f"--rounds {args.rounds} --reps {args.reps} --out {out}" + (" --autotune" if args.autotune else "")
+        f"--rounds {args.rounds} --reps {args.reps} --chunk-bytes {args.chunk_bytes} --out {out}"
+        + (" --autotune" if args.autotune else "")
     )
     started = time.time()
     done = subprocess.run(
@@ -517,6 +522,13 @@ def main() -> None:
         "--autotune",
         action="store_true",
         help="instead: a training-like step under a grid of fixed settings and under autotune",
+    )
+    parser.add_argument(
+        "--chunk-bytes",
+        type=int,
+        default=4 << 20,
+        help="HVDPLUS_HIERARCHICAL_CHUNK_BYTES of the modes that may pipeline (default: hvdplus's, 4 MiB; "
+        "hier-unchunked: 0)",
     )
     parser.add_argument("--job-timeout", type=float, default=1800)
     parser.add_argument("--json", help="write the summary and every record here (adding to an earlier file)")

@@ -229,7 +229,14 @@ class Executor:
         if hierarchical:
             with self._activity("HIERARCHICAL_ALLREDUCE"), self._substeps() as mark:
                 ran = hierarchical_allreduce(
-                    self._engine, process_set.hierarchy, buffer, request.dtype, op, self._tunables.cross_algorithm, mark
+                    self._engine,
+                    process_set.hierarchy,
+                    buffer,
+                    request.dtype,
+                    op,
+                    self._tunables.cross_algorithm,
+                    mark,
+                    self._tunables.hierarchical_chunk_bytes,
                 )
             self._ran_hierarchical(f"allreduce/{ran}")
         else:

@@ -5,7 +5,9 @@ Across hosts each rank moves 1/local_size of the buffer, so the link carries the
 once per rank pair a host-blind algorithm happens to route over it. The cross-host step is chosen, not left to
 the library's default: ring, or recursive halving then doubling (Rabenseifner), both built from the engine's
 point-to-point `sendrecv`, which keep both directions of the link busy at once (a library's reduce-then-broadcast
-uses one direction at a time).
+uses one direction at a time). A buffer of several chunks (HVDPLUS_HIERARCHICAL_CHUNK_BYTES) is pipelined: each
+chunk's cross-host step runs on a thread of its own (common/cross_lane.py) while the next chunk is reduced within
+the host and the previous one gathered, so the link is not idle during the local steps.
 
 Allgather (Horovod's HOROVOD_HIERARCHICAL_ALLGATHER): gather within each host, exchange whole host blocks
 between the local rank 0s, broadcast within each host.
@@ -13,6 +15,7 @@ between the local rank 0s, broadcast within each host.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from hvdplus.common import halfops
+from hvdplus.common.cross_lane import CrossLane, LaneStep
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.layout import balanced_counts
 from hvdplus.common.ops import ReduceOp
@@ -60,6 +64,7 @@ class HierarchicalGroups:
     cross_rank: int  # this rank's host, in order of the hosts' lowest ranks
     host_members: tuple[tuple[int, ...], ...]  # per host: the set indices of its ranks, ascending
     contiguous: bool  # every host's ranks are consecutive in set order (hierarchical allgather needs it)
+    lane: CrossLane  # where a pipelined allreduce runs its cross-host steps
 
 
 def hierarchical_groups(
@@ -99,7 +104,11 @@ def hierarchical_groups(
     host, local_rank = next(
         (h, members.index(engine.rank)) for h, members in enumerate(hosts.values()) if engine.rank in members
     )
-    return HierarchicalGroups(local, cross, local_size, local_rank, len(hosts), host, host_members, contiguous), ""
+    lane = CrossLane(f"hvdplus-cross-{ranks[0]}-{len(ranks)}")
+    return (
+        HierarchicalGroups(local, cross, local_size, local_rank, len(hosts), host, host_members, contiguous, lane),
+        "",
+    )
 
 
 def resolve_algorithm(algorithm: str, hosts: int, nbytes: int, engine: str = "mpi") -> str:
@@ -123,24 +132,98 @@ def hierarchical_allreduce(
     op: ReduceOp,
     algorithm: str = "auto",
     mark: Callable[[str], None] = _no_mark,
+    chunk_bytes: int = 0,
 ) -> str:
     """Reduce `buffer` in place over the whole set in three steps; the result equals a flat allreduce. Slices
-    may differ by one element, so no padding copy is made. Returns the cross-host algorithm that ran; `mark`
-    is called as each step starts (the timeline's sub-steps)."""
+    may differ by one element, so no padding copy is made. Returns the cross-host algorithm that ran, prefixed
+    'pipelined-' when chunks were; `mark` is called as each step starts (the timeline's sub-steps). `chunk_bytes`:
+    a buffer of at least two such chunks is pipelined (0: never)."""
+    chunks = _chunks(buffer, chunk_bytes, groups.local_size)
+    if len(chunks) > 1:
+        return "pipelined-" + _pipelined_allreduce(engine, groups, chunks, dtype, op, algorithm, mark)
     counts = balanced_counts(buffer.size, groups.local_size)
     start = sum(counts[: groups.local_rank])
     mark("LOCAL_REDUCESCATTER")
-    local = resolve_algorithm("auto", groups.local_size, buffer.nbytes // groups.local_size)
-    if local == "engine":
-        engine.reducescatter(None, buffer, counts, dtype, op, groups.local)
-    else:
-        p2p_reducescatter(engine, groups.local, groups.local_rank, groups.local_size, buffer, counts, dtype, op, local)
+    _local_reducescatter(engine, groups, buffer, counts, dtype, op)
     shard = buffer[start : start + counts[groups.local_rank]]
     mark("CROSS_ALLREDUCE")
     ran = cross_allreduce(engine, groups.cross, groups.cross_rank, groups.cross_size, shard, dtype, op, algorithm)
     mark("LOCAL_ALLGATHER")
     engine.allgather(None, buffer, counts, groups.local)
     return ran
+
+
+def _local_reducescatter(
+    engine: Engine, groups: HierarchicalGroups, buffer: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp
+) -> None:
+    """The first step: afterwards this rank's run of `buffer` (counts[local_rank]) holds its host's sum."""
+    local = resolve_algorithm("auto", groups.local_size, buffer.nbytes // groups.local_size)
+    if local == "engine":
+        engine.reducescatter(None, buffer, counts, dtype, op, groups.local)
+    else:
+        p2p_reducescatter(engine, groups.local, groups.local_rank, groups.local_size, buffer, counts, dtype, op, local)
+
+
+def _chunks(buffer: np.ndarray, chunk_bytes: int, local_size: int) -> list[np.ndarray]:
+    """`buffer` cut into runs of about `chunk_bytes` (none under half of it, none with fewer elements than the
+    host has ranks), or `buffer` whole."""
+    if chunk_bytes <= 0:
+        return [buffer]
+    pieces = min(buffer.nbytes // chunk_bytes, buffer.size // max(local_size, 1))
+    if pieces < 2:
+        return [buffer]
+    offsets = np.concatenate([[0], np.cumsum(balanced_counts(buffer.size, int(pieces)))]).tolist()
+    return [buffer[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
+
+
+def _pipelined_allreduce(
+    engine: Engine,
+    groups: HierarchicalGroups,
+    chunks: Sequence[np.ndarray],
+    dtype: str,
+    op: ReduceOp,
+    algorithm: str,
+    mark: Callable[[str], None],
+) -> str:
+    """The three steps chunk by chunk, one cross-host step in flight on the set's lane: chunk k crosses the link
+    while chunk k+1 is reduced within the host and chunk k-1 gathered. Every rank runs the same calls in the same
+    order on each group. Returns the cross-host algorithm (that of the chunks, which are of one size give or take
+    an element)."""
+    ran: list[str] = []
+
+    def cross(shard: np.ndarray) -> None:
+        ran.append(
+            cross_allreduce(engine, groups.cross, groups.cross_rank, groups.cross_size, shard, dtype, op, algorithm)
+        )
+
+    in_flight: tuple[np.ndarray, list[int], LaneStep] | None = None
+    for chunk in chunks:
+        counts = balanced_counts(chunk.size, groups.local_size)
+        start = sum(counts[: groups.local_rank])
+        mark("LOCAL_REDUCESCATTER")
+        _local_reducescatter(engine, groups, chunk, counts, dtype, op)
+        shard = chunk[start : start + counts[groups.local_rank]]
+        crossing = (chunk, counts, groups.lane.start(functools.partial(cross, shard)))
+        if in_flight is not None:
+            _gather_when_crossed(engine, groups, *in_flight, mark)
+        in_flight = crossing
+    assert in_flight is not None
+    _gather_when_crossed(engine, groups, *in_flight, mark)
+    return ran[0]
+
+
+def _gather_when_crossed(
+    engine: Engine,
+    groups: HierarchicalGroups,
+    chunk: np.ndarray,
+    counts: list[int],
+    crossing: LaneStep,
+    mark: Callable[[str], None],
+) -> None:
+    mark("CROSS_ALLREDUCE_WAIT")
+    crossing.wait()
+    mark("LOCAL_ALLGATHER")
+    engine.allgather(None, chunk, counts, groups.local)
 
 
 def cross_allreduce(

@@ -147,6 +147,15 @@ SETTINGS: tuple[Setting, ...] = (
         "HVDPLUS_CROSS_ALGORITHM",
     ),
     Setting(
+        "hierarchical_chunk_bytes",
+        int,
+        4 * 1024 * 1024,
+        "A hierarchical allreduce of at least two chunks of this many bytes is pipelined: each chunk's cross-host "
+        "step is in flight while the next is reduced within the host (cross_algorithm 'auto' or 'engine'; "
+        "0: never).",
+        "HVDPLUS_HIERARCHICAL_CHUNK_BYTES",
+    ),
+    Setting(
         "autotune",
         _parse_bool,
         False,
@@ -458,6 +467,7 @@ class Settings:
     hierarchical_allreduce: bool = False
     hierarchical_allgather: bool = False
     cross_algorithm: str = "auto"
+    hierarchical_chunk_bytes: int = 4 * 1024 * 1024
     autotune: bool = False
     autotune_log: str = ""
     autotune_warmup_samples: int = 3
@@ -485,6 +495,8 @@ class Settings:
             raise ValueError(f"bucket_bytes must be >= 0 bytes, got {self.bucket_bytes}")
         if self.cycle_time_ms <= 0:
             raise ValueError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")
+        if self.hierarchical_chunk_bytes < 0:
+            raise ValueError(f"hierarchical_chunk_bytes must be >= 0, got {self.hierarchical_chunk_bytes}")
         if self.cross_algorithm not in CROSS_ALGORITHMS:
             raise ValueError(f"cross_algorithm must be one of {CROSS_ALGORITHMS}, got {self.cross_algorithm!r}")
         if self.autotune_warmup_samples < 0:

@@ -21,6 +21,7 @@ class Tunables:
     hierarchical_allreduce: bool
     hierarchical_allgather: bool
     cross_algorithm: str
+    hierarchical_chunk_bytes: int  # not tuned
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Tunables:

@@ -54,6 +54,14 @@ def check_allgather(process_set, tag):
         torch.testing.assert_close(hvd.synchronize(handle), expected + i)
 
 
+def check_pipelined(tag):
+    """16 MiB and 12 bytes: four chunks of the default HVDPLUS_HIERARCHICAL_CHUNK_BYTES, uneven, pipelined (the
+    cross-host steps on a thread of their own). The sums are exact in float32."""
+    pattern = torch.arange((1 << 22) + 3, dtype=torch.float32) % 1000
+    total = hvd.allreduce(pattern * (hvd.rank() + 1), op=hvd.Sum, name=f"{tag}.pipelined")
+    torch.testing.assert_close(total, pattern * sum(r + 1 for r in range(size)), rtol=0, atol=0)
+
+
 check_allreduce(hvd.global_process_set, "global")
 check_allgather(hvd.global_process_set, "global")
 runs = runtime().coordinator.counters.hierarchical_runs
@@ -62,6 +70,11 @@ if expect == "flat":
 else:
     assert runs.get(f"allreduce/{expect}", 0) >= 2, runs  # the 1 MiB buffer: sum and average (bfloat16 too if 1)
     assert runs.get("allgather", 0) >= 2, runs  # the lone allgather and the fused batch
+    assert f"allreduce/pipelined-{expect}" not in runs, runs  # 1 MiB: under two chunks
+check_pipelined("global")
+if expect != "flat":
+    before, runs = runs, runtime().coordinator.counters.hierarchical_runs
+    assert runs.get(f"allreduce/pipelined-{expect}", 0) == 1, (before, runs)
 if evens.included():  # one rank per host (2 hosts), or hosts with different counts (3): flat
     before = runtime().coordinator.counters.hierarchical_runs
     check_allreduce(evens, "evens")

@@ -1,0 +1,64 @@
+"""A thread that runs one process set's cross-host steps, one after another, while the rounds' thread goes on.
+
+A pipelined hierarchical allreduce (common/hierarchical.py) keeps one chunk's cross-host allreduce in flight while
+the next chunk is reduced within the host. Engines' own non-blocking allreduces do not serve: Open MPI's picks a
+reduce-then-broadcast for in-place calls on fewer than 4 ranks, which uses one direction of the link at a time,
+and hvdplus's own cross-host algorithms are sequences of blocking exchanges. So the steps run, blocking, on a
+thread of their own, on the cross-host group, which no other thread uses; the engines allow that (MPI is
+initialised THREAD_MULTIPLE, and Gloo's groups are independent). One lane per process set: two sets sharing one
+thread could queue their steps in different orders on different ranks and wait on each other.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+__all__ = ["CrossLane", "LaneStep"]
+
+
+class LaneStep:
+    """A step queued on a lane; `wait` returns once it has run, or raises what it raised."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self._run, self._done = run, threading.Event()
+        self._error: BaseException | None = None
+
+    def execute(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # handed to the thread that waits for the step
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+
+class CrossLane:
+    """A daemon thread, started at the first step (a step that waits on a peer that died never returns, and must
+    not hold the process's exit)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._steps: queue.SimpleQueue[LaneStep] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self, run: Callable[[], None]) -> LaneStep:
+        """Queue `run()` behind the steps queued before it."""
+        step = LaneStep(run)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+                self._thread.start()
+        self._steps.put(step)
+        return step
+
+    def _loop(self) -> None:
+        while True:
+            self._steps.get().execute()
