@@ -70,6 +70,7 @@ class MPIEngine:
         self.size = self.world.Get_size()
         self._ops = {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}
         self._half_ops: dict[tuple[str, ReduceOp], Any] = {}
+        self._half_ops_lock = threading.Lock()
         self._beacon_sends: list[tuple[Any, np.ndarray]] = []
         self._beacon_recvs: dict[tuple[int, int], tuple[Any, np.ndarray]] = {}  # (stream, peer) -> its receive
         self._heard: dict[int, dict[int, int]] = {}  # stream -> peer -> round
@@ -94,7 +95,9 @@ class MPIEngine:
         if not (dtype == "bfloat16" or (dtype == "float16" and halfops.has_fast_kernels(dtype, op))):
             return self._ops[op]
         if (dtype, op) not in self._half_ops:
-            self._half_ops[(dtype, op)] = self._MPI.Op.Create(halfops.half_reducer(dtype, op), commute=True)
+            with self._half_ops_lock:  # each process set's rounds run on a thread of their own: create one op only
+                if (dtype, op) not in self._half_ops:
+                    self._half_ops[(dtype, op)] = self._MPI.Op.Create(halfops.half_reducer(dtype, op), commute=True)
         return self._half_ops[(dtype, op)]
 
     def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None) -> None:

@@ -55,9 +55,9 @@ def check_allgather(process_set, tag):
 
 
 def check_pipelined(tag):
-    """16 MiB and 12 bytes: four chunks of the default HVDPLUS_HIERARCHICAL_CHUNK_BYTES, uneven, pipelined (the
+    """8 MiB and 12 bytes: two chunks of the default HVDPLUS_HIERARCHICAL_CHUNK_BYTES, uneven, pipelined (the
     cross-host steps on a thread of their own). The sums are exact in float32."""
-    pattern = torch.arange((1 << 22) + 3, dtype=torch.float32) % 1000
+    pattern = torch.arange((1 << 21) + 3, dtype=torch.float32) % 1000
     total = hvd.allreduce(pattern * (hvd.rank() + 1), op=hvd.Sum, name=f"{tag}.pipelined")
     torch.testing.assert_close(total, pattern * sum(r + 1 for r in range(size)), rtol=0, atol=0)
 
