@@ -15,28 +15,9 @@ import queue
 import threading
 from collections.abc import Callable
 
-__all__ = ["CrossLane", "LaneStep"]
+from hvdplus.common.handles import Handle
 
-
-class LaneStep:
-    """A step queued on a lane; `wait` returns once it has run, or raises what it raised."""
-
-    def __init__(self, run: Callable[[], None]) -> None:
-        self._run, self._done = run, threading.Event()
-        self._error: BaseException | None = None
-
-    def execute(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # handed to the thread that waits for the step
-            self._error = exc
-        finally:
-            self._done.set()
-
-    def wait(self) -> None:
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
+__all__ = ["CrossLane"]
 
 
 class CrossLane:
@@ -45,20 +26,27 @@ class CrossLane:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._steps: queue.SimpleQueue[LaneStep] = queue.SimpleQueue()
+        self._steps: queue.SimpleQueue[tuple[Callable[[], None], Handle]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def start(self, run: Callable[[], None]) -> LaneStep:
-        """Queue `run()` behind the steps queued before it."""
-        step = LaneStep(run)
+    def start(self, run: Callable[[], None]) -> Handle:
+        """Queue `run()` behind the steps queued before it; the handle's `wait` returns once it has run, or raises
+        what it raised."""
+        handle = Handle(self._name)
         with self._lock:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
                 self._thread.start()
-        self._steps.put(step)
-        return step
+        self._steps.put((run, handle))
+        return handle
 
     def _loop(self) -> None:
         while True:
-            self._steps.get().execute()
+            run, handle = self._steps.get()
+            try:
+                run()
+            except BaseException as exc:  # handed to the thread that waits for the step
+                handle.set_error(exc)
+            else:
+                handle.set_result(None)

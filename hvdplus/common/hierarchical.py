@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from hvdplus.common import halfops
-from hvdplus.common.cross_lane import CrossLane, LaneStep
+from hvdplus.common.cross_lane import CrossLane
 from hvdplus.common.engines.base import Engine
+from hvdplus.common.handles import Handle
 from hvdplus.common.layout import balanced_counts
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.topology import Topology
@@ -196,7 +197,7 @@ def _pipelined_allreduce(
             cross_allreduce(engine, groups.cross, groups.cross_rank, groups.cross_size, shard, dtype, op, algorithm)
         )
 
-    in_flight: tuple[np.ndarray, list[int], LaneStep] | None = None
+    in_flight: tuple[np.ndarray, list[int], Handle] | None = None
     for chunk in chunks:
         counts = balanced_counts(chunk.size, groups.local_size)
         start = sum(counts[: groups.local_rank])
@@ -217,7 +218,7 @@ def _gather_when_crossed(
     groups: HierarchicalGroups,
     chunk: np.ndarray,
     counts: list[int],
-    crossing: LaneStep,
+    crossing: Handle,
     mark: Callable[[str], None],
 ) -> None:
     mark("CROSS_ALLREDUCE_WAIT")
