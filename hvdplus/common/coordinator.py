@@ -64,7 +64,7 @@ class Coordinator:
         self, engine: Engine, settings: Settings, topology: Topology, device_kinds: dict[str, DeviceKind] | None = None
     ) -> None:
         """`device_kinds`: the device kinds every rank can reduce on a plane of its own (`agreed_device_kinds`)."""
-        self._engine, self._settings = engine, settings
+        self._engine = engine
         self.rank, self.size = engine.rank, engine.size
         self.tunables = Tunables.from_settings(settings)
         self._spin_s = control_spin_s(topology.local_size)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from hvdplus.common.handles import Handle
 
@@ -26,13 +27,13 @@ class CrossLane:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._steps: queue.SimpleQueue[tuple[Callable[[], None], Handle]] = queue.SimpleQueue()
+        self._steps: queue.SimpleQueue[tuple[Callable[[], Any], Handle]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
-    def start(self, run: Callable[[], None]) -> Handle:
-        """Queue `run()` behind the steps queued before it; the handle's `wait` returns once it has run, or raises
-        what it raised."""
+    def start(self, run: Callable[[], Any]) -> Handle:
+        """Queue `run()` behind the steps queued before it; the handle's `wait` returns what it returned once it has
+        run, or raises what it raised."""
         handle = Handle(self._name)
         with self._lock:
             if self._thread is None:
@@ -45,8 +46,8 @@ class CrossLane:
         while True:
             run, handle = self._steps.get()
             try:
-                run()
+                result = run()
             except BaseException as exc:  # handed to the thread that waits for the step
                 handle.set_error(exc)
             else:
-                handle.set_result(None)
+                handle.set_result(result)

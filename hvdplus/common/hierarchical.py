@@ -142,11 +142,7 @@ def hierarchical_allreduce(
     chunks = _chunks(buffer, chunk_bytes, groups.local_size)
     if len(chunks) > 1:
         return "pipelined-" + _pipelined_allreduce(engine, groups, chunks, dtype, op, algorithm, mark)
-    counts = balanced_counts(buffer.size, groups.local_size)
-    start = sum(counts[: groups.local_rank])
-    mark("LOCAL_REDUCESCATTER")
-    _local_reducescatter(engine, groups, buffer, counts, dtype, op)
-    shard = buffer[start : start + counts[groups.local_rank]]
+    counts, shard = _reduce_within_host(engine, groups, buffer, dtype, op, mark)
     mark("CROSS_ALLREDUCE")
     ran = cross_allreduce(engine, groups.cross, groups.cross_rank, groups.cross_size, shard, dtype, op, algorithm)
     mark("LOCAL_ALLGATHER")
@@ -154,15 +150,24 @@ def hierarchical_allreduce(
     return ran
 
 
-def _local_reducescatter(
-    engine: Engine, groups: HierarchicalGroups, buffer: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp
-) -> None:
-    """The first step: afterwards this rank's run of `buffer` (counts[local_rank]) holds its host's sum."""
+def _reduce_within_host(
+    engine: Engine,
+    groups: HierarchicalGroups,
+    buffer: np.ndarray,
+    dtype: str,
+    op: ReduceOp,
+    mark: Callable[[str], None],
+) -> tuple[list[int], np.ndarray]:
+    """The first step: the host's ranks' slices of `buffer` (`counts`), and this rank's (`shard`), which now holds
+    its host's sum."""
+    counts = balanced_counts(buffer.size, groups.local_size)
+    mark("LOCAL_REDUCESCATTER")
     local = resolve_algorithm("auto", groups.local_size, buffer.nbytes // groups.local_size)
     if local == "engine":
         engine.reducescatter(None, buffer, counts, dtype, op, groups.local)
     else:
         p2p_reducescatter(engine, groups.local, groups.local_rank, groups.local_size, buffer, counts, dtype, op, local)
+    return counts, _pieces(buffer, counts)(groups.local_rank, groups.local_rank + 1)
 
 
 def _chunks(buffer: np.ndarray, chunk_bytes: int, local_size: int) -> list[np.ndarray]:
@@ -173,8 +178,8 @@ def _chunks(buffer: np.ndarray, chunk_bytes: int, local_size: int) -> list[np.nd
     pieces = min(buffer.nbytes // chunk_bytes, buffer.size // max(local_size, 1))
     if pieces < 2:
         return [buffer]
-    offsets = np.concatenate([[0], np.cumsum(balanced_counts(buffer.size, int(pieces)))]).tolist()
-    return [buffer[lo:hi] for lo, hi in zip(offsets, offsets[1:])]
+    piece = _pieces(buffer, balanced_counts(buffer.size, pieces))
+    return [piece(i, i + 1) for i in range(pieces)]
 
 
 def _pipelined_allreduce(
@@ -190,27 +195,16 @@ def _pipelined_allreduce(
     while chunk k+1 is reduced within the host and chunk k-1 gathered. Every rank runs the same calls in the same
     order on each group. Returns the cross-host algorithm (that of the chunks, which are of one size give or take
     an element)."""
-    ran: list[str] = []
-
-    def cross(shard: np.ndarray) -> None:
-        ran.append(
-            cross_allreduce(engine, groups.cross, groups.cross_rank, groups.cross_size, shard, dtype, op, algorithm)
-        )
-
+    cross = functools.partial(cross_allreduce, engine, groups.cross, groups.cross_rank, groups.cross_size)
     in_flight: tuple[np.ndarray, list[int], Handle] | None = None
     for chunk in chunks:
-        counts = balanced_counts(chunk.size, groups.local_size)
-        start = sum(counts[: groups.local_rank])
-        mark("LOCAL_REDUCESCATTER")
-        _local_reducescatter(engine, groups, chunk, counts, dtype, op)
-        shard = chunk[start : start + counts[groups.local_rank]]
-        crossing = (chunk, counts, groups.lane.start(functools.partial(cross, shard)))
+        counts, shard = _reduce_within_host(engine, groups, chunk, dtype, op, mark)
+        crossing = (chunk, counts, groups.lane.start(functools.partial(cross, shard, dtype, op, algorithm)))
         if in_flight is not None:
             _gather_when_crossed(engine, groups, *in_flight, mark)
         in_flight = crossing
     assert in_flight is not None
-    _gather_when_crossed(engine, groups, *in_flight, mark)
-    return ran[0]
+    return _gather_when_crossed(engine, groups, *in_flight, mark)
 
 
 def _gather_when_crossed(
@@ -220,11 +214,13 @@ def _gather_when_crossed(
     counts: list[int],
     crossing: Handle,
     mark: Callable[[str], None],
-) -> None:
+) -> str:
+    """The last step of a chunk, once its cross-host step is done; returns the cross-host algorithm that ran."""
     mark("CROSS_ALLREDUCE_WAIT")
-    crossing.wait()
+    ran: str = crossing.wait()
     mark("LOCAL_ALLGATHER")
     engine.allgather(None, chunk, counts, groups.local)
+    return ran
 
 
 def cross_allreduce(

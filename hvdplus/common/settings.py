@@ -152,8 +152,7 @@ SETTINGS: tuple[Setting, ...] = (
         int,
         4 * 1024 * 1024,
         "A hierarchical allreduce of at least two chunks of this many bytes is pipelined: each chunk's cross-host "
-        "step is in flight while the next is reduced within the host (cross_algorithm 'auto' or 'engine'; "
-        "0: never).",
+        "step runs on a thread of its own while the next chunk is reduced within the host (0: never).",
         "HVDPLUS_HIERARCHICAL_CHUNK_BYTES",
     ),
     Setting(

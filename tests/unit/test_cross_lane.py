@@ -1,5 +1,5 @@
 """A process set's cross lane runs its steps one after another, in the order queued, off the calling thread,
-and hands a step's exception to the thread that waits for it."""
+and hands a step's result, or its exception, to the thread that waits for it."""
 
 import threading
 
@@ -26,6 +26,7 @@ def test_steps_run_in_order_on_one_daemon_thread_while_the_caller_goes_on():
     assert ran == [0, 1, 2, 3, 4]
     (thread,) = threads
     assert thread is not threading.current_thread() and thread.daemon
+    assert lane.start(lambda: "halving-doubling").wait() == "halving-doubling"  # what the step returned
 
 
 def test_a_failed_step_raises_in_its_waiter_and_later_steps_still_run():
