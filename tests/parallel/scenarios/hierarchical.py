@@ -54,12 +54,13 @@ def check_allgather(process_set, tag):
         torch.testing.assert_close(hvd.synchronize(handle), expected + i)
 
 
-def check_pipelined(tag):
+def check_pipelined(process_set, tag):
     """8 MiB and 12 bytes: two chunks of the default HVDPLUS_HIERARCHICAL_CHUNK_BYTES, uneven, pipelined (the
-    cross-host steps on a thread of their own). The sums are exact in float32."""
+    cross-host steps on a thread of the set's own). The sums are exact in float32."""
+    members = process_set.ranks if process_set.ranks else list(range(size))
     pattern = torch.arange((1 << 21) + 3, dtype=torch.float32) % 1000
-    total = hvd.allreduce(pattern * (hvd.rank() + 1), op=hvd.Sum, name=f"{tag}.pipelined")
-    torch.testing.assert_close(total, pattern * sum(r + 1 for r in range(size)), rtol=0, atol=0)
+    total = hvd.allreduce(pattern * (hvd.rank() + 1), op=hvd.Sum, name=f"{tag}.pipelined", process_set=process_set)
+    torch.testing.assert_close(total, pattern * sum(r + 1 for r in members), rtol=0, atol=0)
 
 
 check_allreduce(hvd.global_process_set, "global")
@@ -71,7 +72,7 @@ else:
     assert runs.get(f"allreduce/{expect}", 0) >= 2, runs  # the 1 MiB buffer: sum and average (bfloat16 too if 1)
     assert runs.get("allgather", 0) >= 2, runs  # the lone allgather and the fused batch
     assert f"allreduce/pipelined-{expect}" not in runs, runs  # 1 MiB: under two chunks
-check_pipelined("global")
+check_pipelined(hvd.global_process_set, "global")
 if expect != "flat":
     before, runs = runs, runtime().coordinator.counters.hierarchical_runs
     assert runs.get(f"allreduce/pipelined-{expect}", 0) == 1, (before, runs)
@@ -92,6 +93,9 @@ if but_first_host.included():  # hierarchical without rank 0 where it spans 2+ e
     if expect != "flat" and len(slots) > 2:
         assert after.get(f"allreduce/{expect}", 0) >= before.get(f"allreduce/{expect}", 0) + 2, (before, after)
         assert after.get("allgather", 0) >= before.get("allgather", 0) + 2, (before, after)
+        check_pipelined(but_first_host, "but_first")  # the set's own rounds and cross lane, without rank 0
+        piped = runtime().coordinator.counters.hierarchical_runs
+        assert piped.get(f"allreduce/pipelined-{expect}", 0) == after.get(f"allreduce/pipelined-{expect}", 0) + 1
     else:
         assert after == before, (before, after)
 hvd.barrier()  # shutdown stops every rank's background thread: wait for the process sets' members first
