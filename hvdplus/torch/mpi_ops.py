@@ -631,6 +631,20 @@ def broadcast_(
 
 
 # ----------------------------------------------------------------------------- alltoall
+def _split_list(splits: Sequence[int] | torch.Tensor | None) -> Sequence[int] | None:
+    """A splits tensor as a list, refused by its dtype before its values are read (Horovod's local check): a
+    float tensor made with torch.empty holds different garbage on each rank, and reading it would let one rank
+    submit while another raises."""
+    if not isinstance(splits, torch.Tensor):
+        return splits
+    if splits.is_floating_point() or splits.is_complex() or splits.dtype == torch.bool:
+        raise ValueError(
+            f"alltoall expects splits to contain integers, got a {splits.dtype} tensor; pass an integer tensor "
+            "(e.g. splits.to(torch.int32)) or a list of ints"
+        )
+    return splits.tolist()
+
+
 def alltoall_async(
     tensor: torch.Tensor,
     splits: Sequence[int] | torch.Tensor | None = None,
@@ -641,10 +655,8 @@ def alltoall_async(
     `synchronize` returns (output, received_splits).
 
     Collective: every rank in the process set must call this, in the same order."""
-    if isinstance(splits, torch.Tensor):
-        splits = splits.tolist()
     handle = core.submit_alltoall(
-        _numpy(_host(tensor)), _dtype_name(tensor), splits, name, process_set, str(tensor.device)
+        _numpy(_host(tensor)), _dtype_name(tensor), _split_list(splits), name, process_set, str(tensor.device)
     )
     return Completion(
         [handle], lambda results: (_tensor(results[0][0], tensor.dtype, tensor.device), torch.from_numpy(results[0][1]))

@@ -124,3 +124,17 @@ def test_unsupported_dtype(hvd):
 def test_bad_alltoall_splits(hvd):
     with pytest.raises(ValueError, match="splits"):
         hvd.alltoall(torch.ones(4), splits=[1] * (hvd.size() + 1))
+
+
+def test_alltoall_splits_of_a_non_integer_dtype_raise_on_every_rank_whatever_they_hold(hvd):
+    """Horovod's test passes torch.empty float32 splits, whose garbage differs from rank to rank, and expects
+    ValueError on every rank: the dtype is refused before the values are read, so a rank whose splits happen to
+    hold valid counts (here rank 0's) cannot submit while its peers raise, and the next collective still pairs."""
+    n = hvd.size()
+    garbage = torch.full((n,), 1.0) if hvd.rank() == 0 else torch.full((n,), float("nan"))
+    for splits in (garbage, torch.empty(n), torch.ones(n, dtype=torch.float64), torch.ones(n, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=f"splits to contain integers, got a {splits.dtype} tensor"):
+            hvd.alltoall(torch.ones(n), splits=splits)
+    output, received = hvd.alltoall(torch.ones(n), splits=torch.ones(n, dtype=torch.int64))
+    assert output.tolist() == [1.0] * n and received.tolist() == [1] * n
+    _after_error_job_still_works(hvd)
