@@ -3,8 +3,10 @@
 A collective is started by `start(*numpy inputs)`, which submits it to the core without blocking and returns
 `finish()`, which waits and returns the numpy outputs. Eagerly both run at once. In a graph (tf.function, or a
 tf.compat.v1 graph run by a Session) they are two stateful ops: a *submit* op returning an int64 token and a
-*wait* op that takes the token and returns the outputs. Each wait op has a control dependency on the previous
-wait op of its chain: the collectives of one graph and control-flow context, in creation order.
+*wait* op that takes the token and returns the outputs, then a *check* op that fails the step with Horovod's
+FailedPrecondition when the ranks disagreed (see `_fail_on_mismatch`); the outputs depend on the check. Each wait
+op has a control dependency on the previous check op of its chain: the collectives of one graph and control-flow
+context, in creation order (so no wait starts after a collective of its chain failed).
 
 Why: a `tf.numpy_function` is synchronous. An op that submitted and then waited held one of TensorFlow's
 inter-op threads until its peers came; with several independent collectives in one `session.run`, each rank
@@ -49,7 +51,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from hvdplus.common.exceptions import HorovodInternalError
+from hvdplus.common.exceptions import CollectiveMismatchError, HorovodInternalError
 from hvdplus.common.handles import Handle
 from hvdplus.common.naming import member_names
 
@@ -64,6 +66,7 @@ __all__ = [
     "collective_names",
     "VARIABLES_CHAIN",
     "as_tf_error",
+    "InvalidArgument",
 ]
 
 _DTYPE_NAMES = {
@@ -140,8 +143,13 @@ def execute(
     links = _last_wait.setdefault(graph, {})
     key = (graph._get_control_flow_context(), chain)  # v1 cond/while contexts cannot share control inputs
     with graph.control_dependencies([links[key]] if key in links else []):
-        outputs = tf.numpy_function(_wait, [token], list(dtypes), stateful=True, name="HorovodWait")
-    links[key] = outputs[0].op
+        *outputs, error = tf.numpy_function(
+            functools.partial(_wait, dtypes), [token], [*dtypes, tf.string], stateful=True, name="HorovodWait"
+        )
+        check = _fail_on_mismatch(error)
+    links[key] = check  # the next wait of the chain runs only once this collective succeeded
+    with graph.control_dependencies([check]):
+        outputs = [tf.identity(output) for output in outputs]
     for output, shape in zip(outputs, shapes):
         output.set_shape(shape)
     return outputs
@@ -155,12 +163,33 @@ def _submit(start: Start, *arrays: np.ndarray) -> np.int64:
     return np.int64(token)
 
 
-def _wait(token: np.ndarray) -> list[np.ndarray]:
-    """The wait op: finish the collective that `token` stands for."""
+def _wait(dtypes: Sequence[tf.DType], token: np.ndarray) -> list[np.ndarray]:
+    """The wait op: finish the collective that `token` stands for; its outputs and an empty error, or, when the
+    ranks disagreed, empty outputs and the error's message for `_fail_on_mismatch` (other errors raise)."""
     try:
-        return list(_pending.pop(int(token))())
+        return [*_pending.pop(int(token))(), np.bytes_(b"")]
+    except CollectiveMismatchError as exc:
+        return [*(np.zeros(0, d.as_numpy_dtype) for d in dtypes), np.bytes_(f"\n{exc}\n".encode())]
     except HorovodInternalError as exc:
         raise as_tf_error(exc) from exc
+
+
+def _fail_on_mismatch(error: tf.Tensor) -> tf.Operation:
+    """An op that fails with FailedPrecondition, naming `error`, when `error` is not empty, as Horovod's kernels
+    fail a collective the ranks disagreed on.
+
+    Why a lookup table: a Python function in a graph can fail only with InvalidArgument (ValueError, TypeError),
+    Unimplemented, OutOfRange, ResourceExhausted or Unknown (TensorFlow's py_func.cc). Initializing a fresh table
+    with one key twice fails with FailedPrecondition whose message holds the key, and succeeds when both values
+    agree: the values are 0 and 0 when `error` is empty, 0 and 1 otherwise."""
+    table = tf.raw_ops.AnonymousHashTable(key_dtype=tf.string, value_dtype=tf.int64)
+    failed = tf.cast(tf.strings.length(error) > 0, tf.int64)
+    return tf.raw_ops.InitializeTableV2(
+        table_handle=table,
+        keys=tf.stack([error, error]),
+        values=tf.stack([tf.zeros([], tf.int64), failed]),
+        name="HorovodCheck",
+    )
 
 
 def as_tf_error(error: HorovodInternalError) -> HorovodInternalError:
@@ -177,6 +206,15 @@ def as_tf_error(error: HorovodInternalError) -> HorovodInternalError:
 
 
 _TF_ERRORS: dict[type, type] = {}
+
+
+class InvalidArgument(tf.errors.InvalidArgumentError, ValueError):
+    """A bad argument found as a collective starts, as Horovod's enqueue reports one: tf.errors.InvalidArgumentError
+    eagerly, and from a graph's op too (TensorFlow fails a Python op that raised a ValueError with InvalidArgument).
+    A ValueError as well, hvdplus's type for bad input."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, None, message)
 
 
 def graph_name(base: str, ignore_name_scope: bool = True) -> str:

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
 __all__ = ["run", "State", "ObjectState", "TensorFlowState", "TensorFlowKerasState"]
 
-# The graph ops that run a collective (hvdplus.tensorflow._graph.execute), as a failed op's message names them.
-_COLLECTIVE_NODE = re.compile(r"\{\{node (?:[^{}]*/)?Horovod(?:Submit|Wait)(?:_\d+)?\}\}")
+# The graph ops that run and check a collective (hvdplus.tensorflow._graph.execute), as a failed op names them.
+_COLLECTIVE_NODE = re.compile(r"\{\{node (?:[^{}]*/)?Horovod(?:Submit|Wait|Check)(?:_\d+)?\}\}")
 
 
 _StateT = TypeVar("_StateT", bound=State)
