@@ -1,5 +1,7 @@
 """hvdplus.tensorflow: horovod.tensorflow's API on TensorFlow 2 (`import hvdplus.tensorflow as hvd`)."""
 
+from typing import TYPE_CHECKING, Any
+
 from hvdplus.common.basics import (
     ProcessSet,
     add_process_set,
@@ -30,13 +32,14 @@ from hvdplus.common.basics import (
 )
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
-from hvdplus.tensorflow import _half_kernels, elastic
+from hvdplus.tensorflow import _half_kernels, elastic, util
 from hvdplus.tensorflow.compression import Compression, Compressor
 from hvdplus.tensorflow.functions import (
     allgather_object,
     broadcast_,
     broadcast_global_variables,
     broadcast_object,
+    broadcast_object_fn,
     broadcast_variables,
     local_rank_op,
     local_size_op,
@@ -57,5 +60,18 @@ from hvdplus.tensorflow.mpi_ops import (
     reducescatter,
 )
 from hvdplus.tensorflow.optimizer import DistributedOptimizer
+from hvdplus.tensorflow.util import refs_to_vars, vars_to_refs
+
+if TYPE_CHECKING:  # what the lazy attribute below gives, for type checkers
+    from hvdplus.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 _half_kernels.register()
+
+
+def __getattr__(name: str) -> Any:
+    """`hvd.SyncBatchNormalization` is imported on first use: it loads Keras, which TF-only programs need not."""
+    if name == "SyncBatchNormalization":
+        from hvdplus.tensorflow.sync_batch_norm import SyncBatchNormalization
+
+        return SyncBatchNormalization
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import pickle
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import tensorflow as tf
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, local_rank, local_size, rank
+from hvdplus.common.pickled import pickled
 from hvdplus.tensorflow._graph import VARIABLES_CHAIN, collective_names
 from hvdplus.tensorflow.mpi_ops import broadcast_op
 
@@ -20,6 +23,7 @@ __all__ = [
     "broadcast_",
     "broadcast_global_variables",
     "broadcast_object",
+    "broadcast_object_fn",
     "allgather_object",
     "size_op",
     "local_size_op",
@@ -55,12 +59,14 @@ def broadcast_variables(
 
 def broadcast_(
     variables: Sequence[Any], root_rank: int, name: str | None = None, process_set: ProcessSet = global_process_set
-) -> list[Any]:
-    """In-place broadcast of variables: each receives the root's value (a global rank); returns the variables.
+) -> list[tf.Tensor]:
+    """In-place broadcast of variables: each receives the root's value (a global rank). Returns the variables'
+    new values, as Horovod does: in a graph, tensors read after the assignments (fetching them broadcasts).
 
     Collective: every rank in the process set must call this, in the same order."""
-    _broadcast_assign(variables, root_rank, process_set, name)
-    return list(variables)
+    assigned = _broadcast_assign(variables, root_rank, process_set, name)
+    with tf.control_dependencies([] if assigned is None else [assigned]):
+        return [tf.identity(v) for v in variables]
 
 
 def broadcast_global_variables(root_rank: int) -> tf.Operation | None:
@@ -88,6 +94,47 @@ def broadcast_object(
 
     Collective: every rank in the process set must call this, in the same order."""
     return core.broadcast_object(obj, root_rank, name, process_set)
+
+
+def broadcast_object_fn(
+    root_rank: int = 0,
+    session: Session | None = None,
+    name: str | None = None,
+    process_set: ProcessSet = global_process_set,
+) -> Callable[[Any], Any]:
+    """Build, once, the graph ops that broadcast a picklable object in a tf.compat.v1 session, and return the
+    function `bcast(obj)` that runs them (the root's `obj` comes back on every member), as Horovod's TF1 elastic
+    state does: one pair of broadcast ops fed through placeholders, however often it is called (each op on a
+    chain of its own, see _graph.py, so that running one does not pull in the other's feed).
+
+    `session` defaults to the default session. Collective: every member must call `bcast`, in the same order."""
+    if tf.executing_eagerly():
+        raise RuntimeError(
+            "hvd.broadcast_object_fn() builds tf.compat.v1 graph ops and does not support eager execution; "
+            "use hvd.broadcast_object(obj, root_rank) instead"
+        )
+    session = session or tf.compat.v1.get_default_session()
+    if session is None:
+        raise ValueError(
+            "broadcast_object_fn needs a session: pass session=, or call it inside `with session.as_default():`"
+        )
+    root_rank = core.check_root(root_rank, process_set)
+    name = name or "broadcast_object_fn"
+    with session.graph.as_default():
+        size_feed = tf.compat.v1.placeholder(tf.int64, [1], name="bcast_object_size")
+        data_feed = tf.compat.v1.placeholder(tf.uint8, [None], name="bcast_object_data")
+        [size_bcast, data_bcast] = [
+            broadcast_op([feed], [f"{name}.{part}"], root_rank, process_set, chain=f"{name}.{part}")[0]
+            for feed, part in ((size_feed, "sz"), (data_feed, "t"))
+        ]
+
+    def bcast(obj: Any) -> Any:
+        payload = pickled(obj) if rank() == root_rank else None
+        size = session.run(size_bcast, {size_feed: [0 if payload is None else payload.size]})
+        data = session.run(data_bcast, {data_feed: payload if payload is not None else np.zeros(size, np.uint8)})
+        return obj if payload is not None else pickle.loads(data.tobytes())
+
+    return bcast
 
 
 def allgather_object(
