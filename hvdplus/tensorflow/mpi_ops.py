@@ -16,8 +16,17 @@ import tensorflow as tf
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, rank
 from hvdplus.common.naming import group_size
-from hvdplus.common.ops import ReduceOp, linear_scale, reducescatter_grad_scale
-from hvdplus.tensorflow._graph import Finish, collective_names, dtype_name, execute, finishing, storage, values
+from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
+from hvdplus.tensorflow._graph import (
+    Finish,
+    InvalidArgument,
+    collective_names,
+    dtype_name,
+    execute,
+    finishing,
+    storage,
+    values,
+)
 from hvdplus.tensorflow.compression import Compression, Compressor
 
 __all__ = [
@@ -88,6 +97,19 @@ def _allreduce_op(
     )
 
 
+def _check_sparse(op: ReduceOp, prescale: float, postscale: float) -> None:
+    """Horovod's limits on allreducing tf.IndexedSlices, checked on every rank before anything is submitted."""
+    if op == ReduceOp.ADASUM:
+        raise NotImplementedError(
+            "The Adasum reduction does not currently support sparse tensors. As a workaround please pass "
+            "sparse_as_dense=True to DistributedOptimizer"
+        )
+    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
+        raise NotImplementedError(f"Only Sum and Average ops are supported with tf.IndexedSlices, not {op!r}")
+    if prescale != 1.0 or postscale != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+
+
 def _sparse_allreduce(
     tensor: tf.IndexedSlices,
     name: str | None,
@@ -97,13 +119,17 @@ def _sparse_allreduce(
     process_set: ProcessSet,
     ignore_name_scope: bool,
 ) -> tf.IndexedSlices:
-    """Horovod's IndexedSlices allreduce: allgather values and indices (Average divides the values by size)."""
-    scale = linear_scale(op, prescale, postscale, process_set.size(), "allreduce of tf.IndexedSlices")
+    """Horovod's IndexedSlices allreduce: allgather values and indices; Average divides the values by the set's
+    size with TensorFlow's `/` (so integer values become floating point, as in Horovod). The scale factors are
+    applied for the gradient reducers' gradient_predivide_factor (`allreduce` itself refuses them, see
+    `_check_sparse`)."""
     parts = _tensors([tensor.values, tensor.indices])
     names = collective_names("Allgather", parts, name, ignore_name_scope)
     gathered_values, indices = _allgather_op(parts, names, process_set)
-    if scale != 1.0:
-        gathered_values = gathered_values * tf.cast(scale, gathered_values.dtype)
+    if prescale * postscale != 1.0:
+        gathered_values = gathered_values * tf.cast(prescale * postscale, gathered_values.dtype)
+    if op == ReduceOp.AVERAGE:
+        gathered_values = gathered_values / tf.cast(process_set.size(), gathered_values.dtype)
     return tf.IndexedSlices(gathered_values, indices, dense_shape=tensor.dense_shape)
 
 
@@ -125,7 +151,8 @@ def allreduce(
     Collective: every rank in the process set must call this, in the same order."""
     op = core.resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, name, op, prescale_factor, postscale_factor, process_set, ignore_name_scope)
+        _check_sparse(op, prescale_factor, postscale_factor)
+        return _sparse_allreduce(tensor, name, op, 1.0, 1.0, process_set, ignore_name_scope)
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
     [tensor] = _tensors([compressed])
     names = collective_names("Allreduce", [tensor], name, ignore_name_scope)
@@ -150,9 +177,11 @@ def grouped_allreduce(
     op = core.resolve_op(average, op)
     results: list[Any] = list(tensors)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    if len(dense) < len(results):
+        _check_sparse(op, prescale_factor, postscale_factor)
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
-            results[i] = _sparse_allreduce(t, None, op, prescale_factor, postscale_factor, process_set, False)
+            results[i] = _sparse_allreduce(t, None, op, 1.0, 1.0, process_set, False)
     compressed, contexts = (
         zip(*(compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense)) if dense else ((), ())
     )
@@ -311,13 +340,35 @@ def alltoall(
     return output if splits is None else (output, received)
 
 
+def _rows_to_send(rows: int, splits: list[int] | None, set_size: int) -> int:
+    """How many leading rows alltoall sends: Horovod's enqueue checks (horovod/common/operations.cc
+    EnqueueTensorAlltoall), failing with InvalidArgument on every rank whose input breaks them; rows beyond
+    the splits' sum are not sent, as in Horovod."""
+    if splits is None:
+        if rows % set_size:
+            raise InvalidArgument(
+                f"alltoall without splits needs the first dimension ({rows}) to be divisible by the number of "
+                f"ranks ({set_size}); pass splits=... to send uneven parts"
+            )
+        return rows
+    if len(splits) != set_size or any(s < 0 for s in splits):
+        raise InvalidArgument(f"splits must have one non-negative entry per rank ({set_size}), got {splits}")
+    if sum(splits) > rows:
+        raise InvalidArgument(
+            f"the sum of splits ({sum(splits)}) is greater than the first dimension of the tensor ({rows}): {splits}"
+        )
+    return sum(splits)
+
+
 def _alltoall_op(
     x: tf.Tensor, splits: tf.Tensor, even: bool, name: str | None, process_set: ProcessSet
 ) -> tuple[tf.Tensor, tf.Tensor]:
     dtype = dtype_name(x.dtype)
 
     def start(array: np.ndarray, split_array: np.ndarray) -> Finish:
-        handle = core.submit_alltoall(storage(array), dtype, None if even else split_array.tolist(), name, process_set)
+        split_list = None if even else split_array.tolist()
+        sent = array[: _rows_to_send(array.shape[0], split_list, process_set.size())]
+        handle = core.submit_alltoall(storage(sent), dtype, split_list, name, process_set)
         return finishing([handle], lambda results: [values(results[0][0], dtype), results[0][1].astype(np.int32)])
 
     @tf.custom_gradient
@@ -332,7 +383,8 @@ def _alltoall_op(
         def grad(dy: tf.Tensor, *_: Any) -> tf.Tensor:
             [dy] = _tensors([dy])
             [grad_name] = collective_names("Alltoall", [dy], None)
-            return _alltoall_op(dy, received, False, grad_name, process_set)[0]
+            sent_back = _alltoall_op(dy, received, False, grad_name, process_set)[0]
+            return tf.concat([sent_back, tf.zeros_like(value[tf.shape(sent_back)[0] :])], 0)  # rows not sent: 0
 
         return (output, tf.stop_gradient(received)), grad
 
