@@ -11,6 +11,7 @@ collectively: a worker that just joined always needs it, so no rank skips a sync
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
@@ -18,8 +19,11 @@ import numpy as np
 
 from hvdplus.common.basics import elastic_worker, init, rank, shutdown
 from hvdplus.common.collectives import broadcast_object, submit_allreduce
+from hvdplus.common.elastic_plan import Plan
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from hvdplus.common.ops import ReduceOp
+
+log = logging.getLogger("hvdplus")
 
 __all__ = ["Kept", "State", "ObjectState", "StateHandler", "OptimizerHandler", "HandledState", "run_fn", "restart"]
 
@@ -29,6 +33,22 @@ def _agreed_max(value: int, name: str) -> int:
     found = np.array([value], dtype=np.int64)
     submit_allreduce(found, found, "int64", name, ReduceOp.MAX).wait()
     return int(found[0])
+
+
+def _say_recovered(error: HorovodInternalError, left: Plan | None) -> None:
+    """One warning for a failure that elastic training recovered from: the workers the launcher saw fail in the
+    generation `left` (it names them before it plans the next one), else the collective's error."""
+    worker = elastic_worker()
+    lost = worker.lost_in(left) if worker is not None and left is not None else []
+    log.warning("hvdplus: %s; elastic training went on from the last commit", "; ".join(lost) or error)
+
+
+def _mark_holding() -> None:
+    """After the state sync every rank holds the last commit: tell the launcher, which keeps a worker that holds it
+    in every generation (it never plans one that would start again from scratch)."""
+    worker = elastic_worker()
+    if worker is not None:
+        worker.mark_holding()
 
 
 class Kept:
@@ -219,16 +239,22 @@ def run_fn(
     def wrapper(state: _StateT, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
         needs_sync = True  # a worker's first run (a worker that joined late included) always syncs
         while True:
+            failed: HorovodInternalError | None = None
+            worker = elastic_worker()
+            plan_before = worker.plan if worker is not None else None
             try:
                 if _agreed_max(int(needs_sync), "hvdplus.elastic.sync"):
                     state.sync()
+                _mark_holding()
                 return func(state, *args, **kwargs)
-            except HorovodInternalError:
+            except HorovodInternalError as error:
                 state.restore()
-                needs_sync = True
+                needs_sync, failed = True, error
             except HostsUpdatedInterrupt as interrupt:
                 needs_sync = not interrupt.skip_sync
             reset()
+            if failed is not None:
+                _say_recovered(failed, plan_before)
             state.on_reset()
 
     return wrapper

@@ -24,6 +24,7 @@ __all__ = [
     "failure_notice_key",
     "failure_key",
     "waiting_key",
+    "holds_key",
     "host_of",
 ]
 
@@ -37,6 +38,12 @@ class GenerationReplaced(RuntimeError):
 def waiting_key(worker: str) -> str:
     """Set by a worker once it reaches hvd.init, to the generation it was started for: the launcher lets it join."""
     return f"elastic/waiting/{worker}"
+
+
+def holds_key(worker: str) -> str:
+    """Set by a worker once it holds the training state (its generation's state sync is over), to that generation:
+    the launcher never plans a generation in which no worker holds the last commit."""
+    return f"elastic/holds/{worker}"
 
 
 def failure_key(rank: int) -> str:

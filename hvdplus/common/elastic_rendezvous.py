@@ -14,7 +14,17 @@ import dataclasses
 import sys
 import time
 
-from hvdplus.common.elastic_plan import LATEST_KEY, Plan, arrived_key, generation_prefix, host_of, plan_key, waiting_key
+from hvdplus.common.elastic_plan import (
+    LATEST_KEY,
+    Plan,
+    arrived_key,
+    failure_notice_key,
+    generation_prefix,
+    holds_key,
+    host_of,
+    plan_key,
+    waiting_key,
+)
 from hvdplus.common.rendezvous import RendezvousClient, RendezvousTimeout
 from hvdplus.common.settings import LaunchEnv
 
@@ -95,6 +105,16 @@ class ElasticWorker:
                 )
             time.sleep(_POLL_SECONDS)
         return True
+
+    def mark_holding(self) -> None:
+        """Tell the launcher this worker holds the training state of its generation (after the state sync)."""
+        if self.plan is not None:
+            self._client.set(holds_key(self.worker), str(self.plan.generation).encode())
+
+    def lost_in(self, plan: Plan) -> list[str]:
+        """The launcher's notices of the workers of `plan` that failed (it writes one before planning anew)."""
+        keys = [failure_notice_key(plan.generation, rank) for rank in range(plan.size)]
+        return [self._client.get(key).decode(errors="replace") for key in keys if self._client.check([key])]
 
     def latest(self) -> int:
         """The newest generation the launcher has planned."""

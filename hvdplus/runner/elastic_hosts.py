@@ -83,11 +83,13 @@ class HostManager:
             return changed
 
     def blacklist(self, host: str) -> None:
-        """A worker failed on `host`: stop using it (for its cooldown, or for good)."""
+        """A worker failed on `host`: stop using it (for its cooldown, or for good). A host already in its
+        cooldown keeps it: a second worker failing there is the same failure (Horovod's HostState.blacklist)."""
         with self._lock:
             state = self._states.setdefault(host, _HostState())
-            state.failures += 1
-            state.blacklisted_until = time.monotonic() + self._cooldown(state.failures)
+            if state.blacklisted_until is None:
+                state.failures += 1
+                state.blacklisted_until = time.monotonic() + self._cooldown(state.failures)
             if host in self._order:
                 self._order.remove(host)
                 self.version += 1
@@ -105,6 +107,12 @@ class HostManager:
     def is_blacklisted(self, host: str) -> bool:
         with self._lock:
             return self._blacklisted(host)
+
+    def returned(self, host: str) -> bool:
+        """Whether `host` was blacklisted and is back from its cooldown."""
+        with self._lock:
+            state = self._states.get(host)
+            return state is not None and state.failures > 0 and state.blacklisted_until is None
 
     def _usable(self) -> list[tuple[str, int]]:
         return [(h, self._discovered[h]) for h in self._order]

@@ -8,9 +8,17 @@ The job runs in generations. Each is a plan (hvdplus/common/elastic_plan.py): th
   for a transport timeout), or when the usable hosts would change the plan (workers see it at their next commit);
 - starts workers for new slots at once, and lets them join a generation once they reach hvd.init, so the
   others train on while they start and import;
+- lets workers on a host back from its blacklist cooldown in at once (the others wait for them at the next
+  commit, as in Horovod), so that the job regains its size;
 - gives the lowest ranks to the longest-lived hosts, and rank 0 always to a worker that holds the state;
-- ends the job with a message naming the cause when every worker failed, every host is blacklisted, fewer than
-  --min-np slots stay available for --elastic-timeout seconds, or the resets pass --reset-limit.
+- never plans a generation without a worker that holds the last commit (a worker holds it once its state sync is
+  over: common/elastic.py marks it in the store): when discovery removes every host whose workers hold it, they
+  stay in the job as a bridge until workers on the remaining hosts have synced from them, then leave;
+- counts a reset, as Horovod's driver does, for each worker failure and each host change that changes the workers
+  it wants, when it happens, even while new workers are still starting;
+- ends the job with a message naming the cause when every worker failed, every host is blacklisted, no worker
+  holding the state is left, fewer than --min-np slots stay available for --elastic-timeout seconds, or the
+  resets pass --reset-limit.
 The job succeeds once a worker of the current generation exits 0 and the rest of that generation ends the same
 way; a worker that a plan left out exits by itself (status 0) and counts for nothing.
 """
@@ -27,8 +35,8 @@ from collections.abc import Callable
 from hvdplus.common.elastic_plan import (
     LATEST_KEY,
     Plan,
-    arrived_key,
     failure_notice_key,
+    holds_key,
     host_of,
     plan_key,
     waiting_key,
@@ -93,7 +101,7 @@ class ElasticDriver:
         self.supervisor = Supervisor(spec.output_dir)
         self.workers: dict[str, Process] = {}  # the latest process of each worker id, running or ended
         self._handled: set[int] = set()  # ids of the ended processes already acted on
-        self._holders: set[str] = set()  # workers of the last generation that met: they hold the training state
+        self._holders: set[str] = set()  # workers that hold the training state (the first generation's, or synced)
         self._joining: set[str] = set()  # started, in no generation yet: they join one once they reach hvd.init
         self._started_for: dict[str, int] = {}  # the generation each worker's latest process was started for
         self.plan: Plan | None = None
@@ -101,6 +109,10 @@ class ElasticDriver:
         self._plan_version = -1  # the host manager's version the current plan was made from
         self._short_since: float | None = None  # when the usable slots fell below --min-np
         self._member_failed = False  # a worker of the running generation failed: a new plan is due
+        self._wanted: frozenset[str] = frozenset()  # the workers on usable hosts that the last counted reset wanted
+        self._failure_uncounted = False  # a worker failed since the last counted reset
+        self._hosts_seen: dict[str, int] = {}  # the usable hosts when the driver last planned
+        self._bridging = False  # the plan keeps workers of removed hosts until the state is handed over
         self._finishing = False
 
     def run(self) -> int:
@@ -154,12 +166,31 @@ class ElasticDriver:
             code = self._check_exits()
             if code is not None:
                 return code
+            self._refresh_holders()
             if not self._finishing and self.hosts.version != self._plan_version:
-                self._replan("hosts changed")
+                self._replan(self._host_change())
             elif not self._finishing and self._joining and all(self._ready(w) for w in self._joining):
                 self._replan("new workers ready")
-            self._after_meeting()
+            elif not self._finishing and self._handed_over():
+                self._replan("the state was handed over to the remaining hosts' workers")
+            self._stop_left_out()
             time.sleep(POLL_SECONDS)
+
+    def _host_change(self) -> str:
+        """What changed in the usable hosts since the driver last planned, in words (a generation's reason)."""
+        now = dict(self.hosts.usable())
+        added = [h for h in now if h not in self._hosts_seen]
+        back = [h for h in added if self.hosts.returned(h)]
+        new = [h for h in added if h not in back]
+        removed = [h for h in self._hosts_seen if h not in now]
+        parts = [
+            f"{', '.join(back)} back from the blacklist cooldown" if back else "",
+            f"added {', '.join(new)}" if new else "",
+            f"removed {', '.join(removed)}" if removed else "",
+            "slots changed" if any(h in self._hosts_seen and now[h] != self._hosts_seen[h] for h in now) else "",
+        ]
+        said = "; ".join(part for part in parts if part)
+        return f"hosts changed: {said}" if said else "hosts changed"
 
     def _check_exits(self) -> int | None:
         """Act on workers that ended; the job's exit status once it is over."""
@@ -199,6 +230,7 @@ class ElasticDriver:
                 f"rank {rank} (worker {wid}) exited with {describe_exit(code)}".encode(),
             )
             self._member_failed = True
+        self._failure_uncounted = True
         self._joining.discard(wid)
         self.hosts.blacklist(host)
         for other, process in self.workers.items():
@@ -215,12 +247,61 @@ class ElasticDriver:
         }
 
     def _candidates(self, holding: set[str]) -> list[str]:
-        """The next plan's workers: every usable slot, hosts whose workers hold the state first (rank 0 is the
+        """The workers the job wants: every usable slot, hosts whose workers hold the state first (rank 0 is the
         sync's root), each group by age; at most --max-np."""
         usable = self.hosts.usable()
         usable.sort(key=lambda hs: not any(host_of(w) == hs[0] for w in holding))  # stable
         workers = [worker_id(host, slot) for host, slots in usable for slot in range(slots)]
         return workers[: self.options.max_np] if self.options.max_np else workers
+
+    def _bridged(self, wanted: list[str], holding: set[str]) -> list[str]:
+        """`wanted`, after the plan's workers that hold the state if none of `wanted` does (discovery removed
+        every host that holds it): they stay, as rank 0 and up, until the others have synced from them."""
+        bridging = self.plan is not None and bool(wanted) and not holding & set(wanted)
+        if not bridging:
+            self._bridging = False
+            return wanted
+        assert self.plan is not None
+        bridge = [w for w in self.plan.workers if w in holding]
+        if not self._bridging:
+            self._say(
+                f"hvdplusrun: every host whose workers hold the training state was removed; "
+                f"{', '.join(bridge)} keep training until {', '.join(wanted)} have started and synced from them"
+            )
+        self._bridging = True
+        return bridge + [w for w in wanted if w not in bridge]
+
+    def _handed_over(self) -> bool:
+        """Whether the plan keeps workers of removed hosts as a bridge and a worker of a usable host now holds
+        the state: the bridge can go."""
+        if self.plan is None or not self._bridging:
+            return False
+        usable = {host for host, _ in self.hosts.usable()}
+        return any(host_of(w) in usable and w in self._holding() for w in self.plan.workers)
+
+    def _refresh_holders(self) -> None:
+        """Add the plan's workers that have marked, since their start, that they hold the state."""
+        if self.plan is None:
+            return
+        for wid in self.plan.workers:
+            if wid not in self._holders:
+                mark = self.server.get(holds_key(wid))
+                if mark is not None and int(mark) >= self._started_for[wid]:
+                    self._holders.add(wid)
+
+    def _count_reset(self, wanted: list[str], reason: str) -> None:
+        """Count a reset, as Horovod's driver does, for a failure or a change in the workers the job wants, when
+        it happens (not when the generation that answers it starts); past --reset-limit the job ends."""
+        changed = frozenset(wanted) != self._wanted or self._failure_uncounted
+        self._wanted, self._failure_uncounted = frozenset(wanted), False
+        if self.plan is None or not changed:
+            return
+        if self.options.reset_limit is not None and self.resets >= self.options.reset_limit:
+            raise ElasticJobError(
+                f"the job was reset {self.resets} time(s), the --reset-limit; the last reset was asked for "
+                f"because {reason}"
+            )
+        self.resets += 1
 
     def _ready(self, wid: str) -> bool:
         """Whether a started worker has reached hvd.init (started, imported) and waits to join a generation."""
@@ -230,33 +311,30 @@ class ElasticDriver:
         """Publish the next generation if the usable hosts give enough slots (else wait, up to --elastic-timeout).
 
         Workers for new slots start at once, but join a generation only once they have reached hvd.init: until
-        then the others train on (a scale-up does not pause training for a new worker's start and imports)."""
+        then the others train on (a scale-up does not pause training for a new worker's start and imports).
+        Workers on a host back from its blacklist cooldown join the next generation at once, as in Horovod."""
         version = self.hosts.version
+        self._hosts_seen = dict(self.hosts.usable())
         holding = self._holding()
         if self.plan is not None and not holding:
             raise ElasticJobError(self._nobody_left())
-        candidates = self._candidates(holding)
+        wanted = self._candidates(holding)
+        self._count_reset(wanted, reason)
+        candidates = self._bridged(wanted, holding)
         generation = 0 if self.plan is None else self.plan.generation + 1
         for wid in candidates:
             if wid not in self.workers or self.workers[wid].exited.is_set():
                 self._start(wid, generation, candidates)
-        joining = [w for w in candidates if w not in holding]
-        everyone_ready = self.plan is None or all(self._ready(w) for w in joining)  # one reset for a whole scale-up
-        workers = [w for w in candidates if w in holding or everyone_ready]
+        starting = [w for w in candidates if w not in holding and not self._ready(w) and not self._returned(w)]
+        admitted = self.plan is None or not starting  # one reset for a whole scale-up
+        workers = [w for w in candidates if w in holding or admitted or self._returned(w)]
         if self.plan is not None and tuple(workers) == self.plan.workers and not self._member_failed:
             self._plan_version = version  # the change does not change the plan
             return
         if len(workers) < self.options.min_np:
-            self._short_of_slots(len(workers))
+            self._short_of_slots(len(workers), starting)
             return
         self._short_since = None
-        if self.plan is not None:
-            if self.options.reset_limit is not None and self.resets >= self.options.reset_limit:
-                raise ElasticJobError(
-                    f"the job was reset {self.resets} time(s), the --reset-limit; the last "
-                    f"reset was asked for because {reason}"
-                )
-            self.resets += 1
         self.plan = Plan(generation, tuple(workers))
         self._joining -= set(workers)
         self._plan_version = version
@@ -281,14 +359,26 @@ class ElasticDriver:
             "there is no state to carry on from"
         )
 
-    def _short_of_slots(self, slots: int) -> None:
+    def _returned(self, wid: str) -> bool:
+        """Whether `wid`'s host is back from a blacklist cooldown (its workers are let in without waiting)."""
+        return self.hosts.returned(host_of(wid))
+
+    def _short_of_slots(self, slots: int, starting: list[str]) -> None:
+        """Fewer than --min-np workers can be planned: say what the driver waits for, up to --elastic-timeout."""
         now = time.monotonic()
         if self._short_since is None:
             self._short_since = now
-            self._say(
-                f"hvdplusrun: {slots} slot(s) usable, fewer than --min-np {self.options.min_np}: waiting up "
-                f"to {self.options.timeout:g} s (--elastic-timeout) for more hosts"
-            )
+            wait = f"waiting up to {self.options.timeout:g} s (--elastic-timeout)"
+            if slots + len(starting) >= self.options.min_np:
+                self._say(
+                    f"hvdplusrun: {slots} worker(s) ready, fewer than --min-np {self.options.min_np}: {wait} for "
+                    f"{', '.join(starting)} to start (reach hvd.init)"
+                )
+            else:
+                self._say(
+                    f"hvdplusrun: {slots + len(starting)} slot(s) usable, fewer than --min-np "
+                    f"{self.options.min_np}: {wait} for more hosts"
+                )
         elif now - self._short_since > self.options.timeout:
             raise ElasticJobError(
                 f"fewer than --min-np {self.options.min_np} slots ({slots}) stayed available for "
@@ -296,15 +386,14 @@ class ElasticDriver:
             )
         self._plan_version = -1  # look again at the next round
 
-    def _after_meeting(self) -> None:
-        """Once every worker of the plan has met, they hold the state; stop those it removed that still run."""
-        if self.plan is None or set(self.plan.workers) <= self._holders:
+    def _stop_left_out(self) -> None:
+        """Once every worker of the plan has synced in its generation, stop the workers it left out that still run
+        (before that, they may still be in a collective of the generation before)."""
+        plan = self.plan
+        if plan is None or any(self.server.get(holds_key(w)) != str(plan.generation).encode() for w in plan.workers):
             return
-        if not all(self.server.get(arrived_key(self.plan.generation, r)) is not None for r in range(self.plan.size)):
-            return
-        self._holders = set(self.plan.workers)
         for wid, process in self.workers.items():
-            if wid not in self.plan.workers and wid not in self._joining and not process.exited.is_set():
+            if wid not in plan.workers and wid not in self._joining and not process.exited.is_set():
                 process.stop()
 
     def _start(self, wid: str, generation: int, workers: list[str]) -> None:
@@ -326,6 +415,7 @@ class ElasticDriver:
         )
         self.workers[wid] = start_agent(self.spec, self.supervisor, host, env, address, f"worker {wid}", tag=wid)
         self._started_for[wid] = generation
+        self._holders.discard(wid)  # a new process holds nothing until its first sync
         self._joining.add(wid)
 
     @staticmethod

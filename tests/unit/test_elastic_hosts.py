@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hvdplus.common.elastic_plan import Plan, arrived_key, failure_notice_key, worker_id
+from hvdplus.common.elastic_plan import Plan, arrived_key, failure_notice_key, holds_key, worker_id
 from hvdplus.runner.args import parse_args
 from hvdplus.runner.elastic_hosts import HostManager, parse_discovery_output
 from hvdplus.runner.job import elastic_options
@@ -59,12 +59,33 @@ def test_the_cooldown_doubles_with_each_failure_within_the_range(monkeypatch):
         assert low <= cooldown <= min(10.0, low + 1.0) + 0.25, cooldowns
 
 
+def test_a_second_failure_within_the_cooldown_neither_counts_nor_extends_it(monkeypatch):
+    """Horovod's HostState.blacklist: a host already in its cooldown keeps it (its two workers failing together
+    are one failure); once back, it is `returned` and the next failure doubles the cooldown."""
+    clock = [100.0]
+    monkeypatch.setattr("hvdplus.runner.elastic_hosts.time.monotonic", lambda: clock[0])
+    hosts = HostManager(cooldown_range=(1.0, 10.0), rng=random.Random(0))
+    hosts.update({"a": 2, "b": 1})
+    assert not hosts.returned("a")
+    hosts.blacklist("a")
+    clock[0] += 1.5
+    hosts.blacklist("a")  # the host's other worker, stopped with it, or failing a moment later
+    clock[0] += 1.6  # 3.1 s after the first failure: past a first cooldown (2-3 s), which the second did not extend
+    hosts.update({"a": 2, "b": 1})
+    assert not hosts.is_blacklisted("a") and hosts.returned("a") and not hosts.returned("b")
+    hosts.blacklist("a")
+    clock[0] += 3.1
+    hosts.update({"a": 2, "b": 1})
+    assert hosts.is_blacklisted("a")  # the second failure's cooldown is 4-5 s
+
+
 def test_a_plan_round_trips_and_names_its_keys():
     plan = Plan(3, (worker_id("a", 0), worker_id("b", 1)))
     assert Plan.decode(plan.encode()) == plan and plan.size == 2
     assert plan.rank_of("b/1") == 1 and plan.rank_of("c/0") is None
     assert arrived_key(3, 1) == "elastic/g3/arrived/1"
     assert failure_notice_key(3, 1) == "elastic/g3/hvdplus/failure/1"  # where the Gloo engine of generation 3 looks
+    assert holds_key("b/1") == "elastic/holds/b/1"  # outside any generation: the launcher reads it across them
 
 
 def _options(*argv: str, environ: dict[str, str] | None = None):

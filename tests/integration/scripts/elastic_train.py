@@ -8,7 +8,8 @@ ElasticSampler over 103 samples in batches of 4, printing each committed batch's
 process set registered before the first reset after it), ZERO=1 (print the error TorchState gives a ZeroOptimizer
 and exit), KILL_IN_RESET=<worker id> (that worker is killed by its reset callback: after it joined the next
 generation, before the state sync), WAIT_AT_STEP (after that step's commit, every rank waits for
-a host change with state.wait_for_host_updates).
+a host change with state.wait_for_host_updates), LATE_START_DELAY (a worker started for a later generation
+sleeps that long before hvd.init, as a slow import would).
 Prints one JSON line per committed step: {"step", "rank", "size", "worker", "generation", "t"}, and {"final": ...}.
 """
 
@@ -35,6 +36,8 @@ FAILURES = {
     if wid == WORKER
 }
 
+if os.environ["HVDPLUS_ELASTIC_GENERATION"] != "0":
+    time.sleep(float(os.environ.get("LATE_START_DELAY", "0")))
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
