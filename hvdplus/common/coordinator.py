@@ -48,6 +48,10 @@ log = logging.getLogger("hvdplus")
 # 0.3 ms; the median call stays at ~0.33 ms only with a spin).
 _SPIN_S, _CROWDED_SPIN_S = 2e-3, 3e-4
 _FAILED_JOIN_S = 2.0
+# In an elastic job the launcher names a worker that died about 0.1 s after its exit: a survivor whose transport
+# failed first waits this long for that notice, so that it names the lost worker instead of announcing a failure
+# of its own (which its peers would then report too).
+_ELASTIC_NOTICE_WAIT_S = 1.0
 
 
 def control_spin_s(local_ranks: int) -> float:
@@ -76,6 +80,7 @@ class Coordinator:
         self._sets = ProcessSetTable(engine, settings, topology)
         self._names = Names()
         self._fatal: BaseException | None = None
+        self._elastic = settings.launch.elastic_worker is not None  # a failure is recovered from: no error trace
         # Only the world's thread swaps the timeline; others write it (set_timeline).
         self._timeline = TimelineSlot(
             Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
@@ -185,8 +190,11 @@ class Coordinator:
     def _fail(self, exc: BaseException) -> None:
         """A cycle or a doorbell failed (engine failure, a failed or frozen peer): every pending and future call
         fails, in every set's rounds, and the threads stop."""
-        error = failure_of(self._engine, exc)
-        log.error("hvdplus background thread failed: %s", error)
+        error = failure_of(self._engine, exc, _ELASTIC_NOTICE_WAIT_S if self._elastic else 0.0)
+        if self._elastic:  # hvd.elastic.run recovers, then warns once, naming the lost worker
+            log.debug("hvdplus background thread failed: %s", error)
+        else:
+            log.error("hvdplus background thread failed: %s", error)
         if self._fatal is None:
             self._fatal = error
         for rounds in [self._world, *self._member.all()]:

@@ -13,6 +13,7 @@ warning; at the shutdown time every live rank raises, naming them.
 from __future__ import annotations
 
 import logging
+import time
 
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
@@ -24,6 +25,7 @@ log = logging.getLogger("hvdplus")
 
 INSPECT_EVERY_S = 1.0  # how often a long wait for the control round is interrupted to inspect it
 _GRACE_S = 1.0  # how long after its own beacon a rank waits for the others' before naming the silent ones
+_NOTICE_POLL_S = 0.05
 
 
 class FrozenPeerInspector:
@@ -103,12 +105,23 @@ def peer_failure(engine: Engine) -> HorovodInternalError | None:
     return HorovodInternalError(f"{_names(sorted(failed))} failed, so the collective cannot complete ({lines})")
 
 
-def failure_of(engine: Engine, exc: BaseException) -> HorovodInternalError:
+def _awaited_peer_failure(engine: Engine, wait_s: float) -> HorovodInternalError | None:
+    """peer_failure, waiting up to `wait_s` seconds for a notice: an elastic job's launcher names a worker that died
+    a tenth of a second after its exit, often after its peers' transport already failed."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        found = peer_failure(engine)
+        if found is not None or time.monotonic() >= deadline:
+            return found
+        time.sleep(_NOTICE_POLL_S)
+
+
+def failure_of(engine: Engine, exc: BaseException, notice_wait_s: float = 0.0) -> HorovodInternalError:
     """The error every pending and later call on this rank raises after `exc` ended its cycles. A failure of this
     rank's own is announced to the peers, so that they name it instead of hanging or reporting only its
-    consequence; one that follows a peer's failure names that peer."""
+    consequence; one that follows a peer's failure names that peer (a notice may take `notice_wait_s` to come)."""
     named = isinstance(exc, HorovodInternalError)  # hvdplus's own verdict: a failed, frozen or stalled peer
-    caused_by = peer_failure(engine)
+    caused_by = _awaited_peer_failure(engine, 0.0 if named else notice_wait_s)
     if caused_by is not None:
         return caused_by if named else HorovodInternalError(f"{caused_by} (here: {type(exc).__name__}: {exc})")
     if isinstance(exc, HorovodInternalError):  # `named`, in a form that narrows exc's type
