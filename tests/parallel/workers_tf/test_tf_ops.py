@@ -213,8 +213,9 @@ def test_variables_objects_and_rank_ops(hvd, mode):
     mode(assign_from_last_rank)()
     assert variables[0].numpy().tolist() == [hvd.size() - 1] * 3 and int(variables[1].numpy()) == hvd.size() - 1
     variables[1].assign(hvd.rank() + 5)
-    assert hvd.broadcast_(variables, root_rank=0) == variables
-    assert int(variables[1].numpy()) == 5
+    values = hvd.broadcast_(variables, root_rank=0)  # Horovod returns the new values (tensors)
+    assert [v.numpy().tolist() for v in values] == [v.numpy().tolist() for v in variables]
+    assert int(variables[1].numpy()) == 5 == int(values[1])
     assert hvd.broadcast_object({"rank": hvd.rank()}, root_rank=1) == {"rank": 1}
     assert hvd.allgather_object(hvd.rank() * 10) == [r * 10 for r in range(hvd.size())]
     assert int(hvd.size_op()) == hvd.size() and int(hvd.rank_op()) == hvd.rank()
