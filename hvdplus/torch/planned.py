@@ -127,9 +127,11 @@ def freeze_plan(
     rt = runtime()
     set_id = process_set.process_set_id or 0
     ranks = list(range(rt.size)) if set_id == 0 else list(process_set.ranks)
-    carrier = _carrier(params) if eligible else None
+    carrier = _carrier(params) if eligible else None  # none yet: a device plane no negotiated step has built
     digest = plan_digest([ranks, "" if carrier is None else carrier[1], *items])
-    words = allreduce(torch.from_numpy(agreement_words(eligible, digest)), op=Min, name=name, process_set=process_set)
+    words = allreduce(
+        torch.from_numpy(agreement_words(carrier is not None, digest)), op=Min, name=name, process_set=process_set
+    )
     decision = decide(words.numpy(), digest)
     if decision != Decision.FREEZE:
         return decision
