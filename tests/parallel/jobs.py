@@ -11,6 +11,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from tests.parallel.stress import STRESS_ENV, cpu_hogs, hog_count
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKERS = Path(__file__).resolve().parent / "workers"
 JOB_TIMEOUT = 240
@@ -120,6 +122,21 @@ def run_job(
             output += f"----- rank {rank} -----\n{log.read()}"
             log.close()
         return max(codes, key=abs), output
+
+
+def stress_job(
+    engine: str, np: int, argv: list[str], extra_env: dict[str, str] | None = None, timeout: float = JOB_TIMEOUT
+) -> tuple[int, str]:
+    """`run_job` in stress mode (tests/parallel/stress.py): each rank sleeps a random time before each submit,
+    beside processes that keep every core busy for the job's length."""
+    with cpu_hogs(hog_count(np), timeout):
+        return run_job(engine, np, argv, {STRESS_ENV: "1", **(extra_env or {})}, timeout)
+
+
+def assert_stress_ran(np: int, output: str) -> None:
+    """Every rank of a stress job delayed its submits (its summary says how many)."""
+    delayed = [int(n) for n in re.findall(r"stress mode: (\d+) submits delayed", output)]
+    assert len(delayed) == np and min(delayed) > 0, f"stress summaries: {delayed}\n{output[-3000:]}"
 
 
 def pytest_argv(*paths: str) -> list[str]:
