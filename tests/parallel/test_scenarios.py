@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.parallel.jobs import run_job
+from tests.parallel.stress import cpu_hogs, hog_count
 
 pytest.importorskip("torch")
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
@@ -47,6 +48,41 @@ def test_hierarchical_collectives_on_simulated_hosts(engine, hosts, env, expect)
     assert output.count("hierarchical ok") == size, output
     if hosts == "2,1":
         assert "fall back to flat: its hosts run different numbers of ranks (host0: 2, host1: 1)" in output, output
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+# Loaded, a job takes 14-21 s on 2 cores (quiet 6-10 s): one loaded job per engine, at the worker suites' sizes.
+@pytest.mark.parametrize(
+    "engine, np, load",
+    [
+        pytest.param("mpi", 2, "quiet", marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+        pytest.param("mpi", 3, "quiet", marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+        ("gloo", 2, "quiet"),
+        ("gloo", 3, "quiet"),
+        pytest.param("mpi", 3, "loaded", marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+        ("gloo", 2, "loaded"),
+    ],
+)
+def test_no_rank_leaves_a_barrier_before_every_member_arrived(engine, np, load):
+    """Each member of the whole job, then of the set without rank 0, arrives late in turn: every member leaves
+    each barrier after the late one called it (one clock: the ranks share the machine), quiet and beside processes
+    that keep every core busy (tests/parallel/stress.py)."""
+    with cpu_hogs(hog_count(np) if load == "loaded" else 0, 120):
+        code, output = run_job(engine, np, [str(SCENARIOS / "barrier_arrival.py")], timeout=120)
+    assert code == 0, output
+    assert output.count("every rank left each barrier after the last one arrived") == np, output
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(200)
+def test_the_barrier_scenario_fails_where_the_barrier_lets_ranks_leave_early():
+    """The scenario above, with hvd.barrier replaced by a call that returns at once, fails on every rank and names
+    barriers of both sets: it can catch a barrier that lets a rank go before the others have arrived."""
+    code, output = run_job("gloo", 3, [str(SCENARIOS / "barrier_arrival.py")], {"SCENARIO_BARRIER": "none"}, timeout=60)
+    assert code == 1, output
+    assert output.count("EARLY BARRIER EXITS") == 3, output
+    assert re.search(r"global\.\d+: a rank left", output) and re.search(r"without-rank-0\.\d+: a rank left", output)
 
 
 @on_both_engines
