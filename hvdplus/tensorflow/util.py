@@ -11,7 +11,9 @@ from typing import Any, TypeVar
 
 import tensorflow as tf
 
-__all__ = ["_executing_eagerly", "_make_subgraph", "_cache", "vars_to_refs", "refs_to_vars"]
+# The underscored helpers are imported by name (as Horovod's tests do); `__all__` lists the names a star import and
+# the API reference take, which leave underscored names out.
+__all__ = ["vars_to_refs", "refs_to_vars"]
 
 _Result = TypeVar("_Result")
 
