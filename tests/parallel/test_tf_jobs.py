@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from tests.parallel.jobs import ROOT, assert_every_rank_ran, mpirun, pytest_argv, run_job
+from tests.parallel.jobs import ROOT, assert_every_rank_ran, assert_stress_ran, mpirun, pytest_argv, run_job, stress_job
 
 WORKERS_TF = ROOT / "tests" / "parallel" / "workers_tf"
 
@@ -32,6 +32,22 @@ def test_tf_worker_suite(engine: str, np: int) -> None:
     )
     assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran(engine, np, output, at_least=60)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(400)
+# One stress job (tests/parallel/stress.py): it takes about twice the quiet time, and the torch suite's stress jobs
+# cover both engines under the same core; all four pairs passed by hand.
+@pytest.mark.parametrize("engine,np", [("mpi", 2)])
+def test_tf_worker_suite_under_stress(engine: str, np: int) -> None:
+    """The TF worker suite with each rank sleeping a random time before each submit, beside processes that keep
+    every core busy: ranks that drift apart still agree on every outcome."""
+    _need(engine)
+    env = {"TF_CPP_MIN_LOG_LEVEL": "2", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "60"}
+    code, output = stress_job(engine, np, pytest_argv("--color=no", str(WORKERS_TF)), env, timeout=360)
+    assert code == 0, f"{engine} stress job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran(engine, np, output, at_least=60)
+    assert_stress_ran(np, output)
 
 
 @pytest.mark.parallel
