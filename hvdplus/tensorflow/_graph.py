@@ -143,10 +143,10 @@ def execute(
     links = _last_wait.setdefault(graph, {})
     key = (graph._get_control_flow_context(), chain)  # v1 cond/while contexts cannot share control inputs
     with graph.control_dependencies([links[key]] if key in links else []):
-        *outputs, error = tf.numpy_function(
-            functools.partial(_wait, dtypes), [token], [*dtypes, tf.string], stateful=True, name="HorovodWait"
+        *outputs, keys, flags = tf.numpy_function(
+            functools.partial(_wait, dtypes), [token], [*dtypes, tf.string, tf.int64], stateful=True, name="HorovodWait"
         )
-        check = _fail_on_mismatch(error)
+        check = _fail_on_mismatch(keys, flags)
     links[key] = check  # the next wait of the chain runs only once this collective succeeded
     with graph.control_dependencies([check]):
         outputs = [tf.identity(output) for output in outputs]
@@ -164,32 +164,29 @@ def _submit(start: Start, *arrays: np.ndarray) -> np.int64:
 
 
 def _wait(dtypes: Sequence[tf.DType], token: np.ndarray) -> list[np.ndarray]:
-    """The wait op: finish the collective that `token` stands for; its outputs and an empty error, or, when the
-    ranks disagreed, empty outputs and the error's message for `_fail_on_mismatch` (other errors raise)."""
+    """The wait op: finish the collective that `token` stands for. Returns its outputs, then the keys and values
+    for `_fail_on_mismatch`: the error's message twice with values 0 and 1 (and empty outputs) when the ranks
+    disagreed, else two empty keys with values 0 and 0. Other errors raise."""
     try:
-        return [*_pending.pop(int(token))(), np.bytes_(b"")]
+        return [*_pending.pop(int(token))(), np.array([b"", b""]), np.zeros(2, np.int64)]
     except CollectiveMismatchError as exc:
-        return [*(np.zeros(0, d.as_numpy_dtype) for d in dtypes), np.bytes_(f"\n{exc}\n".encode())]
+        message = f"\n{exc}\n".encode()
+        empty = (np.zeros(0, d.as_numpy_dtype) for d in dtypes)
+        return [*empty, np.array([message, message]), np.array([0, 1], np.int64)]
     except HorovodInternalError as exc:
         raise as_tf_error(exc) from exc
 
 
-def _fail_on_mismatch(error: tf.Tensor) -> tf.Operation:
-    """An op that fails with FailedPrecondition, naming `error`, when `error` is not empty, as Horovod's kernels
-    fail a collective the ranks disagreed on.
+def _fail_on_mismatch(keys: tf.Tensor, values: tf.Tensor) -> tf.Operation:
+    """An op that fails with FailedPrecondition, naming the mismatch, when `_wait` reported one, as Horovod's
+    kernels fail a collective the ranks disagreed on.
 
     Why a lookup table: a Python function in a graph can fail only with InvalidArgument (ValueError, TypeError),
     Unimplemented, OutOfRange, ResourceExhausted or Unknown (TensorFlow's py_func.cc). Initializing a fresh table
-    with one key twice fails with FailedPrecondition whose message holds the key, and succeeds when both values
-    agree: the values are 0 and 0 when `error` is empty, 0 and 1 otherwise."""
+    with one key twice fails with FailedPrecondition whose message holds the key when the two values differ, and
+    succeeds when they agree. The table does not depend on the wait, so only the initialization follows it."""
     table = tf.raw_ops.AnonymousHashTable(key_dtype=tf.string, value_dtype=tf.int64)
-    failed = tf.cast(tf.strings.length(error) > 0, tf.int64)
-    return tf.raw_ops.InitializeTableV2(
-        table_handle=table,
-        keys=tf.stack([error, error]),
-        values=tf.stack([tf.zeros([], tf.int64), failed]),
-        name="HorovodCheck",
-    )
+    return tf.raw_ops.InitializeTableV2(table_handle=table, keys=keys, values=values, name="HorovodCheck")
 
 
 def as_tf_error(error: HorovodInternalError) -> HorovodInternalError:
