@@ -59,7 +59,7 @@ for label in labels:
     reduced = [r for _, r, _, _ in seen.values()]
     widest = max(widest, max(reduced) - min(reduced))
 print(
-    f"rank {rank}: {len(labels)} barriers; the first exit came {margin * 1e3:.2f} ms or more after the last arrival; "
+    f"rank {rank}: {len(labels)} barriers; first exit minus last arrival, the least: {margin * 1e3:.2f} ms; "
     f"the ranks left the allreduce before each up to {widest * 1e3:.2f} ms apart",
     flush=True,
 )
