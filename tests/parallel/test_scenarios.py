@@ -52,7 +52,8 @@ def test_hierarchical_collectives_on_simulated_hosts(engine, hosts, env, expect)
 
 @pytest.mark.parallel
 @pytest.mark.timeout(200)
-# Loaded, a job takes 14-21 s on 2 cores (quiet 6-10 s): one loaded job per engine, at the worker suites' sizes.
+# A job takes 3-7 s on 2 cores (up to 21 s loaded beside other jobs): one loaded job per engine, at the worker
+# suites' sizes.
 @pytest.mark.parametrize(
     "engine, np, load",
     [
