@@ -10,7 +10,8 @@ import torch
 
 from hvdplus.common.basics import ProcessSet, global_process_set, rank
 from hvdplus.common.collectives import broadcast_object, check_root
-from hvdplus.torch.mpi_ops import _DTYPE_NAMES, broadcast_async_, synchronize
+from hvdplus.torch.buffers import DTYPE_NAMES
+from hvdplus.torch.mpi_ops import broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state"]
 
@@ -51,7 +52,7 @@ class _TensorSlot:
 
 
 def _movable(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.layout == torch.strided and value.dtype in _DTYPE_NAMES
+    return isinstance(value, torch.Tensor) and value.layout == torch.strided and value.dtype in DTYPE_NAMES
 
 
 def _strip(value: Any, path: str, tensors: list[tuple[str, torch.Tensor]]) -> Any:

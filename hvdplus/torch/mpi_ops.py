@@ -11,16 +11,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar, overload
 
-import numpy as np
 import torch
 
 from hvdplus.common import collectives as core
-from hvdplus.common.basics import ProcessSet, global_process_set, rank, runtime
+from hvdplus.common.basics import ProcessSet, global_process_set, rank
 from hvdplus.common.handles import Completion, Handle
 from hvdplus.common.naming import group_size, member_names
 from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
+from hvdplus.torch.buffers import (
+    as_numpy,
+    collective_buffers,
+    collective_input,
+    collective_result,
+    device_label,
+    dtype_name,
+    from_numpy,
+    host_tensor,
+    plane_kind,
+)
 from hvdplus.torch.compression import Compression, Compressor
-from hvdplus.torch.device_plane import CPU_TEST_KIND
 
 __all__ = [
     "allreduce",
@@ -52,103 +61,6 @@ __all__ = [
 ]
 
 _T = TypeVar("_T")
-
-_DTYPE_NAMES = {
-    torch.uint8: "uint8",
-    torch.int8: "int8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.bool: "bool",
-}
-
-_CPU = torch.device("cpu")
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    try:
-        return _DTYPE_NAMES[tensor.dtype]
-    except KeyError:
-        raise TypeError(
-            f"hvdplus collectives do not support {tensor.dtype}; supported: {', '.join(str(d) for d in _DTYPE_NAMES)}"
-        ) from None
-
-
-def _host(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with the same values (the tensor itself when it already is one)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type == "cpu" and tensor.is_contiguous():  # the common case, with no dispatcher calls
-        return tensor.detach() if tensor.requires_grad else tensor
-    return tensor.detach().cpu().contiguous()
-
-
-def _plane_kind(tensor: torch.Tensor) -> str | None:
-    """The device kind under which `tensor` travels on one of the job's device planes; None: host memory."""
-    kinds = runtime().coordinator.device_kinds
-    if not kinds:  # the common case on CPU jobs: no device plane at all
-        return None
-    kind = CPU_TEST_KIND if tensor.is_cpu else tensor.device.type
-    return kind if kind in kinds else None
-
-
-def _label(tensor: torch.Tensor, kind: str | None) -> str:
-    """The device a request names: 'cpu', 'cuda:N' (on NCCL or staged), or the CPU test plane's kind."""
-    if tensor.is_cpu:
-        return "cpu" if kind is None else kind
-    return str(tensor.device)
-
-
-def _input(tensor: torch.Tensor) -> tuple[Any, str]:
-    """(buffer, device label) of a collective's input: the tensor itself on a device plane, else a host view."""
-    kind = _plane_kind(tensor)
-    if kind is None:
-        return _numpy(_host(tensor)), _label(tensor, None)
-    return tensor.detach().contiguous(), _label(tensor, kind)
-
-
-def _result(buffer: Any, like: torch.Tensor) -> torch.Tensor:
-    """A core result as a tensor of `like`'s dtype on `like`'s device (device-plane results already are)."""
-    return buffer if isinstance(buffer, torch.Tensor) else _tensor(buffer, like.dtype, like.device)
-
-
-def _buffers(tensor: torch.Tensor, inplace: bool, kind: str | None) -> tuple[torch.Tensor, Any, Any, str]:
-    """(output tensor, input buffer, output buffer, device label) of a collective whose result has `tensor`'s
-    shape, on the device plane of `kind` (None: host memory).
-
-    In place on a contiguous tensor, all three share `tensor`'s memory. Otherwise the output is a new tensor on
-    the device plane, or on the host an array allocated by numpy (no dispatcher call, which would hand the GIL
-    to the background thread)."""
-    if kind is not None:
-        source = tensor.detach().contiguous()
-        if inplace and source.data_ptr() == tensor.data_ptr():
-            return source, source, source, _label(tensor, kind)
-        output = torch.empty_like(source)
-        return output, source, output, _label(tensor, kind)
-    host = _host(tensor)
-    in_array = _numpy(host)
-    if inplace and host.data_ptr() == tensor.data_ptr():
-        return host, in_array, in_array, "cpu"
-    out_array = np.empty(in_array.shape, dtype=in_array.dtype)
-    return _tensor(out_array, tensor.dtype, _CPU), in_array, out_array, _label(tensor, None)
-
-
-def _numpy(host: torch.Tensor) -> np.ndarray:
-    """Zero-copy numpy view of a contiguous CPU tensor (bfloat16 as its uint16 bits)."""
-    if host.dtype == torch.bfloat16:
-        return host.view(torch.int16).numpy().view(np.uint16)
-    return host.numpy()
-
-
-def _tensor(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    if dtype == torch.bfloat16:
-        tensor = tensor.view(torch.bfloat16)
-    return tensor if device.type == "cpu" else tensor.to(device)
 
 
 def poll(handle: Completion[Any]) -> bool:
@@ -183,11 +95,11 @@ def _start_allreduce(
     """Submit one allreduce (a member of a grouped call of `group` tensors, if not 0); return its handle and the
     function that gives the result once it is done."""
     # Adasum reduces tensor by tensor on the host engine (common/adasum.py)
-    kind = None if op == ReduceOp.ADASUM else _plane_kind(tensor)
-    output, in_array, out_array, label = _buffers(tensor, inplace, kind)
+    kind = None if op == ReduceOp.ADASUM else plane_kind(tensor)
+    output, in_array, out_array, label = collective_buffers(tensor, inplace, kind)
     device = tensor.device
     handle = core.submit_allreduce(
-        in_array, out_array, _dtype_name(tensor), name, op, prescale, postscale, process_set, label, group=group
+        in_array, out_array, dtype_name(tensor), name, op, prescale, postscale, process_set, label, group=group
     )
 
     def result() -> torch.Tensor:
@@ -209,7 +121,7 @@ def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
     if tensors[0].is_cpu:
         return all(isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dtype for t in tensors)
     device = tensors[0].device  # device tensors pack on their device when a device plane takes them
-    return _plane_kind(tensors[0]) is not None and all(
+    return plane_kind(tensors[0]) is not None and all(
         isinstance(t, torch.Tensor) and t.device == device and t.dtype == dtype for t in tensors
     )
 
@@ -227,18 +139,18 @@ def _start_packed_allreduce(
     unpacked as views of the buffer (copied into the inputs when in place)."""
     with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
         flat = torch._utils._flatten_dense_tensors(tensors)
-    kind = _plane_kind(flat)
-    buffer = _numpy(flat) if kind is None else flat
+    kind = plane_kind(flat)
+    buffer = as_numpy(flat) if kind is None else flat
     handle = core.submit_allreduce(
         buffer,
         buffer,
-        _dtype_name(flat),
+        dtype_name(flat),
         name,
         op,
         prescale,
         postscale,
         process_set,
-        _label(flat, kind),
+        device_label(flat, kind),
         parts=tuple(tuple(t.shape) for t in tensors),
         group=len(tensors),
     )
@@ -504,9 +416,9 @@ def _allgather_members(
     """Start one allgather per tensor, each announcing the size of the grouped call it belongs to."""
     handles = []
     for t, n in zip(tensors, names):
-        buffer, label = _input(t)
-        handles.append(core.submit_allgather(buffer, _dtype_name(t), n, process_set, label, group))
-    return Completion(handles, lambda results: [_result(r, t) for r, t in zip(results, tensors)])
+        buffer, label = collective_input(t)
+        handles.append(core.submit_allgather(buffer, dtype_name(t), n, process_set, label, group))
+    return Completion(handles, lambda results: [collective_result(r, t) for r, t in zip(results, tensors)])
 
 
 def grouped_allgather_async(
@@ -566,8 +478,8 @@ def grouped_allgather(
 def _broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None, process_set: ProcessSet, inplace: bool
 ) -> Completion[torch.Tensor]:
-    output, in_array, out_array, label = _buffers(tensor, inplace, _plane_kind(tensor))
-    handle = core.submit_broadcast(in_array, out_array, _dtype_name(tensor), root_rank, name, process_set, label)
+    output, in_array, out_array, label = collective_buffers(tensor, inplace, plane_kind(tensor))
+    handle = core.submit_broadcast(in_array, out_array, dtype_name(tensor), root_rank, name, process_set, label)
 
     def finish(_: list[Any]) -> torch.Tensor:
         if not inplace:
@@ -656,10 +568,11 @@ def alltoall_async(
 
     Collective: every rank in the process set must call this, in the same order."""
     handle = core.submit_alltoall(
-        _numpy(_host(tensor)), _dtype_name(tensor), _split_list(splits), name, process_set, str(tensor.device)
+        as_numpy(host_tensor(tensor)), dtype_name(tensor), _split_list(splits), name, process_set, str(tensor.device)
     )
     return Completion(
-        [handle], lambda results: (_tensor(results[0][0], tensor.dtype, tensor.device), torch.from_numpy(results[0][1]))
+        [handle],
+        lambda results: (from_numpy(results[0][0], tensor.dtype, tensor.device), torch.from_numpy(results[0][1])),
     )
 
 
@@ -723,13 +636,13 @@ def _reducescatter_members(
     """Start one reduce-scatter per tensor, each announcing the size of the grouped call it belongs to."""
     handles = []
     for t, n in zip(tensors, names):
-        buffer, label = _input(t)
+        buffer, label = collective_input(t)
         handles.append(
             core.submit_reducescatter(
-                buffer, _dtype_name(t), n, core.resolve_op(None, op), prescale, postscale, process_set, label, group
+                buffer, dtype_name(t), n, core.resolve_op(None, op), prescale, postscale, process_set, label, group
             )
         )
-    return Completion(handles, lambda results: [_result(r, t) for r, t in zip(results, tensors)])
+    return Completion(handles, lambda results: [collective_result(r, t) for r, t in zip(results, tensors)])
 
 
 def grouped_reducescatter_async(

@@ -32,7 +32,7 @@ from hvdplus.common.basics import ProcessSet, _add, global_process_set, open_cha
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.p2p import TAGS_PER_MESSAGE, PeerError, recv_arrays, send_arrays, send_error
 from hvdplus.common.pipeline import Action, Op, balanced_split, build_schedule, check_sizes, chunk_stages
-from hvdplus.torch.mpi_ops import _dtype_name, _numpy
+from hvdplus.torch.buffers import as_numpy, dtype_name
 from hvdplus.torch.pipeline_backward import WeightWork, backward_full, backward_input, backward_weight
 
 __all__ = ["Pipeline", "PipelineError"]
@@ -407,7 +407,7 @@ class _Step:
         self.received.pop(key, None)
 
     def send(self, action: Action, tensors: Sequence[torch.Tensor]) -> None:
-        arrays = [(_numpy(t.detach().contiguous()), _dtype_name(t)) for t in tensors]
+        arrays = [(as_numpy(t.detach().contiguous()), dtype_name(t)) for t in tensors]
         key = (action.op, action.micro_batch, action.chunk)
         self.sends[key] = send_arrays(self.pipe._channel, self.peer(action), self.pipe.tag(*key), arrays)
 
@@ -430,7 +430,7 @@ class _Step:
                 t
                 for rank in pipe.pipeline_ranks
                 if rank != last
-                for t in send_arrays(pipe._channel, rank, pipe._loss_tag, [(_numpy(value), "float32")])
+                for t in send_arrays(pipe._channel, rank, pipe._loss_tag, [(as_numpy(value), "float32")])
             ]
             for transfer in sends:
                 transfer.wait(self.alive)

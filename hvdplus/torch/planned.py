@@ -20,7 +20,8 @@ from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.grouping import bucket_indices
 from hvdplus.common.ops import Average, Min, ReduceOp, Sum
 from hvdplus.common.step_plan import Decision, agreement_words, decide, plan_digest
-from hvdplus.torch.mpi_ops import _DTYPE_NAMES, _plane_kind, allreduce
+from hvdplus.torch.buffers import DTYPE_NAMES, plane_kind
+from hvdplus.torch.mpi_ops import allreduce
 from hvdplus.torch.planned_steps import Alive
 from hvdplus.torch.reducer import Reducer
 
@@ -46,7 +47,7 @@ def bucket_sizes(params: Sequence[torch.Tensor]) -> tuple[int, int | None]:
     a device plane (CUDA tensors on NCCL) HVDPLUS_BUCKET_BYTES or DEVICE_BUCKET_BYTES, none alone; else the
     host engine's rules."""
     rt = runtime()
-    if params and _plane_kind(params[0]) is not None:
+    if params and plane_kind(params[0]) is not None:
         return (DEVICE_BUCKET_BYTES if rt.settings.bucket_bytes is None else rt.settings.bucket_bytes), None
     return rt.bucket_bytes, rt.engine.alone_bytes
 
@@ -59,7 +60,7 @@ def _carrier(params: Sequence[torch.Tensor]) -> tuple[Any, str] | None:
     if not params or len({p.device for p in params}) != 1:
         return None
     rt = runtime()
-    kind = _plane_kind(params[0])
+    kind = plane_kind(params[0])
     if kind is None:
         return (rt.engine, "host") if params[0].device.type == "cpu" else None
     engine = rt.coordinator.plane_engine(kind)
@@ -82,7 +83,7 @@ def _eligible(params: Sequence[torch.Tensor], op: ReduceOp, groups_given: bool, 
         return False
     return all(
         p.layout == torch.strided
-        and p.dtype in _DTYPE_NAMES
+        and p.dtype in DTYPE_NAMES
         and p.dtype.is_floating_point
         and (p.grad is None or not p.grad.is_sparse)
         for p in params

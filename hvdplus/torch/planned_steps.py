@@ -26,7 +26,7 @@ from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.step_plan import consistency_words, read_consistency
 from hvdplus.common.timeline import Timeline
-from hvdplus.torch.mpi_ops import _numpy
+from hvdplus.torch.buffers import as_numpy
 
 __all__ = ["PlannedStep", "Alive", "serve_joined"]
 
@@ -81,7 +81,7 @@ class PlannedStep:
 
     def _buffer(self, tensor: torch.Tensor) -> Any:
         """What the plan's group reduces: a numpy view of a CPU tensor for the host engine, else the tensor."""
-        return _numpy(tensor) if self._host else tensor
+        return as_numpy(tensor) if self._host else tensor
 
     def _trace_start(self, names: Sequence[str], kind: str) -> Timeline | None:
         """Open the timeline spans of a planned collective on its tensors' rows (`kind`, and PLANNED_`kind`

@@ -23,7 +23,7 @@ from hvdplus.common.exceptions import PlanMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
 from hvdplus.common.timeline import Timeline
-from hvdplus.torch.mpi_ops import _dtype_name
+from hvdplus.torch.buffers import dtype_name
 from hvdplus.torch.planned_steps import PlannedStep
 
 __all__ = ["Reducer"]
@@ -166,7 +166,7 @@ class Reducer(PlannedStep):
                 sent[-1] = GUARD_DIFFERS if self._differs else GUARD_TRAINING
             bucket.traced = self._trace_start([bucket.row], "ALLREDUCE")
         with self._engine_errors():
-            bucket.request = self._group.start_allreduce(self._buffer(sent), _dtype_name(sent), ReduceOp.SUM)
+            bucket.request = self._group.start_allreduce(self._buffer(sent), dtype_name(sent), ReduceOp.SUM)
 
     # ----------------------------------------------------------------- synchronize
     def finish(self) -> None:

@@ -21,7 +21,7 @@ from hvdplus.common.negotiation import NOT_WITH_JOIN
 from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
 from hvdplus.common.timeline import Timeline
-from hvdplus.torch.mpi_ops import _dtype_name
+from hvdplus.torch.buffers import dtype_name
 from hvdplus.torch.planned_steps import PlannedStep
 
 __all__ = ["ShardPlan"]
@@ -56,7 +56,7 @@ class ShardPlan(PlannedStep):
         `name`: the bucket's row in the timeline."""
         traced = self._trace_start([name], "REDUCESCATTER")
         with self._engine_errors():
-            request = self._group.start_reducescatter(self._buffer(sent), _dtype_name(sent), counts)
+            request = self._group.start_reducescatter(self._buffer(sent), dtype_name(sent), counts)
         self._traced[id(request)] = (traced, name)
         return request
 
@@ -64,7 +64,7 @@ class ShardPlan(PlannedStep):
         """Start gathering every rank's run of `full` (its updated shard) into every rank's `full`, in place."""
         traced = self._trace_start([name], "ALLGATHER")
         with self._engine_errors():
-            request = self._group.start_allgather(self._buffer(full), _dtype_name(full), counts)
+            request = self._group.start_allgather(self._buffer(full), dtype_name(full), counts)
         self._traced[id(request)] = (traced, name)
         return request
 
@@ -117,7 +117,7 @@ class ShardPlan(PlannedStep):
                 zeros.zero_()  # the last step left the others' sums in them
         with self._engine_errors():
             self._joined = [
-                self._group.start_reducescatter(self._buffer(z), _dtype_name(z), counts)
+                self._group.start_reducescatter(self._buffer(z), dtype_name(z), counts)
                 for z, (_, _, counts) in zip(self._zeros, self._buckets)
             ]
         self._joined.append(self._send_guard(0.0))

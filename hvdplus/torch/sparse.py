@@ -10,7 +10,8 @@ from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.handles import Completion
 from hvdplus.common.ops import ReduceOp
-from hvdplus.torch.mpi_ops import _dtype_name, _input, _result, synchronize
+from hvdplus.torch.buffers import collective_input, collective_result, dtype_name
+from hvdplus.torch.mpi_ops import synchronize
 
 __all__ = ["sparse_allreduce_async"]
 
@@ -45,11 +46,11 @@ def sparse_allreduce_async(
     names = (None, None) if name is None else (f"{name}.indices", f"{name}.values")
     handles = []
     for part, part_name in zip((indices, values), names):
-        buffer, label = _input(part)
-        handles.append(core.submit_allgather(buffer, _dtype_name(part), part_name, process_set, label))
+        buffer, label = collective_input(part)
+        handles.append(core.submit_allgather(buffer, dtype_name(part), part_name, process_set, label))
 
     def finish(results: list[Any]) -> torch.Tensor:
-        all_indices, all_values = _result(results[0], indices).t(), _result(results[1], values)
+        all_indices, all_values = collective_result(results[0], indices).t(), collective_result(results[1], values)
         if op == ReduceOp.AVERAGE:
             all_values = all_values / process_set.size()
         summed = torch.sparse_coo_tensor(all_indices, all_values, tensor.shape, check_invariants=True).coalesce()

@@ -45,8 +45,8 @@ from hvdplus.torch._optimizer import (
     _parameter_names,
     _remove_hooks,
 )
+from hvdplus.torch.buffers import as_numpy, dtype_name
 from hvdplus.torch.compression import Compression, Compressor
-from hvdplus.torch.mpi_ops import _dtype_name, _numpy
 from hvdplus.torch.planned import freeze_plan, settings_allow, wire_dtype
 from hvdplus.torch.shard_plan import ShardPlan
 from hvdplus.torch.zero3 import sharded_model_of
@@ -290,7 +290,7 @@ class _Shards:
         counts = counts_within(flat.part.bounds, bucket.start, bucket.end)
         offset, count = sum(counts[: self.index]), counts[self.index]
         sent, ctx = self.compression.compress(bucket.buffer)
-        array = _numpy(sent)
+        array = as_numpy(sent)
         unit = flat.unit
         if unit is not None and not unit.persistent:
             name, tag = self.sharded.next_name(), f"gradients of unit {unit.name!r}"
@@ -303,7 +303,7 @@ class _Shards:
         else:
             handle = core.submit_reducescatter(
                 array,
-                _dtype_name(sent),
+                dtype_name(sent),
                 name,
                 ReduceOp.AVERAGE,
                 process_set=self.process_set,
@@ -468,16 +468,16 @@ class _Shards:
                 continue
             part = flat.part
             start, end = part.shard(self.index)
-            full = _numpy(flat.full)
+            full = as_numpy(flat.full)
             if flat.master.data_ptr() == flat.full.data_ptr():
                 sent = full[start:end]
             else:
-                sent = _numpy(flat.master.to(flat.full.dtype))
+                sent = as_numpy(flat.master.to(flat.full.dtype))
             handles.append(
                 (
                     core.submit_allgather(
                         sent,
-                        _dtype_name(flat.full),
+                        dtype_name(flat.full),
                         f"ZeroOptimizer.gather.{self.names[part.params[0]]}",
                         process_set=self.process_set,
                         counts=part.counts,

@@ -24,7 +24,7 @@ import torch
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import runtime
-from hvdplus.torch.mpi_ops import _dtype_name, _numpy
+from hvdplus.torch.buffers import as_numpy, dtype_name
 from hvdplus.torch.streamed_save import StreamedSave
 from hvdplus.torch.zero3 import ShardedModel
 from hvdplus.torch.zero3_units import Unit
@@ -60,12 +60,12 @@ def _whole_shards(sharded: ShardedModel, unit: Unit) -> list[torch.Tensor]:
     for k, part in enumerate(unit.plan):
         whole = torch.empty(part.total, dtype=unit.shards[k].dtype)
         core.submit_allgather(
-            _numpy(unit.shards[k]),
-            _dtype_name(whole),
+            as_numpy(unit.shards[k]),
+            dtype_name(whole),
             sharded.next_name(),
             process_set=sharded.process_set,
             counts=part.counts,
-            output=_numpy(whole),
+            output=as_numpy(whole),
             tag=f"state of unit {unit.name!r}",
         ).wait()
         wholes.append(whole)

@@ -19,7 +19,7 @@ from hvdplus.common.basics import ProcessSet, runtime
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.negotiation import disagreement
 from hvdplus.common.sharding import parameter_mismatch
-from hvdplus.torch.mpi_ops import _numpy
+from hvdplus.torch.buffers import as_numpy
 from hvdplus.torch.zero3_units import Unit
 
 __all__ = ["replace_meta_parameters", "default_init", "materialize", "check_same_everywhere"]
@@ -55,7 +55,7 @@ def default_init(module: torch.nn.Module) -> None:
 
 
 def _digest(p: torch.Tensor) -> bytes:
-    return hashlib.blake2b(_numpy(p.detach().contiguous().reshape(-1)).data, digest_size=16).digest()
+    return hashlib.blake2b(as_numpy(p.detach().contiguous().reshape(-1)).data, digest_size=16).digest()
 
 
 def materialize(

@@ -17,7 +17,7 @@ import torch
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet
 from hvdplus.common.sharding import DtypePartition, partition
-from hvdplus.torch.mpi_ops import _dtype_name, _numpy
+from hvdplus.torch.buffers import as_numpy, dtype_name
 
 __all__ = ["Unit", "ROOT", "PERSISTENT", "empty_like_dtype", "add_gradient"]
 
@@ -127,8 +127,8 @@ class Unit:
             buffer.untyped_storage().resize_(part.total * buffer.element_size())
             sent = self.shards[k] if self.shards[k].dtype == buffer.dtype else self.shards[k].to(buffer.dtype)
             handle = core.submit_allgather(
-                _numpy(sent),
-                _dtype_name(buffer),
+                as_numpy(sent),
+                dtype_name(buffer),
                 names(),
                 process_set=process_set,
                 counts=part.counts,
@@ -166,6 +166,6 @@ def add_gradient(p: torch.Tensor, grad: torch.Tensor) -> None:
 def _unguarded_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A numpy view of a contiguous CPU tensor that leaves its storage resizable (`Tensor.numpy()` pins it
     for good). Only for buffers whose storage stays put while the view is in use: a gather in flight."""
-    kind = _numpy(torch.empty(0, dtype=tensor.dtype)).dtype
+    kind = as_numpy(torch.empty(0, dtype=tensor.dtype)).dtype
     raw = (ctypes.c_byte * (tensor.numel() * tensor.element_size())).from_address(tensor.data_ptr())
     return np.frombuffer(memoryview(raw), dtype=kind)

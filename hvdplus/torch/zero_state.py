@@ -23,7 +23,7 @@ import torch
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import runtime
-from hvdplus.torch.mpi_ops import _dtype_name, _numpy
+from hvdplus.torch.buffers import as_numpy, dtype_name
 
 __all__ = ["ZeroStateDicts"]
 
@@ -171,12 +171,12 @@ class ZeroStateDicts(_OptimizerMixin):
                 mine = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
                 out = torch.empty(z.plan[k].total, dtype=dtype)
                 core.submit_allgather(
-                    _numpy(mine.contiguous()),
-                    _dtype_name(out),
+                    as_numpy(mine.contiguous()),
+                    dtype_name(out),
                     f"ZeroOptimizer.state.{k}.{key}",
                     process_set=z.process_set,
                     counts=z.plan[k].counts,
-                    output=_numpy(out),
+                    output=as_numpy(out),
                 ).wait()
                 full[key] = out
             yield k, full

@@ -1,6 +1,7 @@
 """The checks engineers expect, run by the test command: ruff's lint and format, mypy on hvdplus/, and a valid
 pre-commit configuration that runs the same tools (pyproject.toml holds their settings)."""
 
+import ast
 import os
 import re
 import shutil
@@ -53,3 +54,14 @@ def test_pre_commit_runs_the_same_checks():
     hook_versions = set(re.findall(r'"ruff==([^"]+)"', config))
     extra_versions = set(re.findall(r'"ruff==([^"]+)"', (ROOT / "pyproject.toml").read_text()))
     assert len(hook_versions) == 1 and hook_versions == extra_versions, "the hooks' ruff must be the lint extra's"
+
+
+def test_torch_modules_convert_tensors_through_one_layer():
+    """One tensor-to-buffer layer (hvdplus/torch/buffers.py) for every torch feature: no module reaches into the
+    collectives' private helpers (mpi_ops' `_numpy` and the like), where a host-only copy could hide."""
+    offenders = []
+    for path in sorted((ROOT / "hvdplus" / "torch").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "hvdplus.torch.mpi_ops":
+                offenders += [f"{path.relative_to(ROOT)}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not offenders, offenders
