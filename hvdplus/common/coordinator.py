@@ -83,7 +83,9 @@ class Coordinator:
         self._elastic = settings.launch.elastic_worker is not None  # a failure is recovered from: no error trace
         # Only the world's thread swaps the timeline; others write it (set_timeline).
         self._timeline = TimelineSlot(
-            Timeline(settings.timeline, settings.timeline_mark_cycles) if settings.timeline and self.rank == 0 else None
+            Timeline(settings.timeline, settings.timeline_mark_cycles)
+            if settings.timeline not in ("", "DYNAMIC") and self.rank == 0  # DYNAMIC: hvd.start_timeline() starts it
+            else None
         )
         context = RoundsContext(engine, settings, self._sets, self._names, self._spin_s, self._timeline, self._fail)
         self._member = MemberRounds(context)

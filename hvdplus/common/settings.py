@@ -200,7 +200,8 @@ SETTINGS: tuple[Setting, ...] = (
         "timeline",
         str,
         "",
-        "Path of a Chrome-trace timeline written by rank 0; empty disables it.",
+        "Path of a Chrome-trace timeline written by rank 0; empty disables it; DYNAMIC (Horovod's value) writes none "
+        "until hvd.start_timeline().",
         "HVDPLUS_TIMELINE",
         "HOROVOD_TIMELINE",
     ),
