@@ -6,6 +6,7 @@ check that two adapters would both need lives here.
 
 from __future__ import annotations
 
+import math
 import pickle
 from collections.abc import Sequence
 from typing import Any, overload
@@ -165,9 +166,14 @@ def check_counts(
     return counts
 
 
+def _elements(buffer: Any) -> int:
+    """The number of elements of a buffer: a numpy array, or a device plane's tensor."""
+    return math.prod(buffer.shape)
+
+
 def _check_output(output: np.ndarray | None, elements: int | None, what: str) -> None:
-    if output is not None and elements is not None and output.size != elements:
-        raise ValueError(f"{what}: the output must hold {elements} elements, got {output.size}")
+    if output is not None and elements is not None and _elements(output) != elements:
+        raise ValueError(f"{what}: the output must hold {elements} elements, got {_elements(output)}")
 
 
 def submit_allgather(
@@ -300,9 +306,9 @@ def submit_reducescatter(
     check_reducible(dtype, op, "reducescatter")
     counts = check_counts(counts, array.shape, process_set, "reducescatter")
     if counts is not None:
-        if sum(counts) != array.size:
+        if sum(counts) != _elements(array):
             raise ValueError(
-                f"reducescatter counts must add up to the tensor's {array.size} elements, got {list(counts)}"
+                f"reducescatter counts must add up to the tensor's {_elements(array)} elements, got {list(counts)}"
             )
         members = runtime().coordinator.process_set_ranks(_set_id(process_set))
         assert members is not None  # check_counts found the set

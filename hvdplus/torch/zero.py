@@ -45,7 +45,7 @@ from hvdplus.torch._optimizer import (
     _parameter_names,
     _remove_hooks,
 )
-from hvdplus.torch.buffers import as_numpy, dtype_name
+from hvdplus.torch.buffers import collective_input, dtype_name
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.planned import freeze_plan, settings_allow, wire_dtype
 from hvdplus.torch.shard_plan import ShardPlan
@@ -290,7 +290,7 @@ class _Shards:
         counts = counts_within(flat.part.bounds, bucket.start, bucket.end)
         offset, count = sum(counts[: self.index]), counts[self.index]
         sent, ctx = self.compression.compress(bucket.buffer)
-        array = as_numpy(sent)
+        array, device = collective_input(sent)  # on the tensors' device plane where the job has one
         unit = flat.unit
         if unit is not None and not unit.persistent:
             name, tag = self.sharded.next_name(), f"gradients of unit {unit.name!r}"
@@ -310,6 +310,7 @@ class _Shards:
                 counts=counts,
                 output=array[offset : offset + count],
                 tag=tag,
+                device=device,
             )
         self.in_flight.append((bucket, handle, sent, ctx, offset, count, bucket.buffer, plan))
         bucket.buffer, bucket.fills = None, bucket.fills + 1
@@ -468,11 +469,11 @@ class _Shards:
                 continue
             part = flat.part
             start, end = part.shard(self.index)
-            full = as_numpy(flat.full)
+            full, device = collective_input(flat.full)
             if flat.master.data_ptr() == flat.full.data_ptr():
                 sent = full[start:end]
             else:
-                sent = as_numpy(flat.master.to(flat.full.dtype))
+                sent = collective_input(flat.master.to(flat.full.dtype))[0]
             handles.append(
                 (
                     core.submit_allgather(
@@ -482,6 +483,7 @@ class _Shards:
                         process_set=self.process_set,
                         counts=part.counts,
                         output=full,
+                        device=device,
                     ),
                     sent,
                 )

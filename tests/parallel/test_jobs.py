@@ -110,6 +110,7 @@ DEVICE_PLANE_FILES = (
     "test_torch_optimizer.py",
     "test_torch_sparse_groups.py",
     "test_torch_planned.py",
+    "test_torch_zero.py",  # ZeroOptimizer's reduce-scatters and allgathers on the plane (ZeRO-3's units too)
     "test_coordinator_idle.py::test_a_rank_left_out_of_its_peers_collectives_stops_holding_them_back",
 )
 MPI_DEVICE_PLANE_FILES = (
