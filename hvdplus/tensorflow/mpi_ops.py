@@ -334,10 +334,21 @@ def alltoall(
     [x] = _tensors([tensor])
     if x.shape.rank == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
-    split_tensor = tf.zeros([0], tf.int32) if splits is None else tf.cast(tf.convert_to_tensor(splits), tf.int32)
+    split_tensor = tf.zeros([0], tf.int32) if splits is None else _split_counts(splits)
     [op_name] = collective_names("Alltoall", [x], name, ignore_name_scope)
     output, received = _alltoall_op(x, split_tensor, splits is None, op_name, process_set)
     return output if splits is None else (output, received)
+
+
+def _split_counts(splits: Sequence[int] | np.ndarray | tf.Tensor) -> tf.Tensor:
+    """`splits` as int32 counts. A non-integer dtype is refused by the dtype alone, so every rank given such splits
+    raises, whatever values each holds: as Horovod's op, whose splits input is int32, InvalidArgument when run
+    eagerly and TypeError when a graph (tf.function, a v1 session) is built."""
+    given = tf.convert_to_tensor(splits)
+    if not given.dtype.is_integer:
+        message = f"alltoall splits must be integers (Horovod's op takes int32), got {given.dtype.name}"
+        raise InvalidArgument(message) if tf.executing_eagerly() else TypeError(message)
+    return tf.cast(given, tf.int32)
 
 
 def _rows_to_send(rows: int, splits: list[int] | None, set_size: int) -> int:

@@ -319,6 +319,18 @@ def test_alltoall_argument_errors_are_invalid_argument(hvd, execution, case):
     _job_still_works(hvd)
 
 
+def test_alltoall_refuses_float_splits_by_their_dtype(hvd, execution):
+    """Horovod's op takes int32 splits, so float ones fail by their dtype on every rank, even where their values
+    would do (rank 0's here): judged by the values, rank 0 would submit while the others raised, and the ranks
+    would fall out of step (issue 43, item 7, found with torch's alltoall). As with Horovod's op: InvalidArgument
+    eagerly, TypeError when the graph is built."""
+    splits = [1.0] * hvd.size() if hvd.rank() == 0 else [float("nan")] * hvd.size()
+    expected = tf.errors.InvalidArgumentError if execution == "eager" else TypeError
+    with pytest.raises(expected, match="alltoall splits must be integers"):
+        run(execution, lambda: hvd.alltoall(tf.ones([hvd.size()]), splits=splits, name="c3.alltoall.float")[0])
+    _job_still_works(hvd)
+
+
 def test_alltoall_sends_only_the_rows_the_splits_cover(hvd, execution):
     """EnqueueTensorAlltoall accepts splits summing to less than the first dimension: the rows after them are not
     sent; the gradient of those rows is 0."""
