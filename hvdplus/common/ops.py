@@ -19,7 +19,6 @@ __all__ = [
     "REDUCIBLE_DTYPES",
     "storage_dtype",
     "check_reducible",
-    "linear_scale",
     "reducescatter_grad_scale",
 ]
 
@@ -101,14 +100,6 @@ def check_reducible(dtype: str, op: ReduceOp, what: str) -> None:
         )
     if op == ReduceOp.ADASUM and dtype not in ("float16", "bfloat16", "float32", "float64"):
         raise TypeError(f"{what}: Adasum needs a floating-point tensor, got dtype {dtype!r}")
-
-
-def linear_scale(op: ReduceOp, prescale: float, postscale: float, set_size: int, what: str) -> float:
-    """The factor a Sum or Average collective applies to every rank's input, which is what its gradient (and
-    Horovod's IndexedSlices allreduce) scales by; Min, Max and Product are not linear: NotImplementedError."""
-    if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
-        raise NotImplementedError(f"{what} is defined for Average and Sum, not {op!r}")
-    return prescale * postscale / (set_size if op == ReduceOp.AVERAGE else 1)
 
 
 def reducescatter_grad_scale(op: ReduceOp, prescale: float, postscale: float, set_size: int) -> float:
