@@ -335,13 +335,13 @@ def _rank0_steps(output: str) -> list[int]:
     return [line["step"] for line in _steps(output) if line["rank"] == 0]
 
 
-def _hand_over_to_a_slow_new_host(tmp_path: Path, *flags: str) -> _LiveJob:
+def _hand_over_to_a_slow_new_host(tmp_path: Path, *flags: str, **env: str) -> _LiveJob:
     """Start a job on localhost, add 127.0.0.1 (its worker sleeps 3 s before hvd.init, as a slow TensorFlow import
     would), then remove localhost while that worker still starts; the job, running."""
     hosts, script = discovery_script(tmp_path, "localhost:1\n")
     job = _LiveJob(
         [HVDPLUSRUN, "-np", "1", "--min-np", "1", *flags, "--host-discovery-script", str(script), PY, TRAIN],
-        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(tmp_path / "stop"), LATE_START_DELAY="3"),
+        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(tmp_path / "stop"), LATE_START_DELAY="3", **env),
     )
     job.wait_for_size(1)
     hosts.write_text("localhost:1\n127.0.0.1:1\n")
@@ -380,6 +380,21 @@ def test_removing_every_host_that_holds_the_state_never_restarts_training(tmp_pa
         s["step"] for s in _steps(output) if s["worker"] == "localhost/0"
     ), final
     assert final["final"] == pytest.approx(_reference(final["steps"]), abs=1e-6), final
+
+
+def test_the_only_holder_dying_before_the_handover_ends_the_job_instead_of_restarting(tmp_path):
+    """As above, but localhost/0, the only holder of the state, is killed in its reset callback: after it joined
+    the new worker in generation 1, before the state sync. Nobody holds the state any more, so the job ends with
+    that reason; the new worker never trains from scratch."""
+    with _hand_over_to_a_slow_new_host(tmp_path, KILL_IN_RESET="localhost/0") as job:
+        code = job.proc.wait(timeout=60)
+    output = job.output
+    assert code == 1, output[-4000:]
+    assert (
+        "elastic job failed: every worker that held the training state has failed or left (localhost/0): there is "
+        "no state to carry on from" in output
+    ), output[-4000:]
+    assert not [s for s in _steps(output) if s["worker"] == "127.0.0.1/0"], output[-4000:]
 
 
 def test_a_scale_up_then_a_scale_down_pass_a_reset_limit_of_1(tmp_path):
