@@ -57,9 +57,15 @@ def jitter_submits(rng: random.Random | None = None) -> Jitter:
 _installed: list[Jitter] = []
 
 
+def stressed() -> bool:
+    """Whether this process is a rank of a stress job: its collectives are not back to back, on purpose, so a test
+    of an optimisation for back-to-back calls checks the values only."""
+    return os.environ.get(STRESS_ENV) == "1"
+
+
 def jitter_if_requested() -> None:
     """In a rank of a stress job (HVDPLUS_TEST_STRESS=1), jitter its submits: what the worker conftests call."""
-    if os.environ.get(STRESS_ENV) == "1" and not _installed:
+    if stressed() and not _installed:
         _installed.append(jitter_submits())
 
 

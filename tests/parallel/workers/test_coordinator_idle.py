@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hvdplus.torch.device_plane import CPU_TEST_KIND
+from tests.parallel.stress import stressed
 
 
 def test_idle_ranks_run_no_control_rounds(hvd):
@@ -103,5 +104,6 @@ def test_a_blocking_collective_runs_its_cycle_on_the_callers_thread(hvd):
         total = hvd.allreduce(torch.full((4,), float(step + hvd.rank())), op=hvd.Sum, name="driven")
         assert total.tolist() == [float(hvd.size() * step + sum(range(hvd.size())))] * 4
     # A call after an idle spell (a peer descheduled on 2 shared cores for longer than the cycle time) goes
-    # through the background thread's doorbell; most must not.
-    assert counters.driven_cycles - driven >= calls // 2, counters.driven_cycles - driven
+    # through the background thread's doorbell; most must not. Stress mode sleeps before each submit, on purpose.
+    if not stressed():
+        assert counters.driven_cycles - driven >= calls // 2, counters.driven_cycles - driven
