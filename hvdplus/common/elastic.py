@@ -35,7 +35,7 @@ def _agreed_max(value: int, name: str) -> int:
     return int(found[0])
 
 
-def _say_recovered(error: HorovodInternalError, left: Plan | None) -> None:
+def _say_recovered(error: str, left: Plan | None) -> None:
     """One warning for a failure that elastic training recovered from: the workers the launcher saw fail in the
     generation `left` (it names them before it plans the next one), else the collective's error."""
     worker = elastic_worker()
@@ -239,7 +239,9 @@ def run_fn(
     def wrapper(state: _StateT, *args: _Params.args, **kwargs: _Params.kwargs) -> _Result:
         needs_sync = True  # a worker's first run (a worker that joined late included) always syncs
         while True:
-            failed: HorovodInternalError | None = None
+            # The error's text only: the exception's traceback holds the failed step's frames, whose Gloo work keeps
+            # the old process group's connections open through reset(), so a peer blocked in it would never return.
+            failed: str | None = None
             worker = elastic_worker()
             plan_before = worker.plan if worker is not None else None
             try:
@@ -249,7 +251,7 @@ def run_fn(
                 return func(state, *args, **kwargs)
             except HorovodInternalError as error:
                 state.restore()
-                needs_sync, failed = True, error
+                needs_sync, failed = True, str(error)
             except HostsUpdatedInterrupt as interrupt:
                 needs_sync = not interrupt.skip_sync
             reset()

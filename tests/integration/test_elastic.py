@@ -104,6 +104,36 @@ def test_a_failed_worker_is_dropped_and_training_goes_on_from_the_commit(tmp_pat
     assert 0 < recovery < 3.0, done.output[-4000:]
 
 
+@pytest.mark.parametrize("victim", ["localhost/0", "127.0.0.1/1"])
+def test_survivors_blocked_in_a_planned_allreduce_are_released(victim):
+    """scripts/bench_elastic.py's recovery job: 4 workers train a 1M-parameter MLP with AdamW (planned gradient
+    allreduces, long enough for a survivor to be inside one when a worker dies); `victim` SIGKILLs itself after step
+    15. The survivors that raise first must close the failed step's connections at their reset, or one still blocked
+    in the planned allreduce waits forever: a recovered error kept past the reset (its traceback holds the step's
+    Gloo work) did that. The job reaches size 2 and ends."""
+    done = run(
+        [
+            HVDPLUSRUN,
+            "-np",
+            "4",
+            "--min-np",
+            "2",
+            "-H",
+            "localhost:2,127.0.0.1:2",
+            PY,
+            str(ROOT / "scripts" / "elastic_bench_worker.py"),
+            "train",
+        ],
+        timeout=90,
+        env=job_env(
+            BENCH_PARAMS="1e6", BENCH_WIDTH="512", BENCH_TARGET="2", BENCH_KILL=f"{victim}:15", BENCH_SLEEP="0.02"
+        ),
+    )
+    assert done.returncode == 0, done.output[-4000:]
+    assert f"worker {victim} (rank" in done.output and "generation 1 (worker" in done.output, done.output[-4000:]
+    assert "has waited" not in done.output, done.output[-4000:]
+
+
 def test_a_worker_dying_between_a_reset_and_the_state_sync_costs_one_more_reset():
     """The first failure makes generation 1; a worker of it dies in its reset callback, while the others wait in
     the state sync: they restore, meet in generation 2 and finish like a one-process run."""
