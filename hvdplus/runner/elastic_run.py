@@ -102,6 +102,7 @@ class ElasticDriver:
         self.workers: dict[str, Process] = {}  # the latest process of each worker id, running or ended
         self._handled: set[int] = set()  # ids of the ended processes already acted on
         self._holders: set[str] = set()  # workers that hold the training state (the first generation's, or synced)
+        self._synced_in: dict[str, int] = {}  # the latest generation in which each worker's process marked a sync
         self._joining: set[str] = set()  # started, in no generation yet: they join one once they reach hvd.init
         self._started_for: dict[str, int] = {}  # the generation each worker's latest process was started for
         self.plan: Plan | None = None
@@ -276,17 +277,19 @@ class ElasticDriver:
         the state: the bridge can go."""
         if self.plan is None or not self._bridging:
             return False
-        usable = {host for host, _ in self.hosts.usable()}
-        return any(host_of(w) in usable and w in self._holding() for w in self.plan.workers)
+        usable, holding = {host for host, _ in self.hosts.usable()}, self._holding()
+        return any(host_of(w) in usable and w in holding for w in self.plan.workers)
 
     def _refresh_holders(self) -> None:
-        """Add the plan's workers that have marked, since their start, that they hold the state."""
+        """Read the sync marks of the plan's workers that have not synced in its generation yet; a worker whose
+        process marked one since its start holds the state."""
         if self.plan is None:
             return
         for wid in self.plan.workers:
-            if wid not in self._holders:
+            if self._synced_in.get(wid, -1) < self.plan.generation:
                 mark = self.server.get(holds_key(wid))
                 if mark is not None and int(mark) >= self._started_for[wid]:
+                    self._synced_in[wid] = int(mark)
                     self._holders.add(wid)
 
     def _count_reset(self, wanted: list[str], reason: str) -> None:
@@ -390,7 +393,7 @@ class ElasticDriver:
         """Once every worker of the plan has synced in its generation, stop the workers it left out that still run
         (before that, they may still be in a collective of the generation before)."""
         plan = self.plan
-        if plan is None or any(self.server.get(holds_key(w)) != str(plan.generation).encode() for w in plan.workers):
+        if plan is None or any(self._synced_in.get(w, -1) < plan.generation for w in plan.workers):
             return
         for wid, process in self.workers.items():
             if wid not in plan.workers and wid not in self._joining and not process.exited.is_set():
@@ -416,6 +419,7 @@ class ElasticDriver:
         self.workers[wid] = start_agent(self.spec, self.supervisor, host, env, address, f"worker {wid}", tag=wid)
         self._started_for[wid] = generation
         self._holders.discard(wid)  # a new process holds nothing until its first sync
+        self._synced_in.pop(wid, None)
         self._joining.add(wid)
 
     @staticmethod
