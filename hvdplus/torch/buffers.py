@@ -9,6 +9,7 @@ through host memory), and its result is turned back into a tensor on the input's
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,7 @@ __all__ = [
     "collective_input",
     "collective_result",
     "collective_buffers",
+    "one_device",
 ]
 
 # The torch dtypes the core moves, by the core's dtype names.
@@ -129,3 +131,15 @@ def collective_buffers(tensor: torch.Tensor, inplace: bool, kind: str | None) ->
         return host, in_array, in_array, "cpu"
     out_array = np.empty(in_array.shape, dtype=in_array.dtype)
     return from_numpy(out_array, tensor.dtype, _CPU), in_array, out_array, device_label(tensor, None)
+
+
+def one_device(tensors: Sequence[torch.Tensor], name_of: Callable[[torch.Tensor], str], what: str) -> torch.device:
+    """The one device `tensors` are on (the CPU when there are none); ValueError naming a tensor on each device
+    when they are on several (a sharded flat buffer lives on one device)."""
+    seen: dict[torch.device, torch.Tensor] = {}
+    for tensor in tensors:
+        seen.setdefault(tensor.device, tensor)
+    if len(seen) > 1:
+        found = ", ".join(f"{name_of(t)!r} on {device}" for device, t in seen.items())
+        raise ValueError(f"{what} takes parameters on one device; found {found} (move the model with .to() first)")
+    return next(iter(seen), _CPU)

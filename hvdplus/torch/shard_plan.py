@@ -40,11 +40,14 @@ class ShardPlan(PlannedStep):
         digest: int,
         host: bool,
         buckets: Sequence[tuple[int, torch.dtype, Sequence[int]]],
+        device: torch.device,
     ) -> None:
-        """`buckets`: in plan order, each bucket's (elements, dtype on the wire, elements each rank keeps)."""
-        super().__init__(group, ranks, digest, host, torch.device("cpu"))
+        """`buckets`: in plan order, each bucket's (elements, dtype on the wire, elements each rank keeps).
+        `device`: the buckets' (the guard and a joined rank's zeros live there too)."""
+        super().__init__(group, ranks, digest, host, device)
+        self._device = device
         self._buckets = list(buckets)
-        self._guard = torch.zeros(1, dtype=torch.float32)
+        self._guard = torch.zeros(1, dtype=torch.float32, device=device)
         self._guard_request: PlannedRequest | None = None
         self._joined: list[PlannedRequest] = []
         self._zeros: list[torch.Tensor] = []
@@ -86,7 +89,7 @@ class ShardPlan(PlannedStep):
 
     def _send_guard(self, value: float) -> PlannedRequest:
         """Start summing this rank's guard `value` across the set (common/step_plan.py says what sums mean)."""
-        self._guard[0] = value
+        self._guard.fill_(value)
         with self._engine_errors():
             return self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM)
 
@@ -111,7 +114,9 @@ class ShardPlan(PlannedStep):
     # ----------------------------------------------------------------- join
     def start_joined_step(self) -> None:
         if not self._zeros:
-            self._zeros = [torch.zeros(elements, dtype=dtype) for elements, dtype, _ in self._buckets]
+            self._zeros = [
+                torch.zeros(elements, dtype=dtype, device=self._device) for elements, dtype, _ in self._buckets
+            ]
         else:
             for zeros in self._zeros:
                 zeros.zero_()  # the last step left the others' sums in them

@@ -35,6 +35,12 @@ class SideStream:
         with torch.cuda.stream(self.stream):
             yield
 
+    def reads(self, tensor: torch.Tensor) -> None:
+        """`tensor`, made on the compute stream, is read on the side stream: the caching allocator keeps its
+        memory until the side stream's work queued so far is done."""
+        if self.stream is not None and tensor.is_cuda:
+            tensor.record_stream(self.stream)
+
     def record(self) -> torch.cuda.Event | None:
         """An event after the work queued on the side stream so far (None on CPU: it is done)."""
         if self.stream is None:

@@ -14,7 +14,13 @@ shard's size. A step:
 
 `p.grad` of the model's parameters is None after backward (the gradients live in the flat buffer, as in
 DeepSpeed's ZeRO-2); `optimizer.clip_grad_norm_(max_norm)` clips on the global norm computed across shards.
-Checkpoints: zero_state.py."""
+Checkpoints: zero_state.py.
+
+On CUDA parameters the flat buffers and buckets live on the GPU and the collectives run on the device plane
+(NCCL, on its own streams, ordered by events). `offload="optimizer"` keeps this rank's master shard, its
+gradient and the optimizer state in pinned host memory, as ZeRO-Offload does: each bucket's reduced slice is
+copied to the host on a side stream while backward goes on, the wrapped optimizer steps on the CPU (torch's
+fused CPU AdamW, or the user's optimizer), and the updated shard is copied back before the allgather."""
 
 from __future__ import annotations
 
@@ -26,7 +32,6 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 
 from hvdplus.common import collectives as core
@@ -45,10 +50,11 @@ from hvdplus.torch._optimizer import (
     _parameter_names,
     _remove_hooks,
 )
-from hvdplus.torch.buffers import collective_input, dtype_name
+from hvdplus.torch.buffers import as_numpy, collective_input, dtype_name, one_device
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.planned import freeze_plan, settings_allow, wire_dtype
 from hvdplus.torch.shard_plan import ShardPlan
+from hvdplus.torch.streams import SideStream, host_empty, wait_for
 from hvdplus.torch.zero3 import sharded_model_of
 from hvdplus.torch.zero_state import ZeroStateDicts
 
@@ -61,7 +67,7 @@ class _Flat:
     whole flat buffer the updated shards are allgathered into after a step (stage 1/2, and ZeRO-3's persistent
     parameters); None for a ZeRO-3 unit, gathered when its forward next needs it. `unit`: that ZeRO-3 unit."""
 
-    __slots__ = ("part", "master", "base", "full", "unit", "grad", "reduce_dtype")
+    __slots__ = ("part", "master", "base", "full", "unit", "grad", "reduce_dtype", "device", "stepped", "stepped_base")
 
     def __init__(
         self,
@@ -70,12 +76,39 @@ class _Flat:
         base: int,
         full: torch.Tensor | None,
         grad_elements: int,
+        device: torch.device,
         unit: Any = None,
         reduce_dtype: torch.dtype | None = None,
     ) -> None:
+        """`device`: where the gradients come from and the buckets live (the model's)."""
         self.part, self.master, self.base, self.full, self.unit = part, master, base, full, unit
-        self.grad = torch.zeros(grad_elements, dtype=master.dtype)
-        self.reduce_dtype = reduce_dtype
+        self.device, self.reduce_dtype = device, reduce_dtype
+        # What the wrapped optimizer steps, from flat offset `stepped_base`: the master itself, or (offload) a
+        # host copy of this rank's range of it.
+        self.stepped, self.stepped_base = master, base
+        self.grad = torch.zeros(grad_elements, dtype=master.dtype, device=master.device)
+
+    def offload(self, index: int) -> None:
+        """Step this rank's range on the host: a pinned copy of it, and the gradient shard beside it (a master
+        already in host memory, a ZeRO-3 unit offloaded with its parameters, is stepped where it is)."""
+        if getattr(self.unit, "offload", None) == "parameters":
+            return
+        start, end = self.part.shard(index)
+        mine = self.master[start - self.base : end - self.base]
+        self.stepped, self.stepped_base = host_empty(end - start, mine.dtype, mine.device), start
+        self.stepped.copy_(mine)
+        self.grad = host_empty(self.grad.numel(), self.grad.dtype, mine.device).zero_()
+
+    @property
+    def offloaded(self) -> bool:
+        return self.stepped is not self.master
+
+    def step_done(self, index: int) -> None:
+        """After the optimizer stepped the host copy: copy it back into the master's range (asynchronously from
+        pinned memory; the stream that gathers it next is the one that copied)."""
+        if self.offloaded:
+            start, end = self.part.shard(index)
+            self.master[start - self.base : end - self.base].copy_(self.stepped, non_blocking=True)
 
 
 class _Bucket:
@@ -107,13 +140,24 @@ class _Shards:
         compression: Compressor,
         passes: int,
         process_set: ProcessSet,
+        device: torch.device,
+        offload: str | None = None,
         sharded: Any = None,
     ) -> None:
+        """`device`: the parameters' (checked to be one). `offload`: None, or "optimizer" (see the module)."""
         self.params, self.names, self.group_of = params, names, group_of
         self.compression, self.passes, self.process_set = compression, passes, process_set
         self.size, self.index = process_set.size(), process_set.rank()
-        self.sharded = sharded
+        self.sharded, self.device = sharded, device
         self.flats = self._zero3_flats() if sharded is not None else self._flat_buffers()
+        if offload == "optimizer":
+            for flat in self.flats:
+                flat.offload(self.index)
+        # Offload: the gradient slices' copies to the host run on this stream, beside the backward; `copies`
+        # holds (event, pinned slice, its gradient shard's range) until synchronize() adds them.
+        self.copy_stream = SideStream(device)
+        self.copies: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        self.returned: Any = None  # offload: the event after the masters' last copy back to the device
         self.plan = [flat.part for flat in self.flats]
         self.where: dict[int, tuple[int, int]] = {}  # parameter index -> (flat, offset)
         for k, part in enumerate(self.plan):
@@ -140,7 +184,7 @@ class _Shards:
         # unit (a unit's backward takes far longer than its reduce-scatter, so one overlaps it already).
         self.in_flight_limit = 1 if sharded is not None else 2
         self.in_flight: list[tuple[_Bucket, Any, torch.Tensor, Any, int, int, torch.Tensor, ShardPlan | None]] = []
-        self.spares: list[torch.Tensor] = []
+        self.spares: list[tuple[torch.Tensor, Any]] = []  # (buffer, the event its last reader ends at)
         # The planned path (stages 1 and 2, one backward pass a step): once every rank agrees after a negotiated
         # step, the buckets' reduce-scatters start in plan order on a communicator of the plan's own.
         self.frozen: ShardPlan | None = None
@@ -168,13 +212,13 @@ class _Shards:
         params = self.params
         flats = []
         for part in partition([p.numel() for p in params], [p.dtype for p in params], self.size):
-            buffer = torch.empty(part.total, dtype=part.kind)
+            buffer = torch.empty(part.total, dtype=part.kind, device=self.device)
             with torch.no_grad():
                 for i, offset in zip(part.params, part.offsets):
                     view = buffer[offset : offset + params[i].numel()]
                     view.copy_(params[i].detach().reshape(-1))
                     params[i].data = view.view_as(params[i])
-            flats.append(_Flat(part, buffer, 0, buffer, part.counts[self.index]))
+            flats.append(_Flat(part, buffer, 0, buffer, part.counts[self.index], self.device))
         return flats
 
     def _zero3_flats(self) -> list[_Flat]:
@@ -209,6 +253,7 @@ class _Shards:
                         part.bounds[self.index],
                         unit.full[k] if unit.persistent else None,
                         part.counts[self.index],
+                        self.device,
                         unit,
                         self.sharded.reduce_dtype,
                     )
@@ -220,8 +265,10 @@ class _Shards:
         views = []
         for (k, _, start, end), shape in zip(self.shards, self.shard_shapes):
             flat = self.flats[k]
-            base = flat.base if which == "master" else flat.part.bounds[self.index]
-            views.append(getattr(flat, which)[start - base : end - base].view(shape))
+            whole, base = (
+                (flat.stepped, flat.stepped_base) if which == "master" else (flat.grad, flat.part.bounds[self.index])
+            )
+            views.append(whole[start - base : end - base].view(shape))
         return views
 
     # ------------------------------------------------------------------ backward
@@ -326,10 +373,12 @@ class _Shards:
         """A buffer for one fill of `bucket`: a spare one of its size, else a new one."""
         flat = self.flats[bucket.flat]
         dtype = flat.reduce_dtype or flat.master.dtype
-        for n, spare in enumerate(self.spares):
+        for n, (spare, read) in enumerate(self.spares):
             if spare.numel() == bucket.end - bucket.start and spare.dtype == dtype:
-                return self.spares.pop(n)
-        return torch.empty(bucket.end - bucket.start, dtype=dtype)
+                del self.spares[n]
+                wait_for(read, flat.device)  # its copy to the host (offload) has read it
+                return spare
+        return torch.empty(bucket.end - bucket.start, dtype=dtype, device=flat.device)
 
     def finish(self, entry: tuple) -> None:
         """Wait for one reduce-scatter, add this rank's averaged slice into its gradient shard, and keep the
@@ -342,18 +391,34 @@ class _Shards:
             plan.wait(handle)
             with torch.no_grad():  # on the wire's dtype, as Horovod averages a compressed gradient
                 sent[offset : offset + count].mul_(1.0 / self.size)
+        read = None
         if count:
             flat = self.flats[bucket.flat]
             mine = self.compression.decompress(sent[offset : offset + count], ctx)
             first = max(bucket.start, flat.part.bounds[self.index]) - flat.part.bounds[self.index]
+            target = flat.grad[first : first + count]
             with torch.no_grad():
-                flat.grad[first : first + count].add_(mine)
+                if target.device == mine.device and not flat.offloaded:
+                    target.add_(mine)
+                else:  # offload: to the host beside the backward; synchronize() adds it
+                    with self.copy_stream.after_current():
+                        staged = host_empty(count, mine.dtype, mine.device)
+                        staged.copy_(mine, non_blocking=True)
+                    self.copy_stream.reads(mine)
+                    read = self.copy_stream.record()
+                    self.copies.append((read, staged, target))
         if len(self.spares) < self.in_flight_limit + 1:
-            self.spares.append(buffer)
+            self.spares.append((buffer, read))
 
     def finish_in_flight(self) -> None:
         while self.in_flight:
             self.finish(self.in_flight.pop(0))
+        copies, self.copies = self.copies, []
+        with torch.no_grad():
+            for event, staged, target in copies:
+                if event is not None:
+                    event.synchronize()
+                target.add_(staged.to(target.dtype))
 
     # ------------------------------------------------------------------ step
     def synchronize(self) -> None:
@@ -432,8 +497,24 @@ class _Shards:
             specs.append(
                 (bucket.end - bucket.start, wire or reduced, counts_within(flat.part.bounds, bucket.start, bucket.end))
             )
-        self.frozen = ShardPlan(group, ranks, digest, host, specs)
+        self.frozen = ShardPlan(group, ranks, digest, host, specs, self.device)
         self.addresses = [p.data_ptr() for p in self.params]
+
+    def host_step_ready(self) -> None:
+        """Offload: the last step's copies of the host masters to the device have read them (the optimizer is
+        about to write them again)."""
+        if self.returned is not None:
+            self.returned.synchronize()
+            self.returned = None
+
+    def stepped(self) -> None:
+        """After the optimizer's step: offloaded masters go back to the device, on the stream that gathers them."""
+        if any(flat.offloaded for flat in self.flats):
+            for flat in self.flats:
+                flat.step_done(self.index)
+            self.returned = torch.cuda.Event() if self.device.type == "cuda" else None
+            if self.returned is not None:
+                self.returned.record()
 
     def shard_grads(self) -> list[torch.Tensor]:
         """The shard parameters' gradients, which synchronize() points at this rank's reduced slices."""
@@ -494,15 +575,22 @@ class _Shards:
     def grad_norm(self, norm_type: float) -> float:
         """The norm of the whole averaged gradient, from every rank's shard. Collective."""
         grads = [grad for grad in self.shard_grads() if grad.numel()]
+        # One read of the local norm (not one per tensor), in float64 on the gradients' device.
+        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float64) for g in grads]
         if math.isinf(norm_type):
-            local = max((float(g.abs().max()) for g in grads), default=0.0)
+            local = float(torch.stack(norms).max()) if norms else 0.0
             op = ReduceOp.MAX
         else:
-            local = sum(float(torch.linalg.vector_norm(g.double(), norm_type)) ** norm_type for g in grads)
+            local = float(torch.stack(norms).pow(norm_type).sum()) if norms else 0.0
             op = ReduceOp.SUM
-        total = np.array([local], dtype=np.float64)
+        total = torch.tensor([local], dtype=torch.float64)
         core.submit_allreduce(
-            total, total, "float64", f"ZeroOptimizer.norm.{self.names[0]}", op, process_set=self.process_set
+            as_numpy(total),
+            as_numpy(total),
+            "float64",
+            f"ZeroOptimizer.norm.{self.names[0]}",
+            op,
+            process_set=self.process_set,
         ).wait()
         return float(total[0]) if math.isinf(norm_type) else float(total[0]) ** (1.0 / norm_type)
 
@@ -534,9 +622,8 @@ class _ZeroOptimizer(ZeroStateDicts):
         coefficient = float(max_norm) / (total + 1e-6)
         if coefficient < 1.0:
             with torch.no_grad():
-                for grad in self._zero.shard_grads():
-                    grad.mul_(coefficient)
-        return torch.tensor(total)
+                torch._foreach_mul_(self._zero.shard_grads(), coefficient)
+        return torch.tensor(total, device=self._zero.flats[0].grad.device if self._zero.flats else None)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Run `closure` (if any), synchronize the gradients unless done already, step the shard with the wrapped
@@ -549,9 +636,11 @@ class _ZeroOptimizer(ZeroStateDicts):
                 loss = closure()
         if not self._zero.synchronized:
             self._zero.synchronize()
+        self._zero.host_step_ready()
         super().step()
         self._zero.synchronized = False
         self._zero.clear_gradients()
+        self._zero.stepped()
         self._zero.gather()
         return loss
 
@@ -581,6 +670,7 @@ def ZeroOptimizer(
     compression: Compressor = Compression.none,
     backward_passes_per_step: int = 1,
     process_set: ProcessSet = global_process_set,
+    offload: str | None = None,
 ) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that each rank of `process_set` holds and steps only 1/N of its state.
 
@@ -588,7 +678,9 @@ def ZeroOptimizer(
     each group's hyper-parameters, so LR schedulers work on it). The model's parameters become views of flat
     buffers; gradients are reduce-scattered (averaged, `compression` on the wire) as backward fills buckets and
     the updated shards are allgathered in `step()`. `backward_passes_per_step`, `named_parameters` and
-    `compression` mean what they mean for DistributedOptimizer. CPU parameters only.
+    `compression` mean what they mean for DistributedOptimizer. The parameters may be on the CPU or on one GPU
+    (then buffers and collectives stay on it). `offload="optimizer"`: this rank's master shard, its gradient and
+    the optimizer state live in (pinned) host memory and the optimizer steps on the CPU (ZeRO-Offload).
 
     Collective: every rank in the process set must wrap an optimizer over the same parameters (same number,
     order, shapes and dtypes; checked here: CollectiveMismatchError on every rank naming the parameter)."""
@@ -598,6 +690,11 @@ def ZeroOptimizer(
         raise ValueError("optimizer is already wrapped; wrap the original optimizer once")
     check_passes(backward_passes_per_step)
     check_compression(compression)
+    if offload not in (None, "optimizer"):
+        raise ValueError(
+            f"offload must be None or 'optimizer' (got {offload!r}); parameters are offloaded by "
+            f"hvd.shard_parameters(..., offload='parameters')"
+        )
     if not process_set.included():
         raise ValueError(
             f"this rank ({runtime().rank}) is not in {process_set}: only its members can shard an optimizer over it"
@@ -607,16 +704,15 @@ def ZeroOptimizer(
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if p.requires_grad:
-                if p.device.type != "cpu":
-                    raise ValueError(f"ZeroOptimizer shards CPU parameters only; {names[p]!r} is on {p.device}")
                 params.append(p)
                 group_of.append(g)
+    device = one_device(params, lambda p: names[p], "ZeroOptimizer")
     sharded = sharded_model_of(p for group in optimizer.param_groups for p in group["params"])
     if sharded is not None and sharded.gradients is not None:
         raise ValueError("this sharded model already has a ZeroOptimizer; wrap one optimizer per sharded model")
     shape = (lambda p: p.shape) if sharded is None else sharded.shape_of
     described = core.allgather_object(
-        [(names[p], tuple(shape(p)), str(p.dtype)) for p in params],
+        [(names[p], tuple(shape(p)), f"{p.dtype} on {p.device.type}") for p in params],
         name=f"ZeroOptimizer.check.{names[params[0]] if params else ''}",
         process_set=process_set,
     )
@@ -629,7 +725,15 @@ def ZeroOptimizer(
             f"process set (got {process_set})"
         )
     shards = _Shards(
-        params, [names[p] for p in params], group_of, compression, backward_passes_per_step, process_set, sharded
+        params,
+        [names[p] for p in params],
+        group_of,
+        compression,
+        backward_passes_per_step,
+        process_set,
+        device,
+        offload,
+        sharded,
     )
     if sharded is not None:
         sharded.gradients = shards

@@ -23,7 +23,7 @@ import torch
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import runtime
-from hvdplus.torch.buffers import as_numpy, dtype_name
+from hvdplus.torch.buffers import as_numpy, dtype_name, host_tensor
 
 __all__ = ["ZeroStateDicts"]
 
@@ -33,6 +33,11 @@ if TYPE_CHECKING:  # a mixin placed before the user's optimizer class: it uses t
     _OptimizerMixin = torch.optim.Optimizer
 else:
     _OptimizerMixin = object
+
+
+def _on_host(value: Any) -> Any:
+    """A state value as a checkpoint holds it: tensors on the CPU (a GPU run's checkpoint loads anywhere)."""
+    return value.cpu() if torch.is_tensor(value) else value
 
 
 def _per_element(value: Any, shard: torch.Tensor) -> bool:
@@ -54,19 +59,21 @@ class ZeroStateDicts(_OptimizerMixin):
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (no parameters), for `load_sharded_state_dict` at any N:
-        per flat sequence, this rank's range of each per-element state and each piece's scalars."""
+        per flat sequence, this rank's range of each per-element state and each piece's scalars. Tensors are
+        on the CPU, so a GPU run's state loads on a machine without one (loading moves them to the shards')."""
         z = self._zero
         flats: list[dict[str, Any]] = [
             {"bounds": list(part.bounds), "per_element": {}, "scalars": []} for part in z.plan
         ]
         for (k, _, start, end), param in zip(z.shards, z.shard_params):
             state = self.state.get(param, {})
-            flats[k]["scalars"].append((start, end, {key: v for key, v in state.items() if not _per_element(v, param)}))
+            scalars = {key: _on_host(v) for key, v in state.items() if not _per_element(v, param)}
+            flats[k]["scalars"].append((start, end, scalars))
             for key, value in state.items():
                 if _per_element(value, param):
                     flats[k]["per_element"].setdefault(key, []).append(value.reshape(-1))
         for flat in flats:
-            flat["per_element"] = {key: torch.cat(parts) for key, parts in flat["per_element"].items()}
+            flat["per_element"] = {key: torch.cat(parts).cpu() for key, parts in flat["per_element"].items()}
         groups = [{k: v for k, v in group.items() if k != "params"} for group in self.param_groups]
         return {
             "zero": {"size": z.size, "rank": z.index, "totals": [part.total for part in z.plan]},
@@ -125,7 +132,12 @@ class ZeroStateDicts(_OptimizerMixin):
             for (k, group, start, end), param in zip(z.shards, z.shard_params)
         ]
         described = [
-            (k, start, end, {key: (str(v.dtype) if _per_element(v, param) else v) for key, v in state.items()})
+            (
+                k,
+                start,
+                end,
+                {key: (str(v.dtype) if _per_element(v, param) else _on_host(v)) for key, v in state.items()},
+            )
             for (k, _, start, end, state), param in zip(shards, z.shard_params)
         ]
         everyone = core.allgather_object(described, name=f"ZeroOptimizer.state.{z.names[0]}", process_set=z.process_set)
@@ -171,7 +183,7 @@ class ZeroStateDicts(_OptimizerMixin):
                 mine = torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
                 out = torch.empty(z.plan[k].total, dtype=dtype)
                 core.submit_allgather(
-                    as_numpy(mine.contiguous()),
+                    as_numpy(host_tensor(mine)),
                     dtype_name(out),
                     f"ZeroOptimizer.state.{k}.{key}",
                     process_set=z.process_set,

@@ -354,3 +354,54 @@ def test_planned_steps_appear_in_the_timeline(hvd, tmp_path):
     events = [e for e in json.loads(path.read_text()) if e.get("ph") == "B"]
     assert sum(e["name"] == "PLANNED_REDUCESCATTER" for e in events) == (STEPS - 1) * len(optimizer._zero.buckets)
     assert sum(e["name"] == "PLANNED_ALLGATHER" for e in events) == STEPS  # one dtype; frozen before step 1's
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_offloaded_optimizer_steps_host_copies_and_matches_single_process_adamw(hvd, monkeypatch, passes):
+    """offload="optimizer": the wrapped optimizer steps host copies of this rank's range (not views of the
+    model's flat buffer), each bucket's reduced slice reaches the host through a staged copy, and the updated
+    range goes back before the allgather; the training equals one process's."""
+    from hvdplus.torch import zero
+
+    staged: list[int] = []
+    host_empty = zero.host_empty
+    monkeypatch.setattr(zero, "host_empty", lambda n, *a: staged.append(n) or host_empty(n, *a))
+    model, optimizer, _ = train(hvd, passes=passes, offload="optimizer")
+    assert_same_parameters(model, reference(hvd.size())[0])
+    shards = optimizer._zero
+    assert all(flat.offloaded for flat in shards.flats)
+    flat_storage = shards.flats[0].master.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() != flat_storage for p in shards.shard_params)
+    assert all(state["exp_avg"].device.type == "cpu" for state in optimizer.state.values())
+    mine = sum(flat.part.counts[shards.index] for flat in shards.flats)
+    # Every step copies this rank's reduced slices to the host (at least `mine` elements), after the host copies.
+    assert sum(staged) >= mine * (1 + STEPS) and len(staged) >= STEPS
+
+
+def test_offloaded_optimizer_clips_and_resumes_from_its_sharded_state(hvd):
+    model, _, norms = train(hvd, clip=0.05, offload="optimizer")
+    expected, _, expected_norms = reference(hvd.size(), clip=0.05)
+    assert norms == pytest.approx(expected_norms, rel=1e-5)
+    assert_same_parameters(model, expected)
+    uninterrupted, _, _ = train(hvd, steps=STEPS, offload="optimizer")
+    model, optimizer, _ = train(hvd, steps=2, offload="optimizer")
+    shard = optimizer.sharded_state_dict()
+    assert_resumes_bit_for_bit(hvd, model, lambda fresh: fresh.load_sharded_state_dict(shard), 2, uninterrupted)
+
+
+def test_parameters_on_two_devices_or_other_device_kinds_than_the_peers_are_refused(hvd):
+    model = make_model()
+    with torch.device("meta"):
+        stray = torch.nn.Parameter(torch.empty(3))
+    with pytest.raises(ValueError, match="on one device; found '0.weight' on cpu, 'stray' on meta"):
+        hvd.ZeroOptimizer(
+            torch.optim.AdamW([*model.parameters(), stray]),
+            named_parameters=[*model.named_parameters(), ("stray", stray)],
+        )
+    with pytest.raises(ValueError, match="offload must be None or 'optimizer'"):
+        hvd.ZeroOptimizer(torch.optim.AdamW(model.parameters()), offload="parameters")
+    last = hvd.size() - 1
+    if hvd.rank() == last:  # the last rank's model is on another device than its peers'
+        model = model.to("meta")
+    with pytest.raises(CollectiveMismatchError, match=f"rank {last}.*'0.weight' of shape .*on meta"):
+        hvd.ZeroOptimizer(torch.optim.AdamW(model.parameters()), named_parameters=model.named_parameters())
