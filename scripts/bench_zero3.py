@@ -51,26 +51,27 @@ CGROUP_V1, CGROUP_V2 = Path("/sys/fs/cgroup/memory"), Path("/sys/fs/cgroup")
 
 
 # ============================================================================ inside a job
-def build_model(layers: int, meta: bool = False) -> Any:
-    """The GPT, drawn from seed 0; `meta`: on the meta device, for hvd.shard_parameters to materialise."""
+def build_model(layers: int, meta: bool = False, width: int = WIDTH, vocab: int = VOCAB) -> Any:
+    """The GPT, drawn from seed 0; `meta`: on the meta device, for hvd.shard_parameters to materialise. `width`
+    and `vocab` vary the model for scripts/bench_zero_gpu.py (heads of 64 dimensions, as here)."""
     import torch
 
     class GPT(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+            self.embed = torch.nn.Embedding(vocab, width)
             self.layers = torch.nn.ModuleList(
                 torch.nn.TransformerEncoderLayer(
-                    WIDTH, HEADS, 4 * WIDTH, dropout=0.0, batch_first=True, norm_first=True
+                    width, width // (WIDTH // HEADS), 4 * width, dropout=0.0, batch_first=True, norm_first=True
                 )
                 for _ in range(layers)
             )
-            self.norm = torch.nn.LayerNorm(WIDTH)
-            self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+            self.norm = torch.nn.LayerNorm(width)
+            self.head = torch.nn.Linear(width, vocab, bias=False)
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             x = self.embed(tokens)
-            mask = torch.nn.Transformer.generate_square_subsequent_mask(tokens.shape[1])
+            mask = torch.nn.Transformer.generate_square_subsequent_mask(tokens.shape[1], device=tokens.device)
             for layer in self.layers:
                 x = layer(x, src_mask=mask, is_causal=True)
             return self.head(self.norm(x))
