@@ -14,12 +14,12 @@ import torch
 
 from hvdplus.common.basics import ProcessSet, elastic_worker, global_process_set, size
 from hvdplus.common.grouping import bucket_indices, build_groups
-from hvdplus.common.ops import Adasum, Average, ReduceOp
+from hvdplus.common.ops import Adasum, Average, ReduceOp, Sum
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.common.step_plan import Decision
 from hvdplus.torch.compression import Compressor
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
-from hvdplus.torch.planned import bucket_sizes, try_freeze
+from hvdplus.torch.planned import bucket_sizes, try_freeze, wire_dtype
 from hvdplus.torch.reducer import Reducer
 from hvdplus.torch.sparse import sparse_allreduce_async
 
@@ -33,6 +33,8 @@ _TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
     "Increase backward_passes_per_step to accumulate gradients locally."
 )
+# The handle of a gradient that a process set of one rank reduces itself (_reduce_alone), once its passes are in.
+_LOCAL = object()
 
 
 class AllreduceInFlightError(RuntimeError, AssertionError):
@@ -48,8 +50,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     `_hvd_base` (the user's class) and `_hvd_defaults` (its instance's defaults) are set per dynamic class.
     Base methods are called through `self._hvd_base`, never `super(self.__class__, ...)`, so subclassing
     the wrapped class cannot make them recurse. `_handles[p]` is (handle, compression context): the
-    Completion of its allreduce, a (group's Completion, index) pair, or None while the parameter waits for more
-    passes or its group."""
+    Completion of its allreduce, a (group's Completion, index) pair, `_LOCAL` once a process set of one rank has
+    it (reduced in synchronize() with no collective), or None while the parameter waits for more passes or its
+    group."""
 
     _hvd_base: type[torch.optim.Optimizer]
     _hvd_defaults: dict[str, Any]
@@ -150,8 +153,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             reducer = self._reducer = None
         return reducer
 
+    def _alone(self) -> bool:
+        """Whether the process set is this rank alone and its allreduce of the gradients is the identity (Average
+        or Sum; Adasum goes through the core, as in Horovod): `_reduce_alone` then does what the core would."""
+        return (self.op == Average or self.op == Sum) and self.process_set.size() == 1
+
     def _gradient_ready(self, p: torch.Tensor) -> None:
         """Start p's allreduce, or its group's once every member of the group is ready."""
+        if self._alone():  # reduced in synchronize(), with no collective; the handle marks its passes as done
+            self._handles[p] = (_LOCAL, None)
+            return
         group = self._p_to_group.get(p)
         if group is None:
             self._handles[p] = self._allreduce_grad_async(p)
@@ -247,6 +258,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self.discard_pending()
             self._synchronized = True
             return
+        if self._alone():
+            try:
+                self._reduce_alone()
+            finally:
+                self.discard_pending()
+            self._synchronized = True
+            return
         try:
             self._start_missing()
             for p, (handle, ctx) in self._handles.items():
@@ -275,6 +293,37 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._reducer = plan
             else:
                 self._plan_decision = plan
+
+    def _reduce_alone(self) -> None:
+        """What the allreduce of a process set of one rank leaves in p.grad, with no collective: the gradient itself
+        (zeros where backward gave none), rounded through the compression and scaled by
+        gradient_predivide_factor's two factors as the core would; a sparse gradient coalesced, one sent as dense
+        (sparse_as_dense) made sparse again."""
+        dense: list[torch.Tensor] = []
+        densified: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p in self._requires_update:
+            grad = self._gradient(p)
+            if grad.is_sparse:  # the sparse allreduce's coalesced sum, of this rank's gradient alone
+                p.grad = grad.coalesce()
+                continue
+            dense.append(grad)
+            if grad is not p.grad:
+                densified.append((p, grad))
+        prescale, postscale = self._scales()
+        if wire_dtype(self._compression) == (True, None):  # Compression.none: the gradients are the answer
+            for factor in (prescale, postscale):
+                if factor != 1.0 and dense:
+                    torch._foreach_mul_(dense, factor)
+        else:  # the compressed tensor is what the core would reduce (and scale, on the wire's dtype)
+            for grad in dense:
+                compressed, ctx = self._compression.compress(grad)
+                for factor in (prescale, postscale):
+                    _scale(compressed, factor)
+                result = self._compression.decompress(compressed, ctx)
+                if result is not grad:
+                    grad.copy_(result)
+        for p, grad in densified:
+            p.grad = grad.to_sparse()
 
     def discard_pending(self) -> None:
         """Forget the gradient allreduces in flight and the backward passes counted towards the next one: after
@@ -332,6 +381,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().requires_grad_(False).zero_()
+
+
+def _scale(tensor: torch.Tensor, factor: float) -> None:
+    """Scale in place as the core scales a reduced tensor: in its own dtype, integers in float64 and truncated."""
+    if factor == 1.0:
+        return
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.mul_(factor)
+    else:
+        tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
 
 
 def _remove_hooks(handles: list[Any]) -> None:

@@ -6,6 +6,8 @@ Every test names its allreduces with its own prefix so that no two tests share a
 from __future__ import annotations
 
 import copy
+import json
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -193,6 +195,8 @@ def test_duplicate_and_missing_names_raise(hvd):
 
 
 def test_zero_grad_during_allreduce_raises(hvd):
+    if hvd.size() == 1:
+        pytest.skip("alone, Horovod registers no hooks: zero_grad() cannot know that backward ran")
     model = make_model()
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "opt.g")
@@ -222,6 +226,8 @@ def test_unused_parameter_is_reduced_with_zeros(hvd):
 
 
 def test_set_backward_passes_per_step_and_too_many_passes(hvd):
+    if hvd.size() == 1:
+        pytest.skip("alone, Horovod registers no hooks: backward passes are not counted")
     model = make_model()
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "opt.i")
@@ -271,6 +277,8 @@ def test_gradients_travel_in_packed_buckets(hvd):
     from hvdplus.common.basics import runtime
     from hvdplus.common.handles import Completion
 
+    if hvd.size() == 1:
+        pytest.skip("alone, no gradient goes through the core (test_a_set_of_one_rank_reduces_nothing_...)")
     model = make_model()
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "bucket")
@@ -287,3 +295,154 @@ def test_gradients_travel_in_packed_buckets(hvd):
         [result] = {id(handle[0]): handle[0] for handle, _ in optimizer._handles.values()}.values()
         assert result.collectives == 1  # one request for the whole bucket
     optimizer.step()
+
+
+@contextmanager
+def set_of_one_rank(hvd):
+    """A process set of this rank alone: the global set in a job of one rank (no hooks, as in Horovod), else one
+    set per rank (the hooks run, as at any size above one)."""
+    if hvd.size() == 1:
+        yield hvd.global_process_set
+        return
+    sets = [hvd.add_process_set([rank]) for rank in range(hvd.size())]
+    try:
+        yield sets[hvd.rank()]
+    finally:
+        for process_set in sets:
+            hvd.remove_process_set(process_set)
+
+
+def _plain_steps(model: torch.nn.Module, batches, passes: int, gradient) -> list[torch.Tensor]:
+    """Plain torch SGD on `batches` in `passes` micro-batches, with `gradient(g)` applied to each gradient before
+    the step (what the allreduce of a set of one rank does: nothing, or a round trip through the compression)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in batches:
+        optimizer.zero_grad()
+        for xm, ym in zip(x.chunk(passes), y.chunk(passes)):
+            (torch.nn.functional.mse_loss(model(xm), ym) / passes).backward()
+        for p in model.parameters():
+            p.grad = gradient(p.grad)
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+ALONE_CASES = {  # DistributedOptimizer's arguments, and what its allreduce alone does to a gradient
+    "average": ({}, lambda g: g),
+    "sum": ({"op": "Sum"}, lambda g: g),
+    "passes": ({"backward_passes_per_step": 2}, lambda g: g),
+    "predivide": ({"gradient_predivide_factor": 3.0}, lambda g: g.mul(1 / 3.0).mul(3.0)),  # the core's two factors
+    "fp16": ({"compression": "fp16"}, lambda g: g.half().float()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ALONE_CASES))
+def test_a_set_of_one_rank_reduces_nothing_through_the_core(hvd, case, tmp_path):
+    """Alone in its process set, DistributedOptimizer's step() sends no gradient through the core (no control
+    round, no handle, nothing on the timeline): the gradients are already the answer, rounded through the
+    compression and scaled by gradient_predivide_factor's two factors as the core would. The parameters are
+    exactly plain torch's, on the same batches with the same rounding."""
+    from hvdplus.common.basics import runtime
+    from hvdplus.common.handles import Completion
+
+    kwargs, gradient = ALONE_CASES[case]
+    kwargs = dict(kwargs)
+    if "op" in kwargs:
+        kwargs["op"] = getattr(hvd, kwargs["op"])
+    if "compression" in kwargs:
+        kwargs["compression"] = getattr(hvd.Compression, kwargs["compression"])
+    passes = kwargs.get("backward_passes_per_step", 1)
+    prefix = f"alone.{case}"
+    batches = [(x[:PER_RANK], y[:PER_RANK]) for x, y in global_batches(1)]
+    timeline = tmp_path / "timeline.json"
+    with set_of_one_rank(hvd) as alone:
+        model = make_model()
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=named(model, prefix),
+            process_set=alone,
+            **kwargs,
+        )
+        hvd.start_timeline(str(timeline))
+        rounds = runtime().coordinator.counters.rounds
+        for x, y in batches:
+            optimizer.zero_grad()
+            for xm, ym in zip(x.chunk(passes), y.chunk(passes)):
+                (torch.nn.functional.mse_loss(model(xm), ym) / passes).backward()
+            # With hooks (a set of one in a larger job) each gradient is marked done, with no core request.
+            assert not any(isinstance(h, (Completion, tuple)) for h, _ in optimizer._handles.values())
+            optimizer.step()
+        ran = runtime().coordinator.counters.rounds - rounds
+        hvd.stop_timeline()
+        assert optimizer._reducer is None  # nothing to overlap alone: no plan either
+    # An idle rank's background thread may run one round in a second (test_coordinator_idle.py); each step's
+    # gradients through the core took one round at least.
+    assert ran <= 1, f"{ran} control rounds during {STEPS} steps alone"
+    got = [p.detach() for p in model.parameters()]
+    for g, want in zip(got, _plain_steps(make_model(), batches, passes, gradient)):
+        assert torch.equal(g, want), (g - want).abs().max()
+    if hvd.rank() == 0:
+        events = json.loads(timeline.read_text() or "[]")
+        rows = [e["args"]["name"] for e in events if e.get("ph") == "M" and "name" in e.get("args", {})]
+        assert not [row for row in rows if row.startswith(prefix)], rows
+
+
+def test_a_set_of_one_rank_keeps_horovods_optimizer_semantics(hvd):
+    """Alone: skip_synchronize() after synchronize(), an unused parameter stepped with zeros, and (with the hooks
+    a larger job registers) the errors of too many passes and of zero_grad() while gradients are pending."""
+    with set_of_one_rank(hvd) as alone:
+        model = make_model()
+        extra = torch.nn.Parameter(torch.ones(3))
+        params = named(model, "alone.semantics") + [("alone.semantics.extra", extra)]
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD([p for _, p in params], lr=0.1, weight_decay=0.5),
+            named_parameters=params,
+            process_set=alone,
+        )
+        model(torch.ones(2, 4)).sum().backward()
+        if hvd.size() > 1:
+            with pytest.raises(RuntimeError, match="zero_grad"):
+                optimizer.zero_grad()
+        with optimizer.skip_synchronize():
+            optimizer.synchronize()
+            assert extra.grad is not None and not extra.grad.any()  # zeros, as the core would have reduced
+            optimizer.step()
+        torch.testing.assert_close(extra.detach(), torch.full((3,), 1 - 0.1 * 0.5))  # weight decay on zeros
+        optimizer.zero_grad()
+        optimizer.set_backward_passes_per_step(2)
+        for _ in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+        if hvd.size() > 1:
+            with pytest.raises(AssertionError, match="more than backward_passes_per_step"):
+                model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        with pytest.warns(UserWarning, match="skip_synchronize"):
+            optimizer.synchronize()
+            optimizer.step()
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_a_set_of_one_rank_steps_sparse_gradients_as_plain_torch(hvd, sparse_as_dense):
+    """Alone, a sparse gradient stays sparse (coalesced, as the sparse allreduce returns it), and with
+    sparse_as_dense it comes back sparse from its dense copy; the parameters match plain torch's."""
+
+    def run(wrap):
+        torch.manual_seed(0)
+        embedding = torch.nn.Embedding(10, 3, sparse=True)
+        optimizer = wrap(torch.optim.SGD(embedding.parameters(), lr=0.5), embedding)
+        for ids in ([1, 2, 2], [3, 1, 9]):
+            optimizer.zero_grad()
+            embedding(torch.tensor(ids)).pow(2).sum().backward()
+            optimizer.step()
+            assert embedding.weight.grad.is_sparse
+        return embedding.weight.detach().clone()
+
+    with set_of_one_rank(hvd) as alone:
+        got = run(
+            lambda optimizer, module: hvd.DistributedOptimizer(
+                optimizer,
+                named_parameters=named(module, f"alone.sparse.{sparse_as_dense}"),
+                sparse_as_dense=sparse_as_dense,
+                process_set=alone,
+            )
+        )
+    torch.testing.assert_close(got, run(lambda optimizer, module: optimizer), rtol=0, atol=1e-7)
