@@ -168,13 +168,13 @@ def test_synthetic_benchmark_prints_horovods_summary():
 def test_zero_example_halves_the_state_and_learns_as_distributed_optimizer_does():
     _need_mpi()
     found = {}
-    for flag in ("--zero", None):
+    for flag in ("--zero", "--offload", None):
         code, output = run_job(
             "mpi", 2, ["examples/pytorch_zero.py", "--epochs", "3", *([flag] if flag else [])], timeout=150
         )
         assert code == 0, output[-5000:]
         lines = re.findall(
-            r"rank (\d): (\w+), \d+ parameters, optimizer state (\d+) KiB on this rank, "
+            r"rank (\d): (\w+), \d+ parameters, optimizer state (\d+) KiB on this rank \((\w+)\), "
             r"test accuracy ([\d.]+)",
             output,
         )
@@ -182,8 +182,11 @@ def test_zero_example_halves_the_state_and_learns_as_distributed_optimizer_does(
         found[flag] = lines
     zero_state, full_state = int(found["--zero"][0][2]), int(found[None][0][2])
     assert abs(zero_state - full_state / 2) <= 1  # each of 2 ranks holds half of AdamW's state
-    assert float(found["--zero"][0][3]) == pytest.approx(float(found[None][0][3]), abs=0.02)
-    assert float(found["--zero"][0][3]) > 0.8
+    assert float(found["--zero"][0][4]) == pytest.approx(float(found[None][0][4]), abs=0.02)
+    # Offloaded: the same half, on the host (the CPU here, so only the values say it stepped the host copy)
+    assert found["--offload"][0][1:4] == (found["--zero"][0][1], found["--zero"][0][2], "cpu")
+    assert float(found["--offload"][0][4]) == pytest.approx(float(found["--zero"][0][4]), abs=1e-3)
+    assert float(found["--zero"][0][4]) > 0.8
 
 
 @pytest.mark.parallel
