@@ -67,19 +67,23 @@ def _carrier(params: Sequence[torch.Tensor]) -> tuple[Any, str] | None:
     return None if engine is None else (engine, kind)
 
 
-def settings_allow() -> bool:
+def settings_allow(on_device: bool = False) -> bool:
     """Whether the job's settings let an optimizer's plan freeze: not when the user asked for negotiation
-    (HVDPLUS_PLANNED_PATH=0), or for what only the executor does (hierarchical allreduce, autotune)."""
+    (HVDPLUS_PLANNED_PATH=0), or for what only the executor does: autotune, and for tensors on the host engine
+    hierarchical allreduce (the executor runs it on host buffers only: a device plane's tensors, `on_device`, take
+    the plane's own allreduce on the negotiated path too)."""
     settings = runtime().settings
-    return settings.planned_path and not settings.hierarchical_allreduce and not settings.autotune
+    hierarchical = settings.hierarchical_allreduce and not on_device
+    return settings.planned_path and not hierarchical and not settings.autotune
 
 
 def _eligible(params: Sequence[torch.Tensor], op: ReduceOp, groups_given: bool, compression: Any) -> bool:
-    if not settings_allow():
+    carrier = _carrier(params)
+    if carrier is None or not settings_allow(on_device=carrier[1] != "host"):
         return False
     if bucket_sizes(params)[0] <= 0:
         return False  # HVDPLUS_BUCKET_BYTES=0: one allreduce per gradient, as in Horovod
-    if op not in (Average, Sum) or groups_given or not wire_dtype(compression)[0] or _carrier(params) is None:
+    if op not in (Average, Sum) or groups_given or not wire_dtype(compression)[0]:
         return False
     return all(
         p.layout == torch.strided

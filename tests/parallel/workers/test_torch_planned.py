@@ -23,13 +23,13 @@ PER_RANK = 4
 
 
 @contextmanager
-def planned(enabled: bool):
-    """Run with HVDPLUS_PLANNED_PATH on or off (the agreement reads the setting when it runs)."""
+def planned(enabled: bool, **settings):
+    """Run with HVDPLUS_PLANNED_PATH on or off, and any other `settings` (the agreement reads them when it runs)."""
     from hvdplus.common.basics import runtime
 
     rt = runtime()
     saved = rt.settings
-    rt.settings = dataclasses.replace(saved, planned_path=enabled)
+    rt.settings = dataclasses.replace(saved, planned_path=enabled, **settings)
     try:
         yield
     finally:
@@ -311,3 +311,21 @@ def test_planned_steps_appear_in_the_timeline(hvd, tmp_path):
     assert len(planned_starts) == (STEPS - 1) * buckets
     assert negotiated_starts and max(negotiated_starts) < min(planned_starts)  # the first step only
     assert sum(e["ph"] == "B" for e in ours) == sum(e["ph"] == "E" for e in ours)
+
+
+def test_hierarchical_allreduce_keeps_the_plan_of_device_plane_tensors(hvd):
+    """HOROVOD_HIERARCHICAL_ALLREDUCE=1 keeps gradients on the host engine negotiated (the executor runs the
+    hierarchical allreduce, on host buffers only), but not those on a device plane (CUDA tensors on NCCL; here CPU
+    tensors with HVDPLUS_DEVICE_PATH_ON_CPU=1), which no hierarchy applies to: their plan freezes."""
+    from hvdplus.common.basics import runtime
+
+    on_device = runtime().settings.device_path_on_cpu
+    with planned(True, hierarchical_allreduce=True):
+        got, optimizer = train(hvd, "plan.hierarchical")
+    with planned(False):
+        want, _ = train(hvd, "plan.hierarchical.negotiated")
+    assert (optimizer._reducer is not None) == on_device
+    if on_device:
+        assert not optimizer._reducer._host and optimizer._reducer.steps == STEPS - 1
+    for g, w in zip(parameters(got), parameters(want)):
+        torch.testing.assert_close(g, w, **SAME)
