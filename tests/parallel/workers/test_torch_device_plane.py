@@ -181,11 +181,13 @@ def test_a_process_set_without_rank_0_on_the_plane(hvd):
         assert hvd.remove_process_set(rest)
 
 
+@pytest.mark.parametrize("offload", [None, "optimizer"])
 @pytest.mark.parametrize("without_rank_0", [False, True])
-def test_zero_optimizer_reduces_and_gathers_on_the_plane(hvd, without_rank_0):
+def test_zero_optimizer_reduces_and_gathers_on_the_plane(hvd, without_rank_0, offload):
     """ZeroOptimizer's bucket reduce-scatters and its parameters' allgathers travel on the plane, as CUDA
-    parameters' will (issue 44), on the whole job and on a process set without rank 0; its steps equal
-    DistributedOptimizer's on the same set (1e-6: SGD with momentum, the sums differ in order only)."""
+    parameters' do, on the whole job and on a process set without rank 0, with the optimizer offloaded or not;
+    its steps equal DistributedOptimizer's on the same set (1e-6: SGD with momentum, the sums differ in order
+    only)."""
     members = list(range(1, hvd.size())) if without_rank_0 else list(range(hvd.size()))
     process_set = hvd.add_process_set(members) if without_rank_0 else hvd.global_process_set
     try:
@@ -196,12 +198,14 @@ def test_zero_optimizer_reduces_and_gathers_on_the_plane(hvd, without_rank_0):
             torch.manual_seed(0)
             models.append(torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.Linear(5, 2)))
         sharded, replicated = models
-        tag = f"plane.zero.{int(without_rank_0)}"
+        tag = f"plane.zero.{int(without_rank_0)}.{offload}"
         zero = hvd.ZeroOptimizer(
             torch.optim.SGD(sharded.parameters(), lr=0.1, momentum=0.9),
             named_parameters=[(f"{tag}.{n}", p) for n, p in sharded.named_parameters()],
             process_set=process_set,
+            offload=offload,
         )
+        assert all(flat.offloaded == (offload is not None) for flat in zero._zero.flats)
         dist = hvd.DistributedOptimizer(
             torch.optim.SGD(replicated.parameters(), lr=0.1, momentum=0.9),
             named_parameters=[(f"{tag}.dist.{n}", p) for n, p in replicated.named_parameters()],
