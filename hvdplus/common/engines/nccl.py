@@ -8,6 +8,7 @@ the rendezvous when torch.distributed is not initialised (a job started by mpiru
 from __future__ import annotations
 
 import datetime
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from hvdplus.common.engines.torch_dist import (
 )
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["TorchTensorEngine"]
+__all__ = ["TorchTensorEngine", "TensorChannel"]
 
 # NCCL and Gloo cannot reduce these; they are widened for the reduction and narrowed back.
 _WIDENED = {"int16": "int32", "uint16": "int32"}
@@ -139,6 +140,29 @@ class TorchTensorEngine:
     def barrier(self, group: Any) -> None:
         self._dist.barrier(group=group)
 
+    # Point-to-point transfers started on this engine's channels so far (tests check the device path ran).
+    p2p_transfers = 0
+
+    def open_p2p(self, ranks: Sequence[int], key: str, alive: Callable[[], None]) -> TensorChannel:
+        """A point-to-point channel among `ranks` (global ranks, this one among them) on a process group of its
+        own on this engine's backend. Only those ranks take part, from any thread: they meet in the job's store
+        under `key` (the same on each of them, unique in the job), each calling `alive()` while it waits for the
+        others. NCCL ignores tags: between two ranks, receives match sends in the order they were started."""
+        dist, ranks = self._dist, sorted(ranks)
+        index = ranks.index(self.rank)
+        prefix = dist.PrefixStore(f"hvdplus/p2p/{self.backend}/{self.planned_meeting.incarnation}/{key}/", self._store)
+        prefix.set(f"here/{index}", "1")
+        _await_keys(prefix, [f"here/{member}" for member in range(len(ranks))], alive)
+        if self.backend == "nccl":
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self._timeout
+            group = dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
+        else:
+            group = dist.ProcessGroupGloo(prefix, index, len(ranks), self._timeout)
+            # Leave once every pair is up (see PlannedMeeting.open): a peer may still be connecting.
+            group.allreduce([self._torch.zeros(1)]).wait()
+        return TensorChannel(self, group, ranks)
+
     def shutdown(self) -> None:
         """Destroy this engine's groups (and the default group, when this engine made it)."""
         if self._dist.is_initialized():
@@ -146,8 +170,77 @@ class TorchTensorEngine:
         self.world = self._store = None
 
 
+class TensorChannel:
+    """Point to point on torch tensors (of the engine's device kind) among a few ranks, on a process group of
+    its own: isend/irecv of whole contiguous tensors, as `engines.base.Channel` moves arrays. Gloo moves host
+    memory only: over Gloo a CUDA tensor is staged through pinned host memory here (ranks sharing a GPU)."""
+
+    max_tag = 2**31 - 1
+
+    def __init__(self, engine: TorchTensorEngine, group: Any, ranks: Sequence[int]) -> None:
+        self._engine, self._group = engine, group
+        self._index = {rank: i for i, rank in enumerate(ranks)}
+
+    def _staged(self, tensor: Any) -> bool:
+        return self._engine.backend != "nccl" and tensor.device.type != "cpu"
+
+    def isend(self, tensor: Any, peer: int, tag: int) -> TensorTransfer:
+        """Start sending the contiguous `tensor` (kept alive until the transfer completes) to global rank `peer`."""
+        self._engine.p2p_transfers += 1
+        wire = tensor
+        if self._staged(tensor):  # copied before the send starts: Gloo's threads read it
+            wire = _pinned_like(tensor)
+            wire.copy_(tensor)
+        return TensorTransfer(self._group.send([wire], self._index[peer], tag), wire)
+
+    def irecv(self, tensor: Any, peer: int, tag: int) -> TensorTransfer:
+        """Start receiving a message of exactly `tensor`'s size from global rank `peer` into `tensor`."""
+        self._engine.p2p_transfers += 1
+        if not self._staged(tensor):
+            return TensorTransfer(self._group.recv([tensor], self._index[peer], tag), tensor)
+        wire = _pinned_like(tensor)
+        return TensorTransfer(self._group.recv([wire], self._index[peer], tag), wire, tensor)
+
+    def close(self) -> None:
+        self._group = None  # the group's threads and connections go with its last reference
+
+
+class TensorTransfer:
+    """A send or receive of a `TensorChannel` and the tensor it reads or writes. `wait` returns once it completed
+    (Gloo: the host sleeps until then) or, on NCCL, once the caller's current stream waits for it."""
+
+    def __init__(self, work: Any, wire: Any, into: Any | None = None) -> None:
+        """`into`: the device tensor a staged receive lands in, copied from `wire` once it has arrived."""
+        self._work, self._wire, self._into = work, wire, into
+
+    def wait(self, alive: Callable[[], None]) -> None:
+        self._work.wait()  # Gloo's timed wait would close the connection to the peer when the time is up
+        if self._into is not None:
+            into, self._into = self._into, None
+            into.copy_(self._wire, non_blocking=True)  # the pinned block is kept until the copy ran
+
+
+def _await_keys(store: Any, keys: list[str], alive: Callable[[], None]) -> None:
+    """Return once every key is in `store`, checking at growing intervals (1 ms to 50 ms) and calling `alive()`
+    about once a second."""
+    pause, last_alive = 1e-3, time.monotonic()
+    while not store.check(keys):
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+        if time.monotonic() - last_alive >= 1.0:
+            alive()
+            last_alive = time.monotonic()
+
+
 def _as_is(tensor: Any, dtype: str) -> Any:
     return tensor
+
+
+def _pinned_like(tensor: Any) -> Any:
+    """An empty pinned host tensor of `tensor`'s shape and dtype."""
+    import torch
+
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
 
 
 def _bytes(tensor: Any) -> Any:
