@@ -44,6 +44,7 @@ __all__ = [
     "theoretical_bubble",
     "balanced_split",
     "check_sizes",
+    "message_lanes",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
@@ -244,6 +245,23 @@ def _awaited_send(action: Action, stage: int) -> tuple[Op, int, int, int | None,
     if action.op is Op.RECV_ACTIVATION:
         return Op.SEND_ACTIVATION, action.micro_batch, action.chunk - 1, action.peer, stage
     return Op.SEND_GRAD, action.micro_batch, action.chunk + 1, action.peer, stage
+
+
+def message_lanes(schedule: Sequence[Sequence[Action]]) -> dict[tuple[int, int, bool], list[tuple[int, int]]] | None:
+    """The schedule's messages by lane, (sender stage, receiver stage, whether activations), each lane's in the
+    order its sender sends them, as (micro_batch, chunk of the sent tensor); None unless every lane's receiver
+    takes them in that same order, which a channel that ignores tags (NCCL's) needs."""
+    sent: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
+    taken: dict[tuple[int, int, bool], list[tuple[int, int]]] = {}
+    for stage, actions in enumerate(schedule):
+        for action in actions:
+            if action.op in (Op.SEND_ACTIVATION, Op.SEND_GRAD) and action.peer is not None:
+                lane = (stage, action.peer, action.op is Op.SEND_ACTIVATION)
+                sent.setdefault(lane, []).append((action.micro_batch, action.chunk))
+            elif action.op in (Op.RECV_ACTIVATION, Op.RECV_GRAD) and action.peer is not None:
+                op, m, chunk, sender, _ = _awaited_send(action, stage)
+                taken.setdefault((sender, stage, op is Op.SEND_ACTIVATION), []).append((m, chunk))  # type: ignore[arg-type]
+    return sent if sent == taken else None
 
 
 def simulate(
