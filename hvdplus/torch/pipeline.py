@@ -17,10 +17,19 @@ losses that average over rows). A parameter's gradient reaches `p.grad` through 
 `train_step`, so DistributedOptimizer/ZeroOptimizer hooks see one backward pass per step (and
 `backward_passes_per_step=k` means k train_steps). A failure in a stage is sent to the peers in place of the
 messages they wait for, and travels on: every rank of the pipeline raises `PipelineError` naming the stage and
-micro-batch. CPU tensors only."""
+micro-batch.
+
+Device tensors (a stage on `cuda:local_rank`, placed by the user: `pipe.to(device)` moves this rank's layers only)
+travel stage to stage on the job's device plane when every stage of the pipeline is on that plane's kind: at the
+first step the pipeline's ranks agree on it (one allgather, and one tiny allreduce that builds the plane if no
+collective had), then open a channel of the plane's engine per lane (sender, receiver, activations or gradients):
+NCCL matches sends and receives in order, which each lane's schedule keeps. Headers (shapes, dtypes, errors) still
+go on the host channel, so failures travel as before. Elsewhere tensors are staged through (pinned) host memory."""
 
 from __future__ import annotations
 
+import itertools
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -30,15 +39,40 @@ import torch
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, _add, global_process_set, open_channel, runtime
 from hvdplus.common.exceptions import HorovodInternalError
-from hvdplus.common.p2p import TAGS_PER_MESSAGE, PeerError, recv_arrays, send_arrays, send_error
-from hvdplus.common.pipeline import Action, Op, balanced_split, build_schedule, check_sizes, chunk_stages
-from hvdplus.torch.buffers import as_numpy, dtype_name
+from hvdplus.common.p2p import (
+    ROUTE_PLANE,
+    TAGS_PER_MESSAGE,
+    PeerError,
+    recv_arrays,
+    recv_data,
+    recv_header,
+    send_arrays,
+    send_error,
+    send_header,
+)
+from hvdplus.common.pipeline import (
+    Action,
+    Op,
+    balanced_split,
+    build_schedule,
+    check_sizes,
+    chunk_stages,
+    message_lanes,
+)
+from hvdplus.torch.buffers import DTYPE_NAMES, as_numpy, dtype_name, plane_kind
+from hvdplus.torch.device_plane import CPU_TEST_KIND
+from hvdplus.torch.mpi_ops import allreduce
 from hvdplus.torch.pipeline_backward import WeightWork, backward_full, backward_input, backward_weight
+from hvdplus.torch.streams import host_copy, host_empty
 
 __all__ = ["Pipeline", "PipelineError"]
 
 
 _ABANDONED: list[Any] = []  # transfers of failed steps, never waited for (see _Step.fail)
+_TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+_CPU = torch.device("cpu")
+_ANY = "any"  # the device-plane offer of a stage without parameters or buffers: it takes the others' kind
+_FROM_HOST, _FROM_CUDA = 0, 1  # a message's origin word: where the sender's tensors were
 
 
 class PipelineError(RuntimeError):
@@ -133,6 +167,8 @@ class Pipeline(torch.nn.Module):
         self.chunk_bounds = [(starts[c], starts[c + 1]) for c in range(chunks)]
         self.pipeline_set, self.data_parallel_set = self._process_sets(world)
         self._channel = open_channel()
+        self._lanes: dict[tuple[int, int, bool], Any] | None = None  # device-plane channels, from the first step
+        self._plane: str | None = None  # the device kind they move
         self._loss_tag = TAGS_PER_MESSAGE * (1 + 2 * micro_batches * chunks)
         if self._loss_tag + TAGS_PER_MESSAGE > self._channel.max_tag:
             raise ValueError(
@@ -180,6 +216,20 @@ class Pipeline(torch.nn.Module):
     def is_last_stage(self) -> bool:
         return self.stage == self.stage_of_chunk[-1]
 
+    @property
+    def device(self) -> torch.device | None:
+        """Where this rank's stage computes: the device of its first parameter or buffer (None if it has neither:
+        tensors stay where they arrive). Received activations and gradients are created there."""
+        for tensor in itertools.chain(self.parameters(), self.buffers()):
+            return tensor.device
+        return None
+
+    @property
+    def plane(self) -> str | None:
+        """The device kind whose plane carries this pipeline's activations and gradients (None: host memory);
+        known after the first step."""
+        return self._plane
+
     def forward(self, *args: Any) -> Any:
         raise RuntimeError("a Pipeline runs with train_step(x, y, loss_fn) and eval_step(x), not by calling it")
 
@@ -190,6 +240,7 @@ class Pipeline(torch.nn.Module):
         Returns the batch's loss (the micro-batch losses weighted by their rows) on every stage.
 
         Collective over the pipeline. The first stage uses `inputs`, the last `target`; the others may pass None."""
+        self._connect()
         run = _Step(self, self.actions_by_stage[self.stage], grad=True)
         if self.is_first_stage:
             run.inputs = _split(inputs, self.micro_batches, "inputs")
@@ -205,6 +256,7 @@ class Pipeline(torch.nn.Module):
         """The model's output for `inputs` on the last stage (None elsewhere); no graph is built.
 
         Collective over the pipeline. Only the first stage's `inputs` are used."""
+        self._connect()
         forwards = sorted((m, c) for m in range(self.micro_batches) for c in self.chunks)
         actions: list[Action] = []
         for m, c in forwards:
@@ -224,6 +276,43 @@ class Pipeline(torch.nn.Module):
         if len(outputs[0]) == 1:
             return torch.cat([o[0] for o in outputs])
         return tuple(torch.cat(parts) for parts in zip(*outputs))
+
+    def _connect(self) -> None:
+        """At the first step, agree over the pipeline whether its tensors travel on a device plane: when every
+        stage with parameters or buffers is on the same plane kind. Then build the plane if no collective has yet
+        (a tiny allreduce) and open a channel of its engine per lane this rank sends or receives on, every rank
+        in the same order of lanes (each channel is a meeting of its two ranks). Collective over the pipeline."""
+        if self._lanes is not None:
+            return
+        self._lanes = {}
+        if not runtime().coordinator.device_kinds:  # no device plane in the job: every rank knows the same
+            return
+        device = self.device
+        offer = _ANY if device is None else _kind_of(device)
+        offers = core.allgather_object((offer, secrets.token_hex(8)), process_set=self.pipeline_set)
+        kinds = {kind for kind, _ in offers if kind != _ANY}
+        lanes = message_lanes(self.actions_by_stage)
+        if len(kinds) != 1 or None in kinds or lanes is None:
+            return  # stages on different kinds, all on the host, or a schedule whose lanes NCCL could not order
+        (kind,) = kinds
+        probe = torch.zeros(1, device=device if offer == kind else _plane_device(kind))
+        allreduce(probe, process_set=self.pipeline_set)  # builds the plane on every rank, if none has yet
+        engine = runtime().coordinator.plane_engine(kind)
+        if engine is None or not hasattr(engine, "open_p2p"):
+            return
+        token = offers[0][1]
+        for sender, receiver, forward in sorted(lanes):
+            if self.stage in (sender, receiver):
+                ranks = [self.pipeline_ranks[sender], self.pipeline_ranks[receiver]]
+                key = f"pipeline/{token}/{sender}-{receiver}/{'F' if forward else 'B'}"
+                channel = engine.open_p2p(ranks, key, _alive)
+                runtime().coordinator.close_at_shutdown(channel)
+                self._lanes[(sender, receiver, forward)] = channel
+        self._plane = kind
+
+    def lane(self, sender: int | None, receiver: int | None, forward: bool) -> Any | None:
+        """The device-plane channel of a lane between two stages (None: their tensors go through host memory)."""
+        return None if self._lanes is None else self._lanes.get((sender, receiver, forward))  # type: ignore[arg-type]
 
     def tag(self, op: Op, micro_batch: int, chunk: int) -> int:
         """The message tag of an activation (of `chunk`'s output) or a gradient (of `chunk`'s input)."""
@@ -251,7 +340,8 @@ class _Step:
         self.outputs: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         self.input_grads: dict[tuple[int, int], list] = {}
         self.weight_work: dict[tuple[int, int], WeightWork | _BackwardArgs] = {}  # B's leftovers (or all of it) for W
-        self.total_loss = torch.zeros(())
+        self.device = pipe.device
+        self.total_loss: torch.Tensor | None = None  # summed on the last stage's device, in float32
         # Transfers in flight, by the action that started them: their buffers (sharing the sent tensors' memory)
         # stay alive until they complete. An activation's send is done once its gradient comes back.
         self.sends: dict[tuple[Op, int, int], list[Any]] = {}
@@ -309,13 +399,14 @@ class _Step:
                 for t in send_error(self.pipe._channel, rank, self.pipe._loss_tag, text)
             ]
         # Not waited for: a peer that failed too never takes them. They and the step's sends still in flight
-        # keep their buffers until the process ends (a freed buffer would reach a peer as garbage).
+        # keep their buffers until the process ends (a freed buffer would reach a peer as garbage), and the
+        # device-plane channels their groups (a dropped group closes its connections under peers still sending).
         _ABANDONED.extend([t for sent in self.sends.values() for t in sent] + transfers)
+        _ABANDONED.extend((self.pipe._lanes or {}).values())
         raise PipelineError(text) from cause
 
     def alive(self) -> None:
-        if not runtime().coordinator.running:
-            raise HorovodInternalError("hvdplus stopped (another rank shut down) during a pipeline step")
+        _alive()
 
     def run(self, index: int, action: Action) -> None:
         key = (action.micro_batch, action.chunk)
@@ -373,7 +464,8 @@ class _Step:
         output = pipe.chunks[c](inputs if len(inputs) > 1 else inputs[0])
         if c == len(pipe.stage_of_chunk) - 1 and self.loss is not None:
             loss = self.loss(m, output)
-            self.total_loss += loss.detach()
+            part = loss.detach().float()
+            self.total_loss = part if self.total_loss is None else self.total_loss + part
             self.outputs[(m, c)] = (loss,)
         else:
             self.outputs[(m, c)] = _as_tuple(output)
@@ -407,39 +499,72 @@ class _Step:
         self.received.pop(key, None)
 
     def send(self, action: Action, tensors: Sequence[torch.Tensor]) -> None:
-        arrays = [(as_numpy(t.detach().contiguous()), dtype_name(t)) for t in tensors]
-        key = (action.op, action.micro_batch, action.chunk)
-        self.sends[key] = send_arrays(self.pipe._channel, self.peer(action), self.pipe.tag(*key), arrays)
+        """Start sending: on the lane's device-plane channel when there is one and the tensors are of its kind
+        (the data first, then the header on the host channel), else through host memory."""
+        pipe, key = self.pipe, (action.op, action.micro_batch, action.chunk)
+        peer, tag = self.peer(action), pipe.tag(*key)
+        tensors = [t.detach().contiguous() for t in tensors]
+        specs = [(tuple(t.shape), dtype_name(t)) for t in tensors]
+        origin = _FROM_CUDA if any(t.is_cuda for t in tensors) else _FROM_HOST
+        lane = pipe.lane(pipe.stage, action.peer, action.op is Op.SEND_ACTIVATION)
+        if lane is not None and all(plane_kind(t) == pipe.plane for t in tensors):
+            transfers = [lane.isend(t, peer, tag + 1 + j) for j, t in enumerate(tensors) if t.numel()]
+            self.sends[key] = transfers + send_header(pipe._channel, peer, tag, specs, ROUTE_PLANE, origin)
+            return
+        arrays = [(as_numpy(host_copy(t)), name) for t, (_, name) in zip(tensors, specs)]
+        self.sends[key] = send_arrays(pipe._channel, peer, tag, arrays, origin)
 
     def receive(self, action: Action) -> tuple[torch.Tensor, ...]:
-        arrays = recv_arrays(
-            self.pipe._channel,
-            self.peer(action),
-            self.pipe.tag(action.op, action.micro_batch, action.chunk),
-            self.alive,
-        )
-        return tuple(_tensor(array, dtype) for array, dtype in arrays)
+        """The tensors of a message, created on this stage's device (where the sender's were, for a stage
+        without parameters or buffers), whichever way they travel."""
+        pipe = self.pipe
+        peer, tag = self.peer(action), pipe.tag(action.op, action.micro_batch, action.chunk)
+        header = recv_header(pipe._channel, peer, tag, self.alive)
+        device = self.device
+        if device is None:  # no parameters or buffers: where the sender's tensors were
+            device = _plane_device("cuda") if header.origin == _FROM_CUDA and torch.cuda.is_available() else _CPU
+        if header.route == ROUTE_PLANE:
+            lane = pipe.lane(action.peer, pipe.stage, action.op is Op.RECV_ACTIVATION)
+            if lane is None or pipe.plane is None:
+                raise RuntimeError(f"rank {peer} sent on a device plane this stage has no channel for")
+            where = device if _kind_of(device) == pipe.plane else _plane_device(pipe.plane)
+            tensors = [torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=where) for shape, dtype in header.specs]
+            for transfer in [lane.irecv(t, peer, tag + 1 + j) for j, t in enumerate(tensors) if t.numel()]:
+                transfer.wait(self.alive)
+            return tuple(t.to(device) for t in tensors)
+        if device.type == "cpu":
+            arrays = recv_data(pipe._channel, peer, tag, header.specs, self.alive)
+            return tuple(_tensor(array, dtype) for array, dtype in arrays)
+        staged: list[torch.Tensor] = []  # pinned host buffers, copied to the device without waiting
+
+        def pinned(shape: tuple[int, ...], dtype: str) -> Any:
+            staged.append(host_empty(_numel(shape), _TORCH_DTYPES[dtype], device).view(shape))
+            return as_numpy(staged[-1])
+
+        recv_data(pipe._channel, peer, tag, header.specs, self.alive, pinned)
+        return tuple(host.to(device, non_blocking=True) for host in staged)
 
     def share_loss(self) -> torch.Tensor:
         """The batch loss, sent by the last stage to the pipeline's other ranks (point to point)."""
         pipe = self.pipe
         last = pipe.pipeline_ranks[pipe.stage_of_chunk[-1]]
         if runtime().rank == last:
-            value = self.total_loss.reshape(1)
+            assert self.total_loss is not None  # the last stage ran every micro-batch's loss
+            value = as_numpy(host_copy(self.total_loss.reshape(1)))  # one wait for the device per step
             sends = [
                 t
                 for rank in pipe.pipeline_ranks
                 if rank != last
-                for t in send_arrays(pipe._channel, rank, pipe._loss_tag, [(as_numpy(value), "float32")])
+                for t in send_arrays(pipe._channel, rank, pipe._loss_tag, [(value, "float32")])
             ]
             for transfer in sends:
                 transfer.wait(self.alive)
-            return self.total_loss
+            return self.total_loss.reshape(())
         try:
             ((array, dtype),) = recv_arrays(pipe._channel, last, pipe._loss_tag, self.alive)
         except PeerError as exc:
             raise PipelineError(str(exc)) from exc
-        return _tensor(array, dtype).reshape(())
+        return _tensor(array, dtype).reshape(()).to(_CPU if self.device is None else self.device)
 
 
 def _align(outputs: tuple[torch.Tensor, ...], grads: tuple) -> tuple:
@@ -448,6 +573,32 @@ def _align(outputs: tuple[torch.Tensor, ...], grads: tuple) -> tuple:
         return grads
     supplied: Iterator = iter(grads)
     return tuple(next(supplied) if o.is_floating_point() else None for o in outputs)
+
+
+def _alive() -> None:
+    if not runtime().coordinator.running:
+        raise HorovodInternalError("hvdplus stopped (another rank shut down) during a pipeline step")
+
+
+def _kind_of(device: torch.device) -> str | None:
+    """The device-plane kind of tensors on `device` (None: they go through host memory)."""
+    return plane_kind(torch.empty(0, device=device))
+
+
+def _plane_device(kind: str) -> torch.device:
+    """Where a rank without a device of its own puts tensors of plane `kind`: the current GPU for CUDA."""
+    if kind == CPU_TEST_KIND:
+        return _CPU
+    if kind == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(kind)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def _tensor(array: Any, dtype: str) -> torch.Tensor:
