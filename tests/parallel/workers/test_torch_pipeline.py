@@ -280,3 +280,71 @@ def test_parameters_keep_the_names_of_the_unpartitioned_model(hvd):
     everyone = [name for names in hvd.allgather_object(mine) for name in names]
     assert everyone == [name for name, _ in named.named_parameters()]  # each once, in model order
     assert set(pipe.state_dict()) == set(mine)
+
+
+def _messages(pipe) -> int:
+    """The sends and receives of this rank's last step: one tensor each for make_model's stages."""
+    from hvdplus.common.pipeline import Op
+
+    moves = (Op.SEND_ACTIVATION, Op.RECV_ACTIVATION, Op.SEND_GRAD, Op.RECV_GRAD)
+    return sum(action.op in moves for action in pipe.actions_by_stage[pipe.stage])
+
+
+@pytest.mark.parametrize("schedule,virtual", SETUPS)
+def test_activations_and_gradients_travel_on_the_device_plane(hvd, schedule, virtual):
+    """Under HVDPLUS_DEVICE_PATH_ON_CPU=1 (CUDA tensors' code path on CPU tensors) every activation and gradient
+    goes on the plane's own channels, counted on its engine, and the training still equals one process's."""
+    from hvdplus.common.basics import runtime
+    from hvdplus.torch.device_plane import CPU_TEST_KIND
+
+    if CPU_TEST_KIND not in runtime().coordinator.device_kinds:
+        pytest.skip("the device plane takes CPU tensors only under HVDPLUS_DEVICE_PATH_ON_CPU=1")
+    for stages in depths(hvd.size()):
+        micro = micro_batches_for(stages, schedule)
+        pipe = hvd.pipeline.Pipeline(
+            make_model(), num_stages=stages, micro_batches=micro, schedule=schedule, virtual_stages=virtual
+        )
+        optimizer = hvd.DistributedOptimizer(
+            torch.optim.SGD(pipe.parameters(), lr=LR),
+            named_parameters=pipe.named_parameters(),
+            process_set=pipe.data_parallel_set,
+        )
+        received = []
+        for chunk in pipe.stage_module if virtual > 1 else [pipe.stage_module]:
+            chunk[0].register_forward_pre_hook(lambda module, args: received.append(args[0].device))
+        counted = []
+        for x, y in batches(pipe.replicas):
+            rows = slice(pipe.replica * ROWS, (pipe.replica + 1) * ROWS)
+            engine = runtime().coordinator.plane_engine(CPU_TEST_KIND)
+            before = 0 if engine is None else engine.p2p_transfers
+            optimizer.zero_grad()
+            pipe.train_step(x[rows], y[rows], mse)
+            optimizer.step()
+            counted.append(runtime().coordinator.plane_engine(CPU_TEST_KIND).p2p_transfers - before)
+        assert pipe.plane == CPU_TEST_KIND
+        assert counted == [_messages(pipe)] * STEPS  # every message on the plane, from the first step
+        assert received and all(device.type == "cpu" for device in received)
+        model, _ = reference(pipe.replicas)
+        assert_matches(pipe, model)
+
+
+def test_a_dtype_mismatch_between_stages_raises_on_every_rank_naming_the_stage(hvd):
+    """Stage 0 hands on float64 activations that stage 1's float32 Linear refuses: every rank of the pipeline
+    raises, naming stage 1 and the first micro-batch, whichever way the activations travel."""
+    for stages in depths(hvd.size()):
+        layers = list(make_model())  # 15 layers
+        layers.insert(1, Cast(torch.float64))  # the end of stage 0's chunk
+        rest = len(layers) - 2
+        sizes = [2] + [rest // (stages - 1) + (1 if i < rest % (stages - 1) else 0) for i in range(stages - 1)]
+        pipe = hvd.pipeline.Pipeline(layers, num_stages=stages, micro_batches=3, schedule="1f1b", balance=sizes)
+        with pytest.raises(hvd.pipeline.PipelineError, match=r"stage 1 \(rank \d+\) failed on micro-batch 0 .*dtype"):
+            pipe.train_step(torch.randn(6, 5), torch.randn(6, 3), mse)
+
+
+class Cast(torch.nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
