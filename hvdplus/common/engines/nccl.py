@@ -144,10 +144,13 @@ class TorchTensorEngine:
     p2p_transfers = 0
 
     def open_p2p(self, ranks: Sequence[int], key: str, alive: Callable[[], None]) -> TensorChannel:
-        """A point-to-point channel among `ranks` (global ranks, this one among them) on a process group of its
-        own on this engine's backend. Only those ranks take part, from any thread: they meet in the job's store
-        under `key` (the same on each of them, unique in the job), each calling `alive()` while it waits for the
-        others. NCCL ignores tags: between two ranks, receives match sends in the order they were started."""
+        """A point-to-point channel between two ranks (global, this one of them) on a process group of its own on
+        this engine's backend. Only they take part, from any thread: they meet in the job's store under `key`
+        (the same on both, unique in the job), each calling `alive()` while it waits for the other. NCCL ignores
+        tags: receives match sends in the order they were started. On NCCL the pair connects here, on the
+        current CUDA device (NCCL would connect at the first transfer, which would then wait for the peer's)."""
+        if len(set(ranks)) != 2 or self.rank not in ranks:
+            raise ValueError(f"a point-to-point channel joins this rank ({self.rank}) and one other, got {list(ranks)}")
         dist, ranks = self._dist, sorted(ranks)
         index = ranks.index(self.rank)
         prefix = dist.PrefixStore(f"hvdplus/p2p/{self.backend}/{self.planned_meeting.incarnation}/{key}/", self._store)
@@ -157,6 +160,8 @@ class TorchTensorEngine:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self._timeout
             group = dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
+            probe = self._torch.zeros(1, device=self._torch.device("cuda", self._torch.cuda.current_device()))
+            (group.send([probe], 1, 0) if index == 0 else group.recv([probe], 0, 0)).wait()
         else:
             group = dist.ProcessGroupGloo(prefix, index, len(ranks), self._timeout)
             # Leave once every pair is up (see PlannedMeeting.open): a peer may still be connecting.
