@@ -28,6 +28,7 @@ go on the host channel, so failures travel as before. Elsewhere tensors are stag
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import secrets
 import time
@@ -305,7 +306,8 @@ class Pipeline(torch.nn.Module):
             if self.stage in (sender, receiver):
                 ranks = [self.pipeline_ranks[sender], self.pipeline_ranks[receiver]]
                 key = f"pipeline/{token}/{sender}-{receiver}/{'F' if forward else 'B'}"
-                channel = engine.open_p2p(ranks, key, _alive)
+                with torch.cuda.device(device) if device is not None and device.type == "cuda" else _nothing():
+                    channel = engine.open_p2p(ranks, key, _alive)  # NCCL connects on the stage's GPU
                 runtime().coordinator.close_at_shutdown(channel)
                 self._lanes[(sender, receiver, forward)] = channel
         self._plane = kind
@@ -550,15 +552,12 @@ class _Step:
         last = pipe.pipeline_ranks[pipe.stage_of_chunk[-1]]
         if runtime().rank == last:
             assert self.total_loss is not None  # the last stage ran every micro-batch's loss
-            value = as_numpy(host_copy(self.total_loss.reshape(1)))  # one wait for the device per step
-            sends = [
-                t
-                for rank in pipe.pipeline_ranks
-                if rank != last
-                for t in send_arrays(pipe._channel, rank, pipe._loss_tag, [(value, "float32")])
-            ]
-            for transfer in sends:
-                transfer.wait(self.alive)
+            others = [rank for rank in pipe.pipeline_ranks if rank != last]
+            if others:
+                loss = [(as_numpy(host_copy(self.total_loss.reshape(1))), "float32")]  # one device wait a step
+                sends = [t for rank in others for t in send_arrays(pipe._channel, rank, pipe._loss_tag, loss)]
+                for transfer in sends:
+                    transfer.wait(self.alive)
             return self.total_loss.reshape(())
         try:
             ((array, dtype),) = recv_arrays(pipe._channel, last, pipe._loss_tag, self.alive)
@@ -573,6 +572,10 @@ def _align(outputs: tuple[torch.Tensor, ...], grads: tuple) -> tuple:
         return grads
     supplied: Iterator = iter(grads)
     return tuple(next(supplied) if o.is_floating_point() else None for o in outputs)
+
+
+def _nothing() -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
 
 
 def _alive() -> None:
