@@ -23,6 +23,12 @@ Every gather and reduce-scatter of a pass takes the next positional name ("zero3
 ranks that run units in different orders, or skip one, meet a different unit, kind or size under one name and
 fail on every rank at once (a CollectiveMismatchError naming both units) instead of waiting or mixing them.
 
+The shards and gathered buffers live on the model's device (`device=`: a GPU, or the CPU; a model built on the
+meta device is materialised there unit by unit), and the gathers run on its device plane (NCCL) when it has one.
+`offload="parameters"` keeps the shards in host memory, copied to the device at each gather.
+`checkpoint_activations=True` runs each unit's forward under `torch.utils.checkpoint` (non-reentrant), so that
+its activations are recomputed in backward, after the backward has gathered the unit again.
+
 This module chooses the units and runs them (the hooks, prefetch, names); a unit and its buffers are
 zero3_units.py, building the shards (also from a model on the `meta` device) zero3_init.py, checkpoints
 zero3_checkpoint.py.
@@ -36,10 +42,13 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils.checkpoint import checkpoint
 
 from hvdplus.common.basics import ProcessSet, global_process_set, runtime
-from hvdplus.torch.zero3_init import check_same_everywhere, default_init, materialize, replace_meta_parameters
-from hvdplus.torch.zero3_units import PERSISTENT, ROOT, Unit
+from hvdplus.torch.buffers import one_device
+from hvdplus.torch.streams import SideStream
+from hvdplus.torch.zero3_init import check_same_everywhere, default_init, materialize, meta_parameters
+from hvdplus.torch.zero3_units import OFFLOADS, PERSISTENT, ROOT, Unit
 
 __all__ = ["shard_parameters", "gathered_parameters", "ShardedModel", "sharded_model_of"]
 
@@ -76,8 +85,11 @@ class ShardedModel:
         max_live_units: int,
         param_dtype: torch.dtype | None,
         reduce_dtype: torch.dtype | None,
+        device: torch.device,
+        checkpoint_activations: bool = False,
     ) -> None:
         self.model, self.units, self.process_set = model, units, process_set
+        self.device, self.checkpoint_activations = device, checkpoint_activations
         self.reshard_after_forward, self.prefetch, self.max_live_units = reshard_after_forward, prefetch, max_live_units
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         members = tuple(process_set.ranks or ())
@@ -90,6 +102,7 @@ class ShardedModel:
         self.current: list[Unit] = []
         self.end_of_backward_queued = False
         self.gradients: Any = None  # the ZeroOptimizer's shards, once one is wrapped around these parameters
+        self.recomputing = 0  # > 0 while a checkpointed unit's forward runs again in backward
         self.unit_of = {id(p): (u, i) for u in units for i, p in enumerate(u.params)}
 
     def shape_of(self, p: torch.Tensor) -> torch.Size:
@@ -140,7 +153,11 @@ class ShardedModel:
 
     def before_forward(self, unit: Unit, args: tuple) -> tuple | None:
         """Gather `unit` and prefetch the next ones; returns its inputs routed through _InputsReached when a
-        backward will run (so that the unit is released as soon as its own backward is done)."""
+        backward will run (so that the unit is released as soon as its own backward is done). In a checkpointed
+        unit's recomputation (in backward) it only gathers: the pass's order and hooks are the forward's."""
+        if self.recomputing:
+            self.gather(unit)
+            return None
         self.current.append(unit)
         self.gather(unit)
         j = len(self.current) - 1
@@ -170,7 +187,10 @@ class ShardedModel:
 
     def after_forward(self, unit: Unit | None, output: Any) -> None:
         """After a unit's forward (None: the model's, which has no root unit): hook the backward's start on the
-        outputs, and release what the backward will gather again (everything, for a forward without one)."""
+        outputs, and release what the backward will gather again (everything, for a forward without one). Nothing
+        in a recomputation: the unit's backward follows at once and releases it."""
+        if self.recomputing:
+            return
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         needs_backward = torch.is_grad_enabled() and bool(outputs)
         if needs_backward and unit is not None:
@@ -308,6 +328,9 @@ def shard_parameters(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     init: Callable[[torch.nn.Module], None] | None = None,
+    device: torch.device | str | None = None,
+    offload: str | None = None,
+    checkpoint_activations: bool = False,
 ) -> torch.nn.Module:
     """Shard `model`'s parameters over `process_set` (ZeRO-3) in place and return it; wrap its parameters with
     `hvd.ZeroOptimizer` to train it.
@@ -320,10 +343,16 @@ def shard_parameters(
     `param_dtype`: the dtype floating parameters are gathered and computed in (e.g. torch.bfloat16; the shards
     the optimizer steps keep theirs); `reduce_dtype`: the dtype gradients are reduce-scattered in (default:
     `param_dtype`'s). `init(module)`: how a module built on the meta device initialises its own parameters
-    (default: its `reset_parameters()` or `_reset_parameters()`).
+    (default: its `reset_parameters()` or `_reset_parameters()`). `device`: where the shards and the gathered
+    parameters live, e.g. `torch.device("cuda", hvd.local_rank())` for a model built on the meta device (default:
+    the device of the model's parameters, all on one; the CPU for a meta model); parameters elsewhere are copied
+    there unit by unit, and the model's buffers moved there. `offload="parameters"`: the shards live in (pinned)
+    host memory and each gather copies them to `device` first. `checkpoint_activations`: each unit's forward
+    runs under `torch.utils.checkpoint.checkpoint(use_reentrant=False)`, its activations recomputed in backward.
 
     Collective: every rank of the set must call this with the same model structure; parameters that differ
-    between ranks raise CollectiveMismatchError on every rank, naming the parameter and the ranks."""
+    between ranks (or shard on different kinds of device) raise CollectiveMismatchError on every rank, naming the
+    parameter and the ranks."""
     if hasattr(model, "_hvdplus_zero3"):
         raise ValueError("this model is already sharded by hvd.shard_parameters")
     if not process_set.included():
@@ -332,11 +361,16 @@ def shard_parameters(
         )
     if prefetch < 0 or max_live_units < 1:
         raise ValueError(f"prefetch must be >= 0 and max_live_units >= 1, got {prefetch} and {max_live_units}")
-    for name, p in model.named_parameters():
-        if p.device.type not in ("cpu", "meta"):
-            raise ValueError(f"hvd.shard_parameters shards CPU (or meta) parameters only; {name!r} is on {p.device}")
+    if offload not in OFFLOADS:
+        raise ValueError(
+            f"offload must be None or 'parameters', got {offload!r} (the optimizer's state is offloaded by "
+            f"hvd.ZeroOptimizer(..., offload='optimizer'))"
+        )
+    if not isinstance(checkpoint_activations, bool):
+        raise TypeError(f"checkpoint_activations must be True or False, got {checkpoint_activations!r}")
+    device = _shard_device(model, device)
     size, index = process_set.size(), process_set.rank()
-    meta = replace_meta_parameters(model)
+    places = meta_parameters(model)
     unit_names = _unit_modules(model, units)
     owners = _owners(model, unit_names)
     by_unit: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
@@ -346,13 +380,26 @@ def shard_parameters(
     modules = {name: module for module, name in unit_names.items()}
     modules[ROOT] = model
     order = [ROOT] + [n for n in modules if n != ROOT] + [PERSISTENT]
+    copies = SideStream(device)  # offload: the shards' copies to the device, one stream for the model
     built = [
-        Unit(name, modules.get(name), by_unit[name], size, index, param_dtype, name == PERSISTENT)
+        Unit(
+            name,
+            modules.get(name),
+            by_unit[name],
+            size,
+            index,
+            param_dtype,
+            name == PERSISTENT,
+            device,
+            offload,
+            copies,
+        )
         for name in order
         if name in by_unit
     ]
-    digests = materialize(model, built, unit_names, init or default_init, meta)
-    check_same_everywhere(built, digests, process_set)
+    digests = materialize(model, built, unit_names, init or default_init, places, device)
+    _move_buffers(model, device)
+    check_same_everywhere(built, digests, process_set, device)
     sharded = ShardedModel(
         model,
         built,
@@ -362,6 +409,8 @@ def shard_parameters(
         max_live_units,
         param_dtype,
         reduce_dtype if reduce_dtype is not None else param_dtype,
+        device,
+        checkpoint_activations,
     )
     for unit in built:
         for p in unit.params:
@@ -369,6 +418,52 @@ def shard_parameters(
     model._hvdplus_zero3 = sharded  # type: ignore[assignment]
     _register_hooks(sharded)
     return model
+
+
+def _shard_device(model: torch.nn.Module, device: torch.device | str | None) -> torch.device:
+    """Where the shards live: `device`, else the one device of the model's (non-meta) parameters, else the CPU;
+    ValueError naming a parameter on each device when they are on several."""
+    named = {id(p): name for name, p in model.named_parameters() if not p.is_meta}
+    found = one_device([p for p in model.parameters() if not p.is_meta], lambda p: named[id(p)], "hvd.shard_parameters")
+    chosen = found if device is None else torch.device(device)
+    if chosen.type == "meta":
+        raise ValueError("device must be where the shards live (e.g. torch.device('cuda', hvd.local_rank())), not meta")
+    if chosen.type == "cuda" and chosen.index is None:
+        chosen = torch.device("cuda", torch.cuda.current_device())
+    return chosen
+
+
+def _move_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """The model's buffers on the shards' device (those a meta build made are there already)."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+
+def _checkpointed(sharded: ShardedModel, unit: Unit) -> None:
+    """Run `unit`'s forward under non-reentrant activation checkpointing. Its recomputation runs in backward,
+    once the gradient reached the unit's outputs, whose hook gathered it again; it gathers the unit itself in
+    case it was released since, and marks the recomputation so that the hooks of units inside it only gather."""
+    assert unit.module is not None
+    forward = unit.module.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch._C._current_graph_task_id() == -1:  # not inside a backward: the forward itself
+            return forward(*args, **kwargs)
+        sharded.recomputing += 1
+        try:
+            sharded.gather(unit)
+            return forward(*args, **kwargs)
+        finally:
+            sharded.recomputing -= 1
+
+    def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    unit.module.forward = checkpointed
 
 
 def _register_hooks(sharded: ShardedModel) -> None:
@@ -385,10 +480,15 @@ def _register_hooks(sharded: ShardedModel) -> None:
 
     sharded.model.register_forward_pre_hook(before_model)
     sharded.model.register_forward_hook(after_model)
-    for unit in sharded.units:
-        if unit.module is not None and not unit.is_root and not unit.persistent:
-            unit.module.register_forward_pre_hook(lambda _m, args, unit=unit: sharded.before_forward(unit, args))
-            unit.module.register_forward_hook(lambda _m, _a, out, unit=unit: sharded.after_forward(unit, out))
+    hooked = [u for u in sharded.units if u.module is not None and not u.is_root and not u.persistent]
+    inner = {id(m) for u in hooked for m in u.module.modules() if m is not u.module}  # type: ignore[union-attr]
+    for unit in hooked:
+        module = unit.module
+        assert module is not None
+        module.register_forward_pre_hook(lambda _m, args, unit=unit: sharded.before_forward(unit, args))
+        module.register_forward_hook(lambda _m, _a, out, unit=unit: sharded.after_forward(unit, out))
+        if sharded.checkpoint_activations and id(module) not in inner:  # a unit inside one is checkpointed with it
+            _checkpointed(sharded, unit)
 
 
 @contextmanager

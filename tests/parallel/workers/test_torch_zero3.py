@@ -6,17 +6,24 @@ Tolerances: against DistributedOptimizer at the same N, 1e-6 (both average the s
 reduce-scatter may add them in another order: a few ulps, which 4 AdamW steps at lr 1e-3 keep below 1e-6).
 Against one process, 2e-5: the N-way sum of partial gradients differs from one backward by ulps, and Adam divides
 the tiny gradients of some elements by their own magnitude (FIELD-NOTES: ~4e-6 at 2 ranks, more at 3 with lr
-1e-2; at lr 1e-3 and 4 steps measured below 1e-5)."""
+1e-2; at lr 1e-3 and 4 steps measured below 1e-5).
+
+The same tests run with HVDPLUS_DEVICE_PATH_ON_CPU=1, where the gathers take the device plane's code (the one CUDA
+tensors take on NCCL) on CPU tensors; test_gathers_run_on_the_device_plane_when_there_is_one counts them there.
+The CUDA tests are test_torch_cuda_zero3.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from hvdplus.common.basics import runtime
 from hvdplus.common.exceptions import CollectiveMismatchError
-from tests.parallel.process_sets import rest  # noqa: F401 (fixture)
+from hvdplus.torch.zero3_init import check_same_everywhere, default_init
+from tests.parallel.process_sets import pset, rest  # noqa: F401 (fixtures)
 
 VOCAB, WIDTH, BLOCKS, ROWS, STEPS = 32, 16, 3, 2, 4
 EXACT = {"rtol": 0, "atol": 1e-6}
@@ -437,3 +444,153 @@ def test_pipeline_stages_sharded_over_their_data_parallel_set(hvd, schedule):
         for name, p in pipe.named_parameters():
             torch.testing.assert_close(p.detach(), expected[name].detach(), rtol=1e-5, atol=1e-5)
     hvd.barrier()  # the stages' sets finish at different times; a control round needs every rank until then
+
+
+def plane_tensors() -> int:
+    """Requests the CPU simulation of the device plane has carried so far."""
+    return runtime().coordinator.counters.plane_tensors.get("torchgloo", 0)
+
+
+def test_gathers_run_on_the_device_plane_when_there_is_one(hvd, pset):
+    """Under HVDPLUS_DEVICE_PATH_ON_CPU=1 each gather is a request of the plane (the one CUDA tensors take);
+    otherwise none is. On the whole job and on a set without rank 0."""
+    if pset is not hvd.global_process_set and hvd.rank() == 0:
+        return
+    model, _ = sharded(hvd, process_set=pset)
+    runtime_ = model._hvdplus_zero3
+    assert all(u.device == torch.device("cpu") and u.offload is None for u in runtime_.units)
+    names = []
+    next_name = runtime_.next_name
+    runtime_.next_name = lambda: names.append(next_name()) or names[-1]
+    before = plane_tensors()
+    with torch.no_grad():  # gathers only: no reduce-scatter
+        model(data(hvd.size())[0][:, :-1])
+    assert len(names) == 4  # the root and 3 blocks
+    on_plane = os.environ.get("HVDPLUS_DEVICE_PATH_ON_CPU") == "1"
+    assert plane_tensors() - before == (len(names) if on_plane else 0)
+
+
+def test_offloaded_shards_live_on_the_host_and_train_as_one_process_does(hvd):
+    model, optimizer = sharded(hvd, offload="parameters", persist_below=WIDTH)
+    units = model._hvdplus_zero3.units
+    assert all(u.offload == ("parameters" if not u.persistent else None) for u in units)
+    assert all(shard.device.type == "cpu" for u in units for shard in u.shards)
+    copies = []
+    stream = units[0].copies
+    copy_in = stream.after_current
+    stream.after_current = lambda: copies.append(1) or copy_in()  # each gather copies the shard to the device
+    train(hvd, model, optimizer)
+    # 2 units gathered in forward and backward per step for each offloaded unit (the root once), per partition
+    assert len(copies) == STEPS * (1 + 2 * BLOCKS)
+    assert_close_to(hvd, model, reference(hvd.size())[0], **ONE_PROCESS)
+
+
+def saved_bytes(model, tokens) -> int:
+    """Bytes autograd saves for backward in one forward (outside activation checkpoints, which hold theirs)."""
+    total = []
+
+    def pack(tensor):
+        total.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = loss_of(model, tokens)
+    loss.backward()
+    return sum(total)
+
+
+def test_checkpointed_units_train_alike_save_less_and_are_whole_when_recomputed(hvd):
+    probes = [hvd.shard_parameters(build(), units=[Block], checkpoint_activations=c) for c in (True, False)]
+    tokens = data(hvd.size())[0][:ROWS]
+    assert saved_bytes(probes[0], tokens) < saved_bytes(probes[1], tokens) / 2
+    model, optimizer = sharded(hvd, checkpoint_activations=True)
+    plain, plain_optimizer = sharded(hvd)
+    runs = []  # (in backward, weight whole) at each run of a block's inner Linear
+    model.blocks[1].up.register_forward_pre_hook(
+        lambda m, args: runs.append((torch._C._current_graph_task_id() != -1, m.weight.numel() > 0))
+    )
+    train(hvd, model, optimizer)
+    positions = model._hvdplus_zero3.position
+    train(hvd, plain, plain_optimizer)
+    assert runs == [(False, True), (True, True)] * STEPS  # each forward recomputed once, on the gathered unit
+    assert positions == plain._hvdplus_zero3.position == 4 + 3 + 4  # no extra gather: the backward's is used
+    assert_close_to(hvd, model, whole_model(hvd, plain), **EXACT)
+
+
+def test_checkpointed_units_regather_the_units_inside_them_for_the_recomputation(hvd):
+    """Linear units inside checkpointed Block units: released after their forward, whole again when the Block
+    recomputes in backward (the backward's prefetch brought each `down`; their forward hooks gather each `up`)."""
+    model, optimizer = sharded(hvd, units=[Block, torch.nn.Linear], checkpoint_activations=True)
+    runtime_ = model._hvdplus_zero3
+    regathered, whole_when_recomputed = [], []
+    gather = runtime_.gather
+
+    def spy(unit):
+        if runtime_.recomputing and not unit.gathered:
+            regathered.append(unit.name)
+        gather(unit)
+
+    runtime_.gather = spy
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not model.head:
+            module.register_forward_pre_hook(
+                lambda m, args: whole_when_recomputed.append(m.weight.numel() > 0) if runtime_.recomputing else None
+            )
+    train(hvd, model, optimizer)
+    assert whole_when_recomputed == [True] * (STEPS * 2 * BLOCKS)
+    assert sorted(set(regathered)) == [f"blocks.{i}.up" for i in range(BLOCKS)]
+    assert_close_to(hvd, model, reference(hvd.size())[0], **ONE_PROCESS)
+
+
+def test_out_of_memory_in_a_gather_raises_on_every_rank_naming_the_unit(hvd):
+    """The last rank cannot allocate blocks.1's buffer when it prefetches it: it raises the OutOfMemoryError
+    naming the unit, and the other ranks, whose gather of blocks.1 it tagged as failed, raise instead of waiting."""
+    if hvd.size() == 1:
+        pytest.skip("needs another rank to be left waiting")
+    model, optimizer = sharded(hvd)
+    train(hvd, model, optimizer, steps=1)  # the order prefetch follows
+    unit = next(u for u in model._hvdplus_zero3.units if u.name == "blocks.1")
+    if hvd.rank() == hvd.size() - 1:
+
+        def out_of_memory(k):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+
+        unit._allocate = out_of_memory
+        with pytest.raises(torch.OutOfMemoryError, match="gathering ZeRO-3 unit 'blocks.1'.*Tried to allocate"):
+            model(data(hvd.size())[0][:, :-1])
+    else:
+        with pytest.raises(CollectiveMismatchError, match="blocks.1.*out of memory on rank"):
+            model(data(hvd.size())[0][:, :-1])
+    hvd.barrier()
+
+
+def test_a_meta_model_is_materialised_one_unit_at_a_time_on_the_given_device(hvd):
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        model = TinyGPT()
+    live = []
+
+    def init(module):  # the parameters that exist whole (not meta, not released) as each module initialises
+        seen = {id(p): p for p in [*module.parameters(recurse=False), *model.parameters()]}  # a tie's stand-in too
+        live.append(sum(p.numel() for p in seen.values() if not p.is_meta))
+        default_init(module)
+
+    hvd.shard_parameters(model, units=[Block], init=init, device=torch.device("cpu"))
+    units = {u.name: u for u in model._hvdplus_zero3.units}
+    assert all(u.device == torch.device("cpu") for u in units.values())
+    root, block = (sum(shape.numel() for shape in units[name].shapes) for name in ("<root>", "blocks.0"))
+    whole_model = sum(p.numel() for p in build().parameters())
+    assert max(live) <= root + block < whole_model  # never more than the root's and one unit's parameters
+    optimizer = hvd.ZeroOptimizer(optimizer_for("adamw", model.parameters()), named_parameters=model.named_parameters())
+    train(hvd, model, optimizer)
+    assert_close_to(hvd, model, reference(hvd.size(), model=build(3))[0], **ONE_PROCESS)
+
+
+def test_ranks_that_shard_on_different_kinds_of_device_raise_on_every_rank(hvd):
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+    model, _ = sharded(hvd)
+    units = model._hvdplus_zero3.units
+    device = torch.device("cuda" if hvd.rank() == 1 else "cpu")  # as a rank would report a GPU model
+    with pytest.raises(CollectiveMismatchError, match="same kind of device on every rank.*has cuda"):
+        check_same_everywhere(units, {u.name: [b""] * len(u.params) for u in units}, hvd.global_process_set, device)
