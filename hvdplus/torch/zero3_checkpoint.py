@@ -11,7 +11,9 @@
   copying only the ranges it now owns.
 
 Parameters are saved from the fp32 (or original dtype) shards the optimizer steps, not from the compute dtype
-gathered for forward."""
+gathered for forward. Every state dict and file holds CPU tensors, whatever device the model trains on, and every
+load maps the files to the CPU and copies into the shards where they live: a GPU run's checkpoint loads on a
+CPU-only machine, and the other way round."""
 
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import runtime
-from hvdplus.torch.buffers import as_numpy, dtype_name
+from hvdplus.torch.buffers import as_numpy, collective_input, dtype_name
 from hvdplus.torch.streamed_save import StreamedSave
 from hvdplus.torch.zero3 import ShardedModel
 from hvdplus.torch.zero3_units import Unit
@@ -54,21 +57,31 @@ def _unsharded_entries(model: torch.nn.Module, sharded: ShardedModel) -> dict[st
     return {key: value for key, value in model.state_dict(keep_vars=True).items() if id(value) not in sharded.unit_of}
 
 
+def _on_host(tree: Any) -> Any:
+    """`tree` with its tensors in host memory (the CPU ones as they are)."""
+    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, tree)
+
+
 def _whole_shards(sharded: ShardedModel, unit: Unit) -> list[torch.Tensor]:
-    """Every rank's shards of `unit` allgathered in their own dtype (not the compute dtype). Collective."""
+    """Every rank's shards of `unit` allgathered in their own dtype (not the compute dtype), on the CPU: over the
+    shards' device plane when they have one, else through host memory. Collective."""
     wholes = []
     for k, part in enumerate(unit.plan):
-        whole = torch.empty(part.total, dtype=unit.shards[k].dtype)
+        send, device = collective_input(unit.shards[k])
+        on_plane = isinstance(send, torch.Tensor)
+        whole = torch.empty(part.total, dtype=unit.shards[k].dtype, device=unit.shards[k].device if on_plane else "cpu")
+        output: Any = whole if on_plane else as_numpy(whole)
         core.submit_allgather(
-            as_numpy(unit.shards[k]),
+            send,
             dtype_name(whole),
             sharded.next_name(),
             process_set=sharded.process_set,
             counts=part.counts,
-            output=as_numpy(whole),
+            output=output,
+            device=device,
             tag=f"state of unit {unit.name!r}",
         ).wait()
-        wholes.append(whole)
+        wholes.append(whole.cpu())
     return wholes
 
 
@@ -88,7 +101,7 @@ def _model_state(model: torch.nn.Module, to: int, store: Callable[[torch.Tensor]
     if not keep:
         return None
     return {
-        key: values[id(value)] if id(value) in values else store(value.detach())
+        key: values[id(value)] if id(value) in values else store(value.detach().cpu())
         for key, value in model.state_dict(keep_vars=True).items()
     }
 
@@ -153,7 +166,7 @@ def load_full_checkpoint(
     """Load what `save_full_checkpoint` (or `torch.save` of plain state dicts under "model" and "optimizer")
     wrote, at any number of ranks; memory-mapped, so each rank reads only its slices."""
     _check_optimizer(model, optimizer)
-    saved = torch.load(path, mmap=True, weights_only=True)
+    saved = torch.load(path, mmap=True, weights_only=True, map_location="cpu")
     load_full_state_dict(model, saved["model"])
     if optimizer is not None:
         optimizer.load_state_dict(saved["optimizer"])
@@ -168,17 +181,17 @@ def save_sharded_checkpoint(
     sharded = _sharded(model)
     size, rank = sharded.process_set.size(), sharded.process_set.rank()
     units = {
-        unit.name: {"bounds": [list(part.bounds) for part in unit.plan], "shards": unit.shards}
+        unit.name: {"bounds": [list(part.bounds) for part in unit.plan], "shards": _on_host(unit.shards)}
         for unit in sharded.units
     }
-    buffers = _unsharded_entries(model, sharded)
+    buffers = _on_host(_unsharded_entries(model, sharded))
     saved = {
         "format": _SHARDED_FORMAT,
         "size": size,
         "rank": rank,
         "units": units,
         "buffers": buffers,
-        "optimizer": zero.sharded_state_dict() if zero is not None else None,
+        "optimizer": _on_host(zero.sharded_state_dict()) if zero is not None else None,
     }
     Path(directory).mkdir(parents=True, exist_ok=True)
     torch.save(saved, Path(directory) / f"rank-{rank}-of-{size}.pt")
@@ -208,7 +221,7 @@ def load_sharded_checkpoint(
     missing = [str(f) for f in files if not f.exists()]
     if missing:
         raise ValueError(f"the sharded checkpoint in {directory} was saved by {old_size} ranks, but lacks {missing}")
-    saved = [torch.load(f, mmap=True, weights_only=True) for f in files]
+    saved = [torch.load(f, mmap=True, weights_only=True, map_location="cpu") for f in files]
     if any(s.get("format") != _SHARDED_FORMAT for s in saved):
         raise ValueError(f"{directory} does not hold an hvdplus sharded checkpoint ({_SHARDED_FORMAT})")
     with torch.no_grad():
