@@ -120,7 +120,11 @@ def try_freeze(
     if isinstance(frozen, Decision):
         return frozen
     group, ranks, digest, host = frozen
-    return Reducer(params, names, plan, group, ranks, digest, wire, (prescale, postscale), host=host)
+    # A device plane's guard travels on the host engine (torch/reducer.py says why), agreed on every member alike.
+    guard_group = None if host or len(ranks) == 1 else _open_planned(runtime().engine, ranks, process_set)
+    return Reducer(
+        params, names, plan, group, ranks, digest, wire, (prescale, postscale), host=host, guard_group=guard_group
+    )
 
 
 def freeze_plan(
@@ -140,11 +144,18 @@ def freeze_plan(
     decision = decide(words.numpy(), digest)
     if decision != Decision.FREEZE:
         return decision
-    # Freezes happen on every member together, so each member counts the same groups (per job and set).
-    key = set_id * 65536 + int(rt.auto_name("planned_group", set_id).rsplit(".", 1)[1])
     assert carrier is not None  # a freeze needs every rank eligible
     engine, plane = carrier
+    return _open_planned(engine, ranks, process_set), ranks, digest, plane == "host"
+
+
+def _open_planned(engine: Any, ranks: list[int], process_set: ProcessSet) -> PlannedGroup:
+    """Collective over the set's `ranks`: a new planned group of `engine`, closed at shutdown at the latest."""
+    rt = runtime()
+    set_id = process_set.process_set_id or 0
+    # Freezes happen on every member together, so each member counts the same groups (per job and set).
+    key = set_id * 65536 + int(rt.auto_name("planned_group", set_id).rsplit(".", 1)[1])
     alive = Alive(rt, len(ranks), "the opening of a planned group")  # a member that died before arriving ends the wait
-    group = engine.open_planned(ranks, key, rt.settings.stall_shutdown_time_seconds or None, alive)
+    group: PlannedGroup = engine.open_planned(ranks, key, rt.settings.stall_shutdown_time_seconds or None, alive)
     rt.coordinator.close_at_shutdown(group)
-    return group, ranks, digest, plane == "host"
+    return group

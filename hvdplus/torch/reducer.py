@@ -9,13 +9,28 @@ last gradient of a bucket arrives, the hook starts the bucket's allreduce on the
 in the same order even when its gradients arrive in another. `finish()` (from synchronize) starts what backward
 did not (unused parameters contribute zeros, as in Horovod), waits, reads the step's guard (common/step_plan.py)
 and scales. Compression (fp16, bf16) casts the whole bucket into a persistent wire buffer.
+
+Where the guard travels. On the host engine it is one more element of the last bucket, read for free once the
+bucket is reduced. On a device plane (CUDA tensors on NCCL) reading an element of a reduced bucket is a
+device-to-host copy that blocks the training thread until the GPU has finished the backward and every bucket's
+allreduce, so the optimizer's update and the next step's kernels would be launched only once the GPU has drained.
+Reading the guard a step late is no way out: the update of a step whose guard says a rank differs would already
+be applied on every rank (an optimizer's update cannot be undone), and the guarantee is that it never is. So a
+device plane's guard does not ride in a bucket at all: every rank knows its own guard on the host (a rank's step
+differs by what its training thread saw before the last bucket started), so the guards are summed by a one-element
+allreduce on a planned group of the host engine (`guard_group`), started with the last bucket and waited for in
+`finish()` before the update. The wait depends on the other ranks' training threads reaching their last bucket,
+never on the GPU: it is over long before the GPU's allreduces that need the same ranks, and the verdict still comes
+before the optimizer's step on every rank.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
@@ -64,17 +79,25 @@ class Reducer(PlannedStep):
         wire_dtype: torch.dtype | None,
         scales: tuple[float, float],
         host: bool = True,
+        guard_group: PlannedGroup | None = None,
     ) -> None:
         """`plan`: positions in `params` of each bucket's gradients, in launch order, covering every parameter.
-        `scales`: (before, after) the sum. The other arguments: PlannedStep's."""
+        `scales`: (before, after) the sum. `guard_group`: the host engine's group that sums the step's guard, for a
+        device plane's buckets (None: the guard rides in the last bucket). The other arguments: PlannedStep's."""
         super().__init__(group, ranks, digest, host, params[0].device)
+        self._guard_group = guard_group
+        self._guard_word = np.zeros(1, dtype=np.float32)  # this rank's guard, then the sum (with a guard group)
+        self._guard_request: PlannedRequest | None = None
+        if guard_group is not None:
+            self._release_guard_group = weakref.finalize(self, guard_group.close)
         self._names = names
         self._prescale, self._postscale = scales
         self._buckets: list[_Bucket] = []
         self._where: dict[torch.Tensor, tuple[_Bucket, int]] = {}
         for number, positions in enumerate(plan):
             members = [params[i] for i in positions]
-            guard = 1 if number == len(plan) - 1 else 0  # the last bucket to start carries the step's guard
+            # The last bucket to start carries the step's guard, unless the guard group does.
+            guard = 1 if number == len(plan) - 1 and guard_group is None else 0
             flat = torch.zeros(sum(p.numel() for p in members) + guard, dtype=members[0].dtype, device=self._device)
             views, offset = [], 0
             for p in members:
@@ -156,22 +179,30 @@ class Reducer(PlannedStep):
             self._next += 1
 
     def _start(self, bucket: _Bucket, sent: torch.Tensor | None = None) -> None:
+        """Start `bucket`'s allreduce (of `sent`, a joined rank's zeros, if given) and, with the last, the guard's."""
+        guard = 0.0  # a rank in join()
         if sent is None:
             sent = bucket.sent
             if bucket.wire is not None:
                 sent.copy_(bucket.flat)
             if self._prescale != 1.0:  # on the wire's dtype, as Horovod scales a compressed gradient
                 sent.mul_(self._prescale)
-            if bucket is self._buckets[-1]:
-                sent[-1] = GUARD_DIFFERS if self._differs else GUARD_TRAINING
+            guard = GUARD_DIFFERS if self._differs else GUARD_TRAINING
+            if bucket is self._buckets[-1] and self._guard_group is None:
+                sent[-1] = guard
             bucket.traced = self._trace_start([bucket.row], "ALLREDUCE")
         with self._engine_errors():
             bucket.request = self._group.start_allreduce(self._buffer(sent), dtype_name(sent), ReduceOp.SUM)
+            if bucket is self._buckets[-1] and self._guard_group is not None:
+                self._guard_word[0] = guard
+                self._guard_request = self._guard_group.start_allreduce(self._guard_word, "float32", ReduceOp.SUM)
 
     # ----------------------------------------------------------------- synchronize
     def finish(self) -> None:
         """Start the buckets backward left (their missing gradients are zeros or the values in place), wait, read
-        the step's guard, and leave the averaged gradients in p.grad. Collective over the process set."""
+        the step's guard (with no device-to-host copy: see the module's docstring), and leave the averaged gradients
+        in p.grad. Raises PlanMismatchError on every rank, before any rank's update, if a rank's step differed.
+        Collective over the process set."""
         for bucket in self._buckets[self._next :]:
             if bucket.missing:
                 for index, p in enumerate(bucket.params):
@@ -200,7 +231,7 @@ class Reducer(PlannedStep):
                     p.grad = view
 
     def _wait(self) -> None:
-        """Wait for this step's collectives."""
+        """Wait for this step's collectives (over NCCL, the buckets' wait only makes the current stream wait)."""
         alive = self._alive()
         with self._engine_errors():
             for bucket in self._buckets:
@@ -209,9 +240,15 @@ class Reducer(PlannedStep):
                     bucket.request = None
                     self._trace_end(bucket.traced, [bucket.row])
                     bucket.traced = None
+            if self._guard_request is not None:
+                self._guard_request.wait(alive)
+                self._guard_request = None
 
     def _guard(self, joined: bool = False) -> float:
-        """The step's summed guard (in the zeros a rank in join() sent, if `joined`), once it has completed."""
+        """The step's summed guard (in the zeros a rank in join() sent, if `joined`), once it has completed: from
+        host memory with a guard group, else from the last bucket (on the host engine: host memory too)."""
+        if self._guard_group is not None:
+            return float(self._guard_word[0])
         last = self._buckets[-1]
         sent = last.zeros if joined and last.zeros is not None else last.sent
         return float(sent[-1])
@@ -228,9 +265,15 @@ class Reducer(PlannedStep):
                         self._differs.append(f"parameter {self._names[p]!r} no longer matches the plan ({exc})")
 
     # ----------------------------------------------------------------- join and shutdown
+    def close(self) -> None:
+        super().close()
+        if self._guard_group is not None:
+            self._release_guard_group()
+
     def _abandon(self) -> None:
         for bucket in self._buckets:
             bucket.request = bucket.traced = None
+        self._guard_request = None
 
     def start_joined_step(self) -> None:
         """In join(): start this plan's collectives with zeros (guard 0), as the training ranks start theirs."""
@@ -248,8 +291,9 @@ class Reducer(PlannedStep):
 
     def joined_step_done(self) -> bool:
         """Without blocking: whether the step `start_joined_step` started has completed."""
+        requests = [bucket.request for bucket in self._buckets] + [self._guard_request]
         with self._engine_errors():
-            return all(bucket.request is None or bucket.request.test() for bucket in self._buckets)
+            return all(request is None or request.test() for request in requests)
 
     def end_joined_step(self) -> bool:
         """After a completed joined step: whether every rank of the set has joined. A step whose guard says
