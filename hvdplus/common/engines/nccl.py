@@ -8,7 +8,6 @@ the rendezvous when torch.distributed is not initialised (a job started by mpiru
 from __future__ import annotations
 
 import datetime
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from hvdplus.common.engines.torch_dist import (
     PlannedMeeting,
     TorchPlannedGroup,
     gather_bytes,
+    meet_in_store,
     reduce_scatter_single,
     store_incarnation,
 )
@@ -154,18 +154,10 @@ class TorchTensorEngine:
         dist, ranks = self._dist, sorted(ranks)
         index = ranks.index(self.rank)
         prefix = dist.PrefixStore(f"hvdplus/p2p/{self.backend}/{self.planned_meeting.incarnation}/{key}/", self._store)
-        prefix.set(f"here/{index}", "1")
-        _await_keys(prefix, [f"here/{member}" for member in range(len(ranks))], alive)
+        group = meet_in_store(dist, self.backend, prefix, index, len(ranks), self._timeout, alive)
         if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = self._timeout
-            group = dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
             probe = self._torch.zeros(1, device=self._torch.device("cuda", self._torch.cuda.current_device()))
             (group.send([probe], 1, 0) if index == 0 else group.recv([probe], 0, 0)).wait()
-        else:
-            group = dist.ProcessGroupGloo(prefix, index, len(ranks), self._timeout)
-            # Leave once every pair is up (see PlannedMeeting.open): a peer may still be connecting.
-            group.allreduce([self._torch.zeros(1)]).wait()
         return TensorChannel(self, group, ranks)
 
     def shutdown(self) -> None:
@@ -223,18 +215,6 @@ class TensorTransfer:
         if self._into is not None:
             into, self._into = self._into, None
             into.copy_(self._wire, non_blocking=True)  # the pinned block is kept until the copy ran
-
-
-def _await_keys(store: Any, keys: list[str], alive: Callable[[], None]) -> None:
-    """Return once every key is in `store`, checking at growing intervals (1 ms to 50 ms) and calling `alive()`
-    about once a second."""
-    pause, last_alive = 1e-3, time.monotonic()
-    while not store.check(keys):
-        time.sleep(pause)
-        pause = min(2 * pause, 0.05)
-        if time.monotonic() - last_alive >= 1.0:
-            alive()
-            last_alive = time.monotonic()
 
 
 def _as_is(tensor: Any, dtype: str) -> Any:

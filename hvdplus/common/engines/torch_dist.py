@@ -27,6 +27,7 @@ __all__ = [
     "gather_bytes",
     "PlannedMeeting",
     "reduce_scatter_single",
+    "meet_in_store",
 ]
 
 log = logging.getLogger("hvdplus")
@@ -502,31 +503,36 @@ class PlannedMeeting:
         """A group of `ranks` only, under a prefix of its own: the other ranks take no part (torch's new_group would
         need every rank of the job). A step's buckets start while a peer may still be busy (a checkpoint, say): no
         timeout but the stall shutdown time, if set; a long wait is reported as a stall (_TorchPlannedWork).
-        The members first say in the store that they are here, each waiting for the others with `alive()` called
-        between short waits: torch's constructor would wait for a member that died before arriving as long as the
-        group's timeout, a year without a stall limit."""
+        The members meet in the store first (meet_in_store): without it, torch's constructor would wait for a
+        member that died before arriving as long as the group's timeout, a year without a stall limit."""
         dist = self.dist
         prefix = dist.PrefixStore(
             f"hvdplus/planned/{self.backend}/{self.incarnation}/{key}/{'.'.join(map(str, ranks))}/", self.store
         )
         timeout = _PLANNED_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s)
-        index = list(ranks).index(self.rank)
-        prefix.set(f"here/{index}", "1")
-        arrivals = [f"here/{member}" for member in range(len(ranks))]
-        _await_keys(prefix, arrivals, alive)
-        if self.backend == "nccl":
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            group = dist.ProcessGroupNCCL(prefix, index, len(ranks), options)
-        else:
-            import torch
-
-            group = dist.ProcessGroupGloo(prefix, index, len(ranks), timeout)
-            # Gloo's constructor can return on one rank while a peer still connects to it: a group dropped at once
-            # (an optimizer made for one step) would close that connection under the peer. Leave once every pair
-            # is up.
-            group.allreduce([torch.zeros(1)]).wait()
+        group = meet_in_store(dist, self.backend, prefix, list(ranks).index(self.rank), len(ranks), timeout, alive)
         return TorchPlannedGroup(dist, group, len(ranks), self.ops, self.tensor_of)
+
+
+def meet_in_store(
+    dist: Any, backend: str, prefix: Any, index: int, size: int, timeout: datetime.timedelta, alive: Callable[[], None]
+) -> Any:
+    """A process group of `size` members only (this one member `index`), met under the `prefix` store: each says
+    it is here and waits for the others with `alive()` between short waits (torch's constructor would wait for a
+    member that died before arriving as long as the group's timeout), then builds the group on `backend`."""
+    prefix.set(f"here/{index}", "1")
+    _await_keys(prefix, [f"here/{member}" for member in range(size)], alive)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix, index, size, options)
+    import torch
+
+    group = dist.ProcessGroupGloo(prefix, index, size, timeout)
+    # Gloo's constructor can return on one rank while a peer still connects to it: a group dropped at once (an
+    # optimizer made for one step) would close that connection under the peer. Leave once every pair is up.
+    group.allreduce([torch.zeros(1)]).wait()
+    return group
 
 
 def _await_keys(store: Any, keys: list[str], alive: Callable[[], None]) -> None:
