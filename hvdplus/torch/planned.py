@@ -25,7 +25,15 @@ from hvdplus.torch.mpi_ops import allreduce
 from hvdplus.torch.planned_steps import Alive
 from hvdplus.torch.reducer import Reducer
 
-__all__ = ["DEVICE_BUCKET_BYTES", "bucket_sizes", "freeze_plan", "settings_allow", "try_freeze", "wire_dtype"]
+__all__ = [
+    "DEVICE_BUCKET_BYTES",
+    "bucket_sizes",
+    "freeze_plan",
+    "open_planned_group",
+    "settings_allow",
+    "try_freeze",
+    "wire_dtype",
+]
 
 
 def wire_dtype(compression: Any) -> tuple[bool, torch.dtype | None]:
@@ -121,7 +129,7 @@ def try_freeze(
         return frozen
     group, ranks, digest, host = frozen
     # A device plane's guard travels on the host engine (torch/reducer.py says why), agreed on every member alike.
-    guard_group = None if host or len(ranks) == 1 else _open_planned(runtime().engine, ranks, process_set)
+    guard_group = None if host or len(ranks) == 1 else open_planned_group(runtime().engine, ranks, process_set)
     return Reducer(
         params, names, plan, group, ranks, digest, wire, (prescale, postscale), host=host, guard_group=guard_group
     )
@@ -146,10 +154,10 @@ def freeze_plan(
         return decision
     assert carrier is not None  # a freeze needs every rank eligible
     engine, plane = carrier
-    return _open_planned(engine, ranks, process_set), ranks, digest, plane == "host"
+    return open_planned_group(engine, ranks, process_set), ranks, digest, plane == "host"
 
 
-def _open_planned(engine: Any, ranks: list[int], process_set: ProcessSet) -> PlannedGroup:
+def open_planned_group(engine: Any, ranks: list[int], process_set: ProcessSet) -> PlannedGroup:
     """Collective over the set's `ranks`: a new planned group of `engine`, closed at shutdown at the latest."""
     rt = runtime()
     set_id = process_set.process_set_id or 0

@@ -4,15 +4,19 @@ shards at step() (torch/zero.py moves the data; this module runs the collectives
 
 A reduce-scatter leaves each rank only its own slice, so the guard cannot ride in the data as it does in
 DistributedOptimizer's last bucket: it is one more element, allreduced after the step's last bucket starts
-(1 from a rank that trains, 0 from a rank in join(), NaN from a rank whose step differs). A NaN makes every
-rank raise PlanMismatchError, naming the ranks that differ. A rank in join() makes the others raise the error
+(1 from a rank that trains, 0 from a rank in join(), NaN from a rank whose step differs). On a device plane it is
+a host word summed on a planned group of the host engine, as the reducer's (torch/reducer.py): reading a GPU
+element would hold the training thread until the GPU drained, and each rank knows its own guard on the host.
+A NaN makes every rank raise PlanMismatchError, naming the ranks that differ. A rank in join() makes the others raise the error
 Horovod gives a reduce-scatter while a rank has joined, as the negotiated path does, and the plan ends.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
@@ -41,13 +45,19 @@ class ShardPlan(PlannedStep):
         host: bool,
         buckets: Sequence[tuple[int, torch.dtype, Sequence[int]]],
         device: torch.device,
+        guard_group: PlannedGroup | None = None,
     ) -> None:
         """`buckets`: in plan order, each bucket's (elements, dtype on the wire, elements each rank keeps).
-        `device`: the buckets' (the guard and a joined rank's zeros live there too)."""
+        `device`: the buckets' (a joined rank's zeros live there too). `guard_group`: the host engine's group that
+        sums the guard, for a device plane's plan (None: the guard is an element on the plan's own group)."""
         super().__init__(group, ranks, digest, host, device)
         self._device = device
         self._buckets = list(buckets)
-        self._guard = torch.zeros(1, dtype=torch.float32, device=device)
+        self._guard_group = guard_group
+        self._guard = torch.zeros(1, dtype=torch.float32, device=device) if guard_group is None else None
+        self._guard_word = np.zeros(1, dtype=np.float32)
+        if guard_group is not None:
+            self._release_guard_group = weakref.finalize(self, guard_group.close)
         self._guard_request: PlannedRequest | None = None
         self._joined: list[PlannedRequest] = []
         self._zeros: list[torch.Tensor] = []
@@ -89,9 +99,21 @@ class ShardPlan(PlannedStep):
 
     def _send_guard(self, value: float) -> PlannedRequest:
         """Start summing this rank's guard `value` across the set (common/step_plan.py says what sums mean)."""
-        self._guard.fill_(value)
         with self._engine_errors():
+            if self._guard_group is not None:
+                self._guard_word[0] = value
+                return self._guard_group.start_allreduce(self._guard_word, "float32", ReduceOp.SUM)
+            assert self._guard is not None
+            self._guard.fill_(value)
             return self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM)
+
+    def _summed_guard(self) -> float:
+        return float(self._guard_word[0] if self._guard is None else self._guard[0])
+
+    def close(self) -> None:
+        super().close()
+        if self._guard_group is not None:
+            self._release_guard_group()
 
     def check_guard(self, differs: list[str]) -> None:
         """Once the step's reduce-scatters are done: raise on every rank alike if a rank's step differed
@@ -99,7 +121,7 @@ class ShardPlan(PlannedStep):
         assert self._guard_request is not None, "start_guard() comes first"
         request, self._guard_request = self._guard_request, None
         self.wait(request)
-        summed = float(self._guard[0])
+        summed = self._summed_guard()
         if read_guard(summed) == Guard.DIFFERS:
             self._fail(differs, training=True)
         if summed != self._group.size:
@@ -137,7 +159,7 @@ class ShardPlan(PlannedStep):
         for request in self._joined:
             self.wait(request)
         self._joined = []
-        summed = float(self._guard[0])
+        summed = self._summed_guard()
         if read_guard(summed) == Guard.DIFFERS:
             try:
                 self._fail([], training=False)

@@ -50,9 +50,9 @@ from hvdplus.torch._optimizer import (
     _parameter_names,
     _remove_hooks,
 )
-from hvdplus.torch.buffers import as_numpy, collective_input, dtype_name, one_device
+from hvdplus.torch.buffers import as_numpy, collective_input, dtype_name, one_device, plane_kind
 from hvdplus.torch.compression import Compression, Compressor
-from hvdplus.torch.planned import freeze_plan, settings_allow, wire_dtype
+from hvdplus.torch.planned import freeze_plan, open_planned_group, settings_allow, wire_dtype
 from hvdplus.torch.shard_plan import ShardPlan
 from hvdplus.torch.streams import SideStream, host_empty, wait_for
 from hvdplus.torch.zero3 import sharded_model_of
@@ -476,7 +476,8 @@ class _Shards:
     def _try_freeze(self) -> None:
         """After a negotiated step (collective): freeze the plan if every rank can, with the same buckets."""
         carried, wire = wire_dtype(self.compression)
-        eligible = carried and settings_allow()
+        on_device = bool(self.params) and plane_kind(self.params[0]) is not None
+        eligible = carried and settings_allow(on_device=on_device)
         items = [
             "ZeroOptimizer",
             wire,
@@ -490,6 +491,8 @@ class _Shards:
             self.freeze = frozen
             return
         group, ranks, digest, host = frozen
+        # A device plane's guard is summed on the host engine (torch/shard_plan.py says why).
+        guard_group = None if host else open_planned_group(runtime().engine, ranks, self.process_set)
         specs = []
         for bucket in self.buckets:
             flat = self.flats[bucket.flat]
@@ -497,7 +500,7 @@ class _Shards:
             specs.append(
                 (bucket.end - bucket.start, wire or reduced, counts_within(flat.part.bounds, bucket.start, bucket.end))
             )
-        self.frozen = ShardPlan(group, ranks, digest, host, specs, self.device)
+        self.frozen = ShardPlan(group, ranks, digest, host, specs, self.device, guard_group)
         self.addresses = [p.data_ptr() for p in self.params]
 
     def host_step_ready(self) -> None:

@@ -225,6 +225,10 @@ def test_zero_optimizer_reduces_and_gathers_on_the_plane(hvd, without_rank_0, of
             dist.step()
         for a, b in zip(sharded.parameters(), replicated.parameters()):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+        plan = zero._zero.frozen
+        assert (plan is not None) == (len(members) > 1)  # planned on the plane
+        # its guard is a host word summed on the host engine: no read of a device element holds the step
+        assert plan is None or (plan._guard is None and plan._guard_group is not None)
     finally:
         if without_rank_0:
             assert hvd.remove_process_set(process_set)
