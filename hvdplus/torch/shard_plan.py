@@ -7,8 +7,9 @@ DistributedOptimizer's last bucket: it is one more element, allreduced after the
 (1 from a rank that trains, 0 from a rank in join(), NaN from a rank whose step differs). On a device plane it is
 a host word summed on a planned group of the host engine, as the reducer's (torch/reducer.py): reading a GPU
 element would hold the training thread until the GPU drained, and each rank knows its own guard on the host.
-A NaN makes every rank raise PlanMismatchError, naming the ranks that differ. A rank in join() makes the others raise the error
-Horovod gives a reduce-scatter while a rank has joined, as the negotiated path does, and the plan ends.
+A NaN makes every rank raise PlanMismatchError, naming the ranks that differ. A rank in join() makes the others
+raise the error Horovod gives a reduce-scatter while a rank has joined, as the negotiated path does, and the plan
+ends.
 """
 
 from __future__ import annotations
