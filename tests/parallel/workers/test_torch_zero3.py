@@ -110,7 +110,7 @@ def reference(size: int, kind: str = "adamw", steps=STEPS, clip=None, model=None
     return model, optimizer, norms
 
 
-def sharded(hvd, model=None, kind="adamw", passes=1, **options):
+def sharded(hvd, model=None, kind="adamw", passes=1, offload_optimizer=False, **options):
     model = model if model is not None else build()
     hvd.shard_parameters(model, units=options.pop("units", [Block]), **options)
     process_set = options.get("process_set", hvd.global_process_set)
@@ -119,6 +119,7 @@ def sharded(hvd, model=None, kind="adamw", passes=1, **options):
         named_parameters=model.named_parameters(),
         backward_passes_per_step=passes,
         process_set=process_set,
+        offload="optimizer" if offload_optimizer else None,
     )
     return model, optimizer
 
@@ -482,6 +483,21 @@ def test_offloaded_shards_live_on_the_host_and_train_as_one_process_does(hvd):
     train(hvd, model, optimizer)
     # 2 units gathered in forward and backward per step for each offloaded unit (the root once), per partition
     assert len(copies) == STEPS * (1 + 2 * BLOCKS)
+    assert_close_to(hvd, model, reference(hvd.size())[0], **ONE_PROCESS)
+
+
+@pytest.mark.parametrize("parameters", [False, True])
+def test_an_offloaded_optimizer_steps_the_units_shards_on_the_host(hvd, parameters):
+    """ZeroOptimizer(offload="optimizer") over a sharded model: the optimizer steps host copies of the units'
+    shards (or, with the parameters offloaded too, the host shards themselves), and training equals one
+    process's."""
+    options = {"offload": "parameters"} if parameters else {}
+    model, optimizer = sharded(hvd, offload_optimizer=True, persist_below=WIDTH, **options)
+    flats = optimizer._zero.flats
+    # A unit offloaded with its parameters is stepped where it lives; any other shard through a host copy.
+    assert all(flat.offloaded == (flat.unit.offload is None) for flat in flats)
+    assert all(shard.device.type == "cpu" for shard in optimizer._zero.shard_params)
+    train(hvd, model, optimizer)
     assert_close_to(hvd, model, reference(hvd.size())[0], **ONE_PROCESS)
 
 
