@@ -111,6 +111,8 @@ DEVICE_PLANE_FILES = (
     "test_torch_sparse_groups.py",
     "test_torch_planned.py",
     "test_torch_zero.py",  # ZeroOptimizer's reduce-scatters and allgathers on the plane (ZeRO-3's units too)
+    "test_torch_zero3.py",
+    "test_torch_pipeline.py",
     "test_coordinator_idle.py::test_a_rank_left_out_of_its_peers_collectives_stops_holding_them_back",
 )
 MPI_DEVICE_PLANE_FILES = (
@@ -137,6 +139,34 @@ def test_device_plane_on_cpu_tensors(engine, np, files):
     assert_every_rank_ran(engine, np, output, at_least=100 if engine == "gloo" else 25)
 
 
+# ZeroOptimizer's, stage 3's and the pipeline's own CUDA tests beside the collectives'.
+CUDA_FILES = tuple(
+    str(WORKERS / name)
+    for name in (
+        "test_torch_cuda.py",
+        "test_torch_cuda_zero.py",
+        "test_torch_cuda_zero3.py",
+        "test_torch_cuda_pipeline.py",
+    )
+)
+
+
+SHARDING_FILES = ("test_torch_zero.py", "test_torch_zero3.py", "test_torch_pipeline.py")
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("engine, np", [("gloo", 3), ("mpi", 2), ("mpi", 3)])
+def test_sharding_and_pipelines_on_the_device_plane(engine, np):
+    """HVDPLUS_DEVICE_PATH_ON_CPU=1: ZeRO 1-3, offload and the pipeline run their whole worker suites through the
+    device plane (the GPU's code path) at the sizes and on the engines the Gloo 2-rank job above does not."""
+    _skip_if_missing(engine)
+    argv = pytest_argv(*(str(WORKERS / name) for name in SHARDING_FILES))
+    code, output = run_job(engine, np, argv, extra_env={"HVDPLUS_DEVICE_PATH_ON_CPU": "1"})
+    assert code == 0, f"{engine} job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran(engine, np, output, at_least=60)
+
+
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
 def test_cuda_suite_on_one_rank():
@@ -144,7 +174,7 @@ def test_cuda_suite_on_one_rank():
     torch = pytest.importorskip("torch")
     if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
         pytest.skip("needs a CUDA device and torch with NCCL")
-    code, output = run_job("gloo", 1, pytest_argv(str(WORKERS / "test_torch_cuda.py")))
+    code, output = run_job("gloo", 1, pytest_argv(*CUDA_FILES))
     assert code == 0, f"CUDA job failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran("gloo", 1, output, at_least=12)
 
@@ -158,7 +188,7 @@ def test_cuda_suite_on_ranks_sharing_a_gpu(np):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    argv = pytest_argv(str(WORKERS / "test_torch_cuda.py"))
+    argv = pytest_argv(*CUDA_FILES)
     code, output = run_job("gloo", np, argv, extra_env={"HOROVOD_GPU_OPERATIONS": "gloo"})
     assert code == 0, f"CUDA job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran("gloo", np, output, at_least=12)
