@@ -448,19 +448,24 @@ def _checkpointed(sharded: ShardedModel, unit: Unit) -> None:
     assert unit.module is not None
     forward = unit.module.forward
 
-    def run(*args: Any, **kwargs: Any) -> Any:
-        if torch._C._current_graph_task_id() == -1:  # not inside a backward: the forward itself
-            return forward(*args, **kwargs)
-        sharded.recomputing += 1
-        try:
-            sharded.gather(unit)
-            return forward(*args, **kwargs)
-        finally:
-            sharded.recomputing -= 1
-
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
+        calls = 0
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            """checkpoint() calls this once for the forward, then again for each recomputation in backward."""
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                return forward(*args, **kwargs)
+            sharded.recomputing += 1
+            try:
+                sharded.gather(unit)
+                return forward(*args, **kwargs)
+            finally:
+                sharded.recomputing -= 1
+
         return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     unit.module.forward = checkpointed
