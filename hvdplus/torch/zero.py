@@ -586,10 +586,10 @@ class _Shards:
         else:
             local = float(torch.stack(norms).pow(norm_type).sum()) if norms else 0.0
             op = ReduceOp.SUM
-        total = torch.tensor([local], dtype=torch.float64)
+        total = as_numpy(torch.tensor([local], dtype=torch.float64))  # in place: one array as input and output
         core.submit_allreduce(
-            as_numpy(total),
-            as_numpy(total),
+            total,
+            total,
             "float64",
             f"ZeroOptimizer.norm.{self.names[0]}",
             op,
