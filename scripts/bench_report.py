@@ -15,6 +15,7 @@ one gets a short section that says "not measured yet" and gives the command that
     bench_zero3.json           scripts/bench_zero3.py: ZeRO-3 against FSDP2, stage 2 and DistributedOptimizer
     bench_pipeline.json        scripts/bench_pipeline.py: each schedule's bubble against theory
     bench_elastic.json         scripts/bench_elastic.py: recovery, scale-up, commit cost and state sync
+    bench_zero_gpu.json        scripts/bench_zero_gpu.py: ZeRO 1-3 and offload on one GPU against FSDP2
 
 The tables are generated from the JSON, so they always match it. The plots (matplotlib, the optional `bench`
 extra, Agg backend) go to img/ beside the markdown file, one PNG per figure. Each section also says when the
@@ -703,6 +704,45 @@ def render_elastic(doc: Doc, figures: Figures) -> list[str]:
     return lines
 
 
+def render_zero_gpu(doc: Doc, figures: Figures) -> list[str]:
+    """The largest model per mode under the GPU cap, step times against each anchor, and memory at 2 ranks.
+    Targets (issue 44): stage 3 with offload trains >= 10x DistributedOptimizer's largest model; <= 1.0x
+    FSDP2's step in the same configuration; DistributedOptimizer <= 1.05x plain torch."""
+    lines = [
+        f"On {doc['device']}, GPU memory capped at {doc['cap_gib']:g} GiB, {doc['batch_tokens']} tokens a step, "
+        f"activation checkpointing {'on' if doc['checkpoint'] else 'off'}.",
+        "",
+    ]
+    largest = doc.get("largest")
+    if largest:
+        anchor = (largest.get("distributed") or {}).get("params")
+        rows = [
+            [mode, "out of memory at the smallest"]
+            if best is None
+            else [mode, f"{best['params'] / 1e6:.1f}M ({best['layers']} x {best['width']})"]
+            + ([ratio(best["params"] / anchor)] if anchor else [""])
+            for mode, best in largest.items()
+        ]
+        lines += table(["mode", "largest model trained", "against DistributedOptimizer"], rows) + [""]
+    speed = doc.get("speed")
+    if speed:
+        rows = []
+        for mode, row in speed.items():
+            ratios = ", ".join(
+                f"{ratio(v)} {k[len('ratio_to_') :]}" for k, v in row.items() if k.startswith("ratio_to_")
+            )
+            cells = ["out of memory", "", ""] if row.get("oom") else [ms(row["step_s"]), f"{row['tokens_per_s']:,.0f}"]
+            rows.append([mode, *cells[:2], ratios])
+        lines += table(["mode", "step (ms)", "tokens/s", "against"], rows) + [""]
+    if doc.get("ranks"):
+        rows = [
+            [mode, ", ".join("-" if peak is None else f"{peak / MIB:,.0f} MiB" for peak in peaks)]
+            for mode, peaks in doc["ranks"].items()
+        ]
+        lines += table(["mode, 2 ranks on one GPU", "peak GPU memory per rank"], rows) + [""]
+    return lines
+
+
 # ============================================================================ the report
 @dataclass(frozen=True)
 class Benchmark:
@@ -762,6 +802,12 @@ BENCHMARKS = (
         render_pipeline,
     ),
     Benchmark("Elastic training", "bench_elastic.json", "python scripts/bench_elastic.py", render_elastic),
+    Benchmark(
+        "ZeRO and offload on one GPU against FSDP2",
+        "bench_zero_gpu.json",
+        "python scripts/bench_zero_gpu.py --cap-gib 16",
+        render_zero_gpu,
+    ),
 )
 
 

@@ -263,13 +263,18 @@ def speed(args: argparse.Namespace, modes: list[str]) -> dict[str, Any]:
                 oom.add(mode)
             else:
                 samples[mode].extend(result["step_s"])
-    rows = {}
+    return summarize_speed(samples, oom, args.batch * args.seq)
+
+
+def summarize_speed(samples: dict[str, list[float]], oom: set[str], tokens: int) -> dict[str, Any]:
+    """Per mode: the median step and tokens/s (or out of memory), and each ratio to its anchor."""
+    rows: dict[str, Any] = {}
     for mode, times in samples.items():
         if mode in oom or not times:
             rows[mode] = {"oom": True}
             continue
         step = statistics.median(times)
-        rows[mode] = {"step_s": step, "tokens_per_s": args.batch * args.seq / step}
+        rows[mode] = {"step_s": step, "tokens_per_s": tokens / step}
     for mode, anchor in ANCHORS.items():
         if "step_s" in rows.get(mode, {}) and "step_s" in rows.get(anchor, {}):
             rows[mode][f"ratio_to_{anchor}"] = rows[mode]["step_s"] / rows[anchor]["step_s"]

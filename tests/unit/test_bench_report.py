@@ -26,6 +26,7 @@ SECTIONS = (
     "## ZeRO-3 parameter sharding against FSDP2",
     "## Pipeline schedules",
     "## Elastic training",
+    "## ZeRO and offload on one GPU against FSDP2",
 )
 
 
@@ -44,6 +45,7 @@ def scripts(monkeypatch):
         "bench_zero3",
         "bench_pipeline",
         "bench_overhead",
+        "bench_zero_gpu",
     )
     return SimpleNamespace(**{name: importlib.import_module(name) for name in names})
 
@@ -298,6 +300,27 @@ def write_overhead(scripts, path: Path) -> None:
     path.write_text(json.dumps(scripts.bench_overhead.summarize({k: [v] for k, v in steps.items()}, args)))
 
 
+def write_zero_gpu(scripts, path: Path) -> None:
+    """bench_zero_gpu.py's report: its speed rows from made-up step times (zero3 0.9x FSDP2, offloaded 0.8x)."""
+    steps = {"plain": [0.1], "distributed": [0.104], "zero3": [0.18], "fsdp2": [0.2], "zero3_opt": [0.4]}
+    steps["fsdp2_offload"] = [0.5]
+    doc = {
+        "date": "2026-11-28",
+        "device": "NVIDIA H100 80GB HBM3",
+        "cap_gib": 16.0,
+        "batch_tokens": 2048,
+        "checkpoint": True,
+        "largest": {
+            "distributed": {"params": 168_000_000, "layers": 8, "width": 1024},
+            "zero3_params": {"params": 1_700_000_000, "layers": 32, "width": 2048},
+            "zero": None,
+        },
+        "speed": scripts.bench_zero_gpu.summarize_speed({**steps, "zero": []}, {"zero"}, 2048),
+        "ranks": {"distributed": [3 * MIB * 1024, 3 * MIB * 1024], "zero3": [MIB * 1024, None]},
+    }
+    path.write_text(json.dumps(doc))
+
+
 def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     results = tmp_path / "results"
     results.mkdir()
@@ -311,6 +334,7 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
         ("bench_pipeline", write_pipeline),
         ("bench_elastic", write_elastic),
         ("bench_overhead", write_overhead),
+        ("bench_zero_gpu", write_zero_gpu),
     ):
         write(scripts, results / f"{name}.json")
     text = run_report(scripts, results, tmp_path)
@@ -362,6 +386,14 @@ def test_every_benchmark_gets_its_tables_and_plots(scripts, tmp_path):
     assert "| recovery after a SIGKILL, median | 0.19 s (target <= 3; Horovod Elastic: 30.40 s) |" in text
     assert "| TorchState.save() / torch copy | 1.02x (target <= 1.5) |" in text
     assert "| imports (torch, hvdplus.torch): -> new workers imported (the old ones train on) | 3.500 |" in text
+    # ZeRO on a GPU: the largest model against DistributedOptimizer's, each step against its anchor
+    assert "On NVIDIA H100 80GB HBM3, GPU memory capped at 16 GiB, 2048 tokens a step" in text
+    assert "| zero3_params | 1700.0M (32 x 2048) | 10.12 |" in text
+    assert "| zero | out of memory at the smallest |" in text
+    assert "| zero3 | 180 | 11,378 | 0.90 fsdp2, 1.73 distributed |" in text
+    assert "| zero3_opt | 400 | 5,120 | 0.80 fsdp2_offload |" in text
+    assert "| zero | out of memory |  |  |" in text
+    assert "| zero3 | 1,024 MiB, - |" in text
 
     images = (
         "collectives_busbw",
