@@ -18,6 +18,7 @@ from hvdplus.common.ops import Adasum, Average, ReduceOp, Sum
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
 from hvdplus.common.step_plan import Decision
 from hvdplus.torch.compression import Compressor
+from hvdplus.torch.device_plane import scale_in_place
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
 from hvdplus.torch.planned import bucket_sizes, try_freeze, wire_dtype
 from hvdplus.torch.reducer import Reducer
@@ -318,7 +319,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for grad in dense:
                 compressed, ctx = self._compression.compress(grad)
                 for factor in (prescale, postscale):
-                    _scale(compressed, factor)
+                    scale_in_place(compressed, factor)
                 result = self._compression.decompress(compressed, ctx)
                 if result is not grad:
                     grad.copy_(result)
@@ -381,16 +382,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad = None
                     else:
                         p.grad.detach_().requires_grad_(False).zero_()
-
-
-def _scale(tensor: torch.Tensor, factor: float) -> None:
-    """Scale in place as the core scales a reduced tensor: in its own dtype, integers in float64 and truncated."""
-    if factor == 1.0:
-        return
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.mul_(factor)
-    else:
-        tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
 
 
 def _remove_hooks(handles: list[Any]) -> None:

@@ -18,7 +18,7 @@ from hvdplus.common.engines.base import Engine
 from hvdplus.common.settings import Settings
 from hvdplus.common.topology import Topology
 
-__all__ = ["TorchBufferOps", "StreamEvent", "CPU_TEST_KIND", "register"]
+__all__ = ["TorchBufferOps", "StreamEvent", "CPU_TEST_KIND", "register", "scale_in_place"]
 
 # The device kind of CPU tensors sent through the device plane (HVDPLUS_DEVICE_PATH_ON_CPU=1).
 CPU_TEST_KIND = "torchcpu"
@@ -73,12 +73,7 @@ class TorchBufferOps:
         torch._foreach_copy_(list(destinations), list(src.split([d.numel() for d in destinations])))
 
     def scale(self, buf: torch.Tensor, dtype: str, factor: float) -> None:
-        if factor == 1.0:
-            return
-        if buf.is_floating_point():
-            buf.mul_(factor)
-        else:  # integers: scaled in float64 and truncated, as on the host
-            buf.copy_((buf.to(torch.float64) * factor).to(buf.dtype))
+        scale_in_place(buf, factor)
 
     def nan_positions(self, buf: torch.Tensor, dtype: str) -> torch.Tensor:
         return torch.isnan(buf).to(torch.uint8)
@@ -98,6 +93,17 @@ class TorchBufferOps:
         """An event on the current stream of `buf`'s device (None for CPU tensors: their writes are done)."""
         self.device = buf.device
         return StreamEvent(buf.device) if buf.device.type == "cuda" else None
+
+
+def scale_in_place(tensor: torch.Tensor, factor: float) -> None:
+    """Scale as the core scales a reduced buffer: in its own dtype; integers in float64, truncated (as on the
+    host)."""
+    if factor == 1.0:
+        return
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.mul_(factor)
+    else:
+        tensor.copy_((tensor.to(torch.float64) * factor).to(tensor.dtype))
 
 
 class StreamEvent:
