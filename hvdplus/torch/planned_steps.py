@@ -18,10 +18,11 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import torch
 
 from hvdplus.common import basics
-from hvdplus.common.engines.base import PlannedGroup
+from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
 from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.step_plan import consistency_words, read_consistency
@@ -47,16 +48,28 @@ class PlannedStep:
     title = "the planned step"  # and the plan's step, with its optimizer
 
     def __init__(
-        self, group: PlannedGroup, ranks: Sequence[int], digest: int, host: bool, device: torch.device
+        self,
+        group: PlannedGroup,
+        ranks: Sequence[int],
+        digest: int,
+        host: bool,
+        device: torch.device,
+        guard_group: PlannedGroup | None = None,
     ) -> None:
         """`ranks`: the process set's global ranks. `host`: whether `group` is the host engine's, which takes
-        numpy views of CPU buffers (else a device plane's, which takes the tensors)."""
+        numpy views of CPU buffers (else a device plane's, which takes the tensors). `guard_group`: a planned
+        group of the host engine that sums the step's guard as a host word, for a device plane's plan (reading a
+        reduced device element would hold the training thread until the GPU drained: torch/reducer.py)."""
         self.runtime = basics.runtime()
         self._group, self._ranks, self._digest = group, tuple(ranks), digest
         self._set_rank = self._ranks.index(self.runtime.rank)
         self._host, self._device = host, device
         _FROZEN.add(self)
         self._release = weakref.finalize(self, group.close)  # at close(), or when the optimizer is collected
+        self._guard_group = guard_group
+        self._guard_word = np.zeros(1, dtype=np.float32)  # this rank's guard, then the sum (with a guard group)
+        if guard_group is not None:
+            self._release_guard_group = weakref.finalize(self, guard_group.close)
 
     @property
     def closed(self) -> bool:
@@ -75,6 +88,14 @@ class PlannedStep:
         _FROZEN.discard(self)
         self._abandon()
         self._release()
+        if self._guard_group is not None:
+            self._release_guard_group()
+
+    def _start_guard_word(self, value: float) -> PlannedRequest:
+        """Start summing this rank's guard `value` as a host word on the guard group (there must be one)."""
+        assert self._guard_group is not None
+        self._guard_word[0] = value
+        return self._guard_group.start_allreduce(self._guard_word, "float32", ReduceOp.SUM)
 
     def _abandon(self) -> None:
         """Forget the requests in flight (each kind of plan keeps its own)."""

@@ -26,11 +26,9 @@ before the optimizer's step on every rank.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
@@ -84,12 +82,8 @@ class Reducer(PlannedStep):
         """`plan`: positions in `params` of each bucket's gradients, in launch order, covering every parameter.
         `scales`: (before, after) the sum. `guard_group`: the host engine's group that sums the step's guard, for a
         device plane's buckets (None: the guard rides in the last bucket). The other arguments: PlannedStep's."""
-        super().__init__(group, ranks, digest, host, params[0].device)
-        self._guard_group = guard_group
-        self._guard_word = np.zeros(1, dtype=np.float32)  # this rank's guard, then the sum (with a guard group)
+        super().__init__(group, ranks, digest, host, params[0].device, guard_group)
         self._guard_request: PlannedRequest | None = None
-        if guard_group is not None:
-            self._release_guard_group = weakref.finalize(self, guard_group.close)
         self._names = names
         self._prescale, self._postscale = scales
         self._buckets: list[_Bucket] = []
@@ -194,8 +188,7 @@ class Reducer(PlannedStep):
         with self._engine_errors():
             bucket.request = self._group.start_allreduce(self._buffer(sent), dtype_name(sent), ReduceOp.SUM)
             if bucket is self._buckets[-1] and self._guard_group is not None:
-                self._guard_word[0] = guard
-                self._guard_request = self._guard_group.start_allreduce(self._guard_word, "float32", ReduceOp.SUM)
+                self._guard_request = self._start_guard_word(guard)
 
     # ----------------------------------------------------------------- synchronize
     def finish(self) -> None:
@@ -265,11 +258,6 @@ class Reducer(PlannedStep):
                         self._differs.append(f"parameter {self._names[p]!r} no longer matches the plan ({exc})")
 
     # ----------------------------------------------------------------- join and shutdown
-    def close(self) -> None:
-        super().close()
-        if self._guard_group is not None:
-            self._release_guard_group()
-
     def _abandon(self) -> None:
         for bucket in self._buckets:
             bucket.request = bucket.traced = None

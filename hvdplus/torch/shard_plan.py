@@ -14,10 +14,8 @@ ends.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 
 from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
@@ -51,14 +49,9 @@ class ShardPlan(PlannedStep):
         """`buckets`: in plan order, each bucket's (elements, dtype on the wire, elements each rank keeps).
         `device`: the buckets' (a joined rank's zeros live there too). `guard_group`: the host engine's group that
         sums the guard, for a device plane's plan (None: the guard is an element on the plan's own group)."""
-        super().__init__(group, ranks, digest, host, device)
-        self._device = device
+        super().__init__(group, ranks, digest, host, device, guard_group)
         self._buckets = list(buckets)
-        self._guard_group = guard_group
         self._guard = torch.zeros(1, dtype=torch.float32, device=device) if guard_group is None else None
-        self._guard_word = np.zeros(1, dtype=np.float32)
-        if guard_group is not None:
-            self._release_guard_group = weakref.finalize(self, guard_group.close)
         self._guard_request: PlannedRequest | None = None
         self._joined: list[PlannedRequest] = []
         self._zeros: list[torch.Tensor] = []
@@ -101,20 +94,13 @@ class ShardPlan(PlannedStep):
     def _send_guard(self, value: float) -> PlannedRequest:
         """Start summing this rank's guard `value` across the set (common/step_plan.py says what sums mean)."""
         with self._engine_errors():
-            if self._guard_group is not None:
-                self._guard_word[0] = value
-                return self._guard_group.start_allreduce(self._guard_word, "float32", ReduceOp.SUM)
-            assert self._guard is not None
+            if self._guard is None:
+                return self._start_guard_word(value)
             self._guard.fill_(value)
             return self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM)
 
     def _summed_guard(self) -> float:
         return float(self._guard_word[0] if self._guard is None else self._guard[0])
-
-    def close(self) -> None:
-        super().close()
-        if self._guard_group is not None:
-            self._release_guard_group()
 
     def check_guard(self, differs: list[str]) -> None:
         """Once the step's reduce-scatters are done: raise on every rank alike if a rank's step differed
