@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-EXTRAS=${HVDPLUS_EXTRAS:-torch,tensorflow,mpi,dev,examples,bench}
+EXTRAS=${HVDPLUS_EXTRAS:-torch,tensorflow,mpi,dev,examples,bench,ray,spark}
 # pip, less one notice: a pip configuration with local extra indexes (as on this project's build machines) makes
 # pip say, for every package such an index lacks, that its location "is ignored". Everything else pip says stays.
 pip_install() {
