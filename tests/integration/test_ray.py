@@ -23,8 +23,13 @@ from tests.integration.conftest import ROOT, job_env, unavailable
 
 torch = pytest.importorskip("torch")
 
-NODE_CPUS = 2
-NODE_MEMORY = 120 * 1024 * 1024  # each node's object store
+# Each node: 2 CPUs, a small object store, and the checkout on its workers' PYTHONPATH (they import hvdplus and
+# this module).
+NODE = {
+    "num_cpus": 2,
+    "object_store_memory": 120 * 1024 * 1024,
+    "env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+}
 
 
 # ---------------------------------------------------------------------------- functions the actors run
@@ -117,7 +122,7 @@ def fail_on_rank_1(when: str) -> None:
 
 def elastic_train(progress: str, kill_at: int = 0, stop_file: str = "", steps: int = 20) -> dict:
     """Elastic training (every rank on the full batch, so any size gives the one-process weights). After each
-    commit, rank 0 appends "step size" to `progress`. The worker of rank 1 in the first generation SIGKILLs its
+    commit, rank 0 appends "step size time" to `progress`. The worker of rank 1 in the first generation SIGKILLs its
     own process after step `kill_at`. With `stop_file`, training runs until that file exists (agreed by an
     allreduce), else `steps` steps."""
     import hvdplus.torch as hvd
@@ -144,7 +149,7 @@ def elastic_train(progress: str, kill_at: int = 0, stop_file: str = "", steps: i
             state.commit()
             if hvd.rank() == 0:
                 with open(progress, "a") as out:
-                    out.write(f"{state.step} {hvd.size()}\n")
+                    out.write(f"{state.step} {hvd.size()} {time.time()}\n")
             if state.step == kill_at and hvd.rank() == 1 and elastic_worker().plan.generation == 0:
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(0.1)
@@ -156,29 +161,22 @@ def elastic_train(progress: str, kill_at: int = 0, stop_file: str = "", steps: i
 # ---------------------------------------------------------------------------- the cluster
 @pytest.fixture(scope="module")
 def cluster():
-    """Two Ray nodes of 2 CPUs on this machine; the driver connected to the head node."""
+    """Two Ray nodes of 2 CPUs on this machine; the driver connected to the head node. Nodes are made without
+    Ray's exit hooks (they install signal handlers, which a test's helper thread cannot): this fixture stops them."""
     try:
         import ray
         from ray.cluster_utils import Cluster
     except ImportError as exc:
         unavailable(f"Ray is not installed (pip install 'hvdplus[ray]'): {exc}")
-    saved = dict(os.environ)
-    os.environ.clear()
-    os.environ.update(job_env(RAY_DEDUP_LOGS="0"))  # the raylets, and so the actors, inherit this environment
-    node = {"num_cpus": NODE_CPUS, "object_store_memory": NODE_MEMORY}
-    made = None
+    made = Cluster(shutdown_at_exit=False)
     try:
-        made = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-        made.add_node(**node)
+        made.add_node(**NODE, include_dashboard=False)
+        made.add_node(**NODE)
         made.wait_for_nodes()
-        ray.init(address=made.address, log_to_driver=True)
+        ray.init(address=made.address)
     except Exception as exc:
-        if made is not None:
-            made.shutdown()
+        made.shutdown()
         unavailable(f"cannot start a Ray cluster here: {exc}")
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     try:
         yield made
     finally:
@@ -313,9 +311,22 @@ def test_the_horovod_alias_imports_hvdplus_ray():
 
 # ---------------------------------------------------------------------------- elastic jobs
 def _progress(path: Path) -> list[tuple[int, int]]:
+    """(step, size) of each commit rank 0 wrote."""
+    return [(int(step), int(size)) for step, size, _ in _lines(path)]
+
+
+def _lines(path: Path) -> list[list[str]]:
     if not path.exists():
         return []
-    return [tuple(map(int, line.split())) for line in path.read_text().splitlines() if line.strip()]
+    return [line.split() for line in path.read_text().splitlines() if len(line.split()) == 3]
+
+
+def _gap(path: Path, before: int, after: int) -> float:
+    """Seconds from the first change from size `before` to size `after`: from the last commit at `before` to the
+    first at `after`."""
+    sizes = [(int(size), float(t)) for _, size, t in _lines(path)]
+    first = next(i for i in range(1, len(sizes)) if sizes[i][0] == after and sizes[i - 1][0] == before)
+    return sizes[first][1] - sizes[first - 1][1]
 
 
 @pytest.mark.timeout(150)
@@ -329,6 +340,7 @@ def test_elastic_goes_on_from_the_commit_after_a_worker_is_killed(cluster, tmp_p
     sizes = [size for _, size in _progress(progress)]
     assert sizes[:5] == [2] * 5 and sizes[-1] == 1, sizes
     assert len(reports) == 1 and reports[0]["steps"] == 12
+    print(f"\nrecovery: {_gap(progress, 2, 1):.2f} s from the last commit at size 2 to the first at size 1")
     assert reports[0]["weights"] == pytest.approx(reference(12), abs=1e-5)
 
 
@@ -342,7 +354,7 @@ def test_elastic_uses_an_added_node_and_goes_on_when_it_is_removed(cluster, tmp_
     def change_the_cluster() -> None:
         try:
             _wait_for(lambda: len(_progress(progress)) >= 3, "3 steps at size 2")
-            added = cluster.add_node(num_cpus=NODE_CPUS, object_store_memory=NODE_MEMORY)
+            added = cluster.add_node(**NODE)
             _wait_for(lambda: any(size == 3 for _, size in _progress(progress)), "a step at size 3")
             cluster.remove_node(added)
             seen = len(_progress(progress))
@@ -361,6 +373,8 @@ def test_elastic_uses_an_added_node_and_goes_on_when_it_is_removed(cluster, tmp_
     assert not errors, errors
     sizes = [size for _, size in _progress(progress)]
     assert sizes[0] == 2 and 3 in sizes and sizes[-1] == 2, sizes
+    print(f"\nscale up: {_gap(progress, 2, 3):.2f} s between the last commit at size 2 and the first at size 3")
+    print(f"node removed: {_gap(progress, 3, 2):.2f} s from the last commit at size 3 to the first at size 2")
     assert len(reports) == 2 and len({r["steps"] for r in reports}) == 1
     expected = reference(reports[0]["steps"])
     assert all(r["weights"] == pytest.approx(expected, abs=1e-5) for r in reports), (reports, expected)
