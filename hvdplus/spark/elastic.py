@@ -1,0 +1,144 @@
+"""`hvdplus.spark.run_elastic`: Horovod's elastic training on Spark, driven by hvdplusrun's own ElasticDriver.
+
+Spark runs `max_num_proc` plain tasks; each attempt of a task is a host of one slot that discovery offers while
+its heartbeat lives. The driver plans generations as hvdplusrun does (docs/elastic.md): a worker that fails, or a
+task that Spark loses, blacklists that host and the job goes on from the last commit with the others (if
+`min_num_proc` allows); Spark runs a failed task again as a new host, which joins at the next reset."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import pickle
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TextIO, cast
+
+from hvdplus.common.elastic_plan import host_of
+from hvdplus.common.settings import Settings
+from hvdplus.runner.cluster_env import rank_env
+from hvdplus.runner.elastic_run import ElasticDriver
+from hvdplus.runner.hosts import Host, assign_slots
+from hvdplus.runner.job import ElasticOptions, JobSpec
+from hvdplus.runner.supervise import Process
+from hvdplus.spark.context import active_context, driver_addresses, num_proc_from, start_timeout_from
+from hvdplus.spark.elastic_task import run_elastic_task
+from hvdplus.spark.elastic_tasks import TaskRegistry, TaskSupervisor
+from hvdplus.spark.keys import FAILURE_KEY, FUNCTION_KEY, result_key
+from hvdplus.spark.output import OutputPrinter
+from hvdplus.spark.runner import dumps, nic_list
+from hvdplus.spark.spark_job import SparkJob
+from hvdplus.spark.task import TaskJob
+
+__all__ = ["run_elastic", "SparkElasticDriver"]
+
+log = logging.getLogger("hvdplus.spark")
+
+
+class SparkElasticDriver(ElasticDriver):
+    """hvdplusrun's elastic driver whose workers are started by Spark tasks instead of over ssh."""
+
+    def __init__(self, options: ElasticOptions, bind: str, address: str, nics: list[str], verbose: bool) -> None:
+        super().__init__(JobSpec(command=[], slots=[], mode="gloo", env={}, nics=nics, verbose=verbose), options)
+        self.address, self.port = address, self.server.listen(bind)
+        self.tasks = TaskRegistry(self.server)
+        self.supervisor = TaskSupervisor(self.server, self.tasks)
+
+    def _start(self, wid: str, generation: int, workers: list[str]) -> None:
+        """Order the task that stands for `wid`'s host to start it, for generation `generation` or a later one."""
+        hosts = Counter(map(host_of, workers))
+        slot = assign_slots([Host(h, n) for h, n in hosts.items()], len(workers))[workers.index(wid)]
+        env = rank_env(slot, self.address, self.port, self.secret, self.spec.nics)
+        env.update(
+            {
+                "HOROVOD_ELASTIC": "1",
+                "HVDPLUS_ELASTIC_WORKER": wid,
+                "HVDPLUS_ELASTIC_GENERATION": str(generation),
+                "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout),
+            }
+        )
+        worker = self.tasks.start(host_of(wid), json.dumps(env))
+        self.workers[wid] = cast(Process, worker)  # ElasticDriver reads only .exited, .proc.returncode, .stop()
+        self._started_for[wid] = generation
+        self._holders.discard(wid)
+        self._synced_in.pop(wid, None)
+        self._joining.add(wid)
+
+
+def run_elastic(
+    fn: Callable[..., Any],
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    num_proc: int | None = None,
+    min_num_proc: int | None = None,
+    max_num_proc: int | None = None,
+    start_timeout: float | None = None,
+    elastic_timeout: float | None = None,
+    reset_limit: int | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+    verbose: int = 1,
+    nics: Iterable[str] | None = None,
+    prefix_output_with_timestamp: bool = False,
+    min_np: int | None = None,
+    max_np: int | None = None,
+) -> list[Any]:
+    """Run `fn(*args, **kwargs)` (an hvd.elastic.run training function's caller) as an elastic job on Spark tasks;
+    the results of the last generation's workers, in rank order.
+
+    `num_proc` (default defaultParallelism) workers start the job; it goes on while at least `min_num_proc`
+    (default `num_proc`) live, with up to `max_num_proc` (default `num_proc`) Spark tasks. Raises RuntimeError when
+    the job cannot go on (the reason, as hvdplusrun prints it, is logged to stderr). `min_np` and `max_np` are
+    Horovod's deprecated spellings of `min_num_proc` and `max_num_proc`."""
+    if min_np is not None:
+        warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=2)
+        min_num_proc = min_np
+    if max_np is not None:
+        warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=2)
+        max_num_proc = max_np
+    payload = dumps(fn, args, kwargs)
+    context = active_context()
+    num_proc = num_proc_from(context, num_proc)
+    fewest = num_proc_from(context, num_proc if min_num_proc is None else min_num_proc, "min_num_proc")
+    most = num_proc_from(context, num_proc if max_num_proc is None else max_num_proc, "max_num_proc")
+    if not fewest <= num_proc <= most:
+        raise ValueError(f"need min_num_proc <= num_proc <= max_num_proc, got {fewest}, {num_proc}, {most}")
+    timeout = start_timeout_from(start_timeout)
+    settled = Settings.from_env().elastic_timeout if elastic_timeout is None else float(elastic_timeout)
+    interfaces = nic_list(nics)
+    bind, address = driver_addresses(context, interfaces)
+    options = ElasticOptions(num_proc, fewest, most, lambda: driver.tasks.discover(), settled, reset_limit)
+    driver = SparkElasticDriver(options, bind, address, interfaces, verbose >= 2)
+    driver.server.put(FUNCTION_KEY, payload)
+    printer = OutputPrinter(driver.server, driver.tasks.tags, stdout, stderr, prefix_output_with_timestamp)
+    job = TaskJob(address, driver.port, driver.secret, timeout, dict(env or {}), None, tuple(interfaces))
+    tasks = context.parallelize(range(most), most)
+    spark = SparkJob(
+        context, "run_elastic", tasks.mapPartitionsWithIndex(functools.partial(run_elastic_task, job)).collect
+    )
+    try:
+        code = driver.run()
+    finally:
+        spark.done.wait(10.0)
+        if not spark.done.is_set():
+            spark.cancel()
+        driver.tasks.close()
+        printer.stop()
+    if code != 0 or driver.plan is None:
+        failure = driver.server.get(FAILURE_KEY)
+        detail = f"; a worker's failure:\n{failure.decode(errors='replace')}" if failure else ""
+        raise RuntimeError(f"hvdplus.spark.run_elastic: the elastic job failed (exit status {code}){detail}")
+    return [_result(driver, wid) for wid in driver.plan.workers]
+
+
+def _result(driver: SparkElasticDriver, wid: str) -> Any:
+    data = driver.server.get(result_key(wid))
+    if data is None:
+        raise RuntimeError(f"hvdplus.spark.run_elastic: worker {wid} of the last generation left no result")
+    ok, value = pickle.loads(data)
+    if not ok:
+        raise RuntimeError(f"hvdplus.spark.run_elastic: worker {wid} raised:\n{value}")
+    return value
