@@ -7,6 +7,7 @@ cluster's processes get the checkout on PYTHONPATH)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -108,13 +109,15 @@ class Trainer:
 
 def fail_on_rank_1(when: str) -> None:
     """Rank 1 raises (after hvd.init, while rank 0 waits in an allreduce; or before hvd.init, while the others
-    wait at the rendezvous); every other rank waits for it."""
+    wait at the rendezvous), or SIGKILLs its own process after hvd.init; every other rank waits for it."""
     import hvdplus.torch as hvd
 
     if when == "before init" and os.environ["HOROVOD_RANK"] == "1":
         raise ValueError(f"rank 1 fails on purpose before hvd.init at {time.time()}")
     hvd.init()
     hvd.allreduce(torch.ones(1), name="first")
+    if hvd.rank() == 1 and when == "killed":
+        os.kill(os.getpid(), signal.SIGKILL)
     if hvd.rank() == 1:
         raise ValueError(f"rank 1 fails on purpose at {time.time()}")
     hvd.allreduce(torch.ones(1), name="never completes")
@@ -252,7 +255,10 @@ def test_num_hosts_puts_workers_per_host_on_distinct_nodes(cluster):
 def test_a_raising_worker_fails_the_run_within_seconds_and_the_executor_goes_on(cluster):
     """Rank 1 raises while rank 0 waits in an allreduce: the driver gets rank 1's ValueError, its traceback and
     rank within seconds. Rank 1 raising before hvd.init (rank 0 waits at the rendezvous): the stuck rank 0 is
-    ended after the grace period and restarted at the next call. Each time, the next run() trains normally."""
+    ended after the grace period and restarted at the next call. Rank 1's process killed: Ray's RayActorError,
+    naming rank 1, and its actor restarted at the next call. Each time, the next run() trains normally."""
+    import ray
+
     executor = _executor(num_workers=2, cpus_per_worker=2)
     executor.start()
     try:
@@ -274,6 +280,17 @@ def test_a_raising_worker_fails_the_run_within_seconds_and_the_executor_goes_on(
         print(f"before init: the error reached the driver after {waited:.2f} s")
         assert "rank 1 of 2 failed" in text and "rank(s) [0] had not ended" in text, text
         assert waited < 15.0, text
+        reports = executor.run(train, kwargs={"steps": 2})
+        assert all(r["weights"] == pytest.approx(reference(2), abs=1e-5) for r in reports)
+
+        started = time.monotonic()
+        with pytest.raises(ray.exceptions.RayActorError) as failed:
+            executor.run(fail_on_rank_1, args=["killed"])
+        waited = time.monotonic() - started
+        text = "".join(traceback.format_exception(failed.value))
+        print(f"killed: the error reached the driver after {waited:.2f} s (hvd.init included)")
+        assert "rank 1 of 2 failed" in text and "had not ended" not in text, text
+        assert waited < 10.0, text
         reports = executor.run(train, kwargs={"steps": 2})
         assert all(r["weights"] == pytest.approx(reference(2), abs=1e-5) for r in reports)
     finally:
@@ -346,8 +363,9 @@ def test_elastic_goes_on_from_the_commit_after_a_worker_is_killed(cluster, tmp_p
 
 @pytest.mark.timeout(200)
 def test_elastic_uses_an_added_node_and_goes_on_when_it_is_removed(cluster, tmp_path):
-    """Training at size 2 on the two nodes; a third node joins (its worker comes in at a commit: size 3), then
-    it is removed (its worker dies: size 2 again); training ends with the one-process weights."""
+    """ElasticRayExecutor: training at size 2 on the two nodes; a third node joins (its worker comes in at a
+    commit: size 3), then it is removed (its worker dies: size 2 again); training ends with the one-process
+    weights."""
     progress, stop = tmp_path / "progress", tmp_path / "stop"
     errors: list[BaseException] = []
 
@@ -366,9 +384,12 @@ def test_elastic_uses_an_added_node_and_goes_on_when_it_is_removed(cluster, tmp_
 
     changer = threading.Thread(target=change_the_cluster, daemon=True)
     changer.start()
-    executor = _executor(min_workers=2, max_workers=3, cpus_per_worker=2, elastic_timeout=60)
+    from hvdplus.ray import ElasticRayExecutor  # Horovod's first elastic API, on the same driver
+
+    settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=3, elastic_timeout=60, timeout_s=20)
+    executor = ElasticRayExecutor(settings, cpus_per_slot=2)
     executor.start()
-    reports = executor.run(elastic_train, kwargs={"progress": str(progress), "stop_file": str(stop)})
+    reports = executor.run(functools.partial(elastic_train, progress=str(progress), stop_file=str(stop)))
     changer.join(timeout=30)
     assert not errors, errors
     sizes = [size for _, size in _progress(progress)]
