@@ -235,6 +235,38 @@ def test_run_trains_like_one_process_across_nodes(cluster, workers, cpus, per_no
         executor.shutdown()
 
 
+def _train_from_a_task(workers: int) -> list[dict]:
+    """A Ray task (Ray Tune's trainable, say) that runs a RayExecutor in the placement group it runs in."""
+    executor = _executor(num_workers=workers, cpus_per_worker=1)
+    executor.start()
+    try:
+        return executor.run(train, kwargs={"steps": 3})
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.timeout(150)
+def test_a_driver_inside_a_placement_group_puts_its_workers_there(cluster):
+    """use_current_placement_group: a task in a placement group of 3 one-CPU bundles (its own and two for
+    workers) runs the executor; the workers take the group's free bundles (the one CPU left outside the group
+    could not hold a new group of two: placement_group_timeout_s would fail the test), and train like one
+    process."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.placement_group([{"CPU": 1}] * 3, strategy="PACK")
+    ray.get(group.ready(), timeout=30)
+    try:
+        inside = PlacementGroupSchedulingStrategy(group, 0, placement_group_capture_child_tasks=True)
+        task = ray.remote(_train_from_a_task).options(num_cpus=1, scheduling_strategy=inside)
+        reports = ray.get(task.remote(2), timeout=120)
+        assert [r["rank"] for r in reports] == [0, 1]
+        assert all(r["weights"] == pytest.approx(reference(3), abs=1e-5) for r in reports)
+        assert ray.util.placement_group_table(group)["state"] == "CREATED"  # the executor left the group alone
+    finally:
+        ray.util.remove_placement_group(group)
+
+
 @pytest.mark.timeout(150)
 def test_num_hosts_puts_workers_per_host_on_distinct_nodes(cluster):
     """num_hosts=2 x num_workers_per_host=2: one STRICT_SPREAD bundle per node, ranks 0-1 on one node and 2-3 on
