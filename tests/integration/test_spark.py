@@ -195,6 +195,37 @@ def test_a_failing_rank_ends_the_job_within_seconds_naming_it(spark):
     assert hvdplus.spark.run(_rank, num_proc=SLOTS, start_timeout=30) == list(range(SLOTS))
 
 
+def _kill_the_task_of_rank_1(log):
+    import torch
+
+    import hvdplus.torch as hvd
+
+    hvd.init()
+    with open(log, "a") as out:
+        out.write(f"rank {hvd.rank()} ran\n")
+    if hvd.rank() == 1:
+        os.kill(os.getppid(), signal.SIGKILL)  # the task's Python worker: Spark fails the barrier stage
+        time.sleep(60)
+    hvd.allreduce(torch.ones(1), name="never completes")
+    return hvd.rank()
+
+
+def test_a_lost_task_fails_the_job_and_fn_never_runs_twice(spark, tmp_path):
+    """Spark retries a barrier stage whose task was lost: the retry reports itself instead of running fn again."""
+    import hvdplus.spark
+
+    log = tmp_path / "runs"
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 0 .*raised|Spark started task \d again") as failure:
+        hvdplus.spark.run(_kill_the_task_of_rank_1, args=(str(log),), num_proc=2, start_timeout=60)
+    seconds = time.monotonic() - start
+    print(f"run() raised {seconds:.1f} s after it was called: {str(failure.value)[:300]}")
+    assert seconds < 60
+    time.sleep(3)  # a retry of the stage, if Spark started one, has had time to run
+    assert sorted(log.read_text().splitlines()) == ["rank 0 ran", "rank 1 ran"]
+    assert hvdplus.spark.run(_rank, num_proc=SLOTS, start_timeout=30) == list(range(SLOTS))
+
+
 def _rank():
     return int(os.environ["HOROVOD_RANK"])
 
