@@ -68,7 +68,7 @@ class RayExecutor:
         max_workers: int | None = None,
         reset_limit: int | None = None,
         cooldown_range: tuple[float, float] | list[float] | None = None,
-        elastic_timeout: float = 1200,
+        elastic_timeout: float = 600,
         override_discovery: bool = True,
     ) -> None:
         _check(num_workers, num_hosts, num_workers_per_host, min_workers, max_workers, use_gpu, gpus_per_worker)
