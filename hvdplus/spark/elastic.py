@@ -11,6 +11,7 @@ import functools
 import json
 import logging
 import pickle
+import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -19,16 +20,16 @@ from typing import Any, TextIO, cast
 from hvdplus.common.elastic_plan import host_of
 from hvdplus.common.settings import Settings
 from hvdplus.runner.cluster_env import rank_env
-from hvdplus.runner.elastic_run import ElasticDriver
+from hvdplus.runner.elastic_run import ElasticDriver, ElasticJobError
 from hvdplus.runner.hosts import Host, assign_slots
 from hvdplus.runner.job import ElasticOptions, JobSpec
 from hvdplus.runner.supervise import Process
 from hvdplus.spark.context import active_context, driver_addresses, num_proc_from, start_timeout_from
 from hvdplus.spark.elastic_task import run_elastic_task
-from hvdplus.spark.elastic_tasks import TaskRegistry, TaskSupervisor
+from hvdplus.spark.elastic_tasks import POLL_SECONDS, TaskRegistry, TaskSupervisor
 from hvdplus.spark.keys import FAILURE_KEY, FUNCTION_KEY, result_key
 from hvdplus.spark.output import OutputPrinter
-from hvdplus.spark.runner import dumps, nic_list
+from hvdplus.spark.runner import CANCEL_SECONDS, dumps, nic_list
 from hvdplus.spark.spark_job import SparkJob
 from hvdplus.spark.task import TaskJob
 
@@ -45,6 +46,13 @@ class SparkElasticDriver(ElasticDriver):
         self.address, self.port = address, self.server.listen(bind)
         self.tasks = TaskRegistry(self.server)
         self.supervisor = TaskSupervisor(self.server, self.tasks)
+        self.spark: SparkJob | None = None  # the Spark job of the tasks, once started
+
+    def _check_exits(self) -> int | None:
+        """As ElasticDriver's, and the job ends when the Spark job of its tasks failed (Spark aborted the stage)."""
+        if self.spark is not None and self.spark.done.is_set() and self.spark.error is not None:
+            raise ElasticJobError(f"the Spark job of its tasks failed: {self.spark.error}")
+        return super()._check_exits()
 
     def _start(self, wid: str, generation: int, workers: list[str]) -> None:
         """Order the task that stands for `wid`'s host to start it, for generation `generation` or a later one."""
@@ -115,16 +123,18 @@ def run_elastic(
     driver.server.put(FUNCTION_KEY, payload)
     printer = OutputPrinter(driver.server, driver.tasks.tags, stdout, stderr, prefix_output_with_timestamp)
     job = TaskJob(address, driver.port, driver.secret, timeout, dict(env or {}), None, tuple(interfaces))
-    tasks = context.parallelize(range(most), most)
-    spark = SparkJob(
-        context, "run_elastic", tasks.mapPartitionsWithIndex(functools.partial(run_elastic_task, job)).collect
+    body = functools.partial(run_elastic_task, job)
+    driver.spark = SparkJob(
+        context, "run_elastic", context.parallelize(range(most), most).mapPartitionsWithIndex(body).collect
     )
     try:
+        _await_tasks(driver, driver.spark, num_proc, timeout)
         code = driver.run()
     finally:
-        spark.done.wait(10.0)
-        if not spark.done.is_set():
-            spark.cancel()
+        driver.supervisor.stop_all()  # driver.run() did already, unless _await_tasks raised: the tasks return
+        if not driver.spark.done.wait(CANCEL_SECONDS):
+            driver.spark.cancel()  # tasks that could not reach the store any more
+        driver.server.close()
         driver.tasks.close()
         printer.stop()
     if code != 0 or driver.plan is None:
@@ -132,6 +142,21 @@ def run_elastic(
         detail = f"; a worker's failure:\n{failure.decode(errors='replace')}" if failure else ""
         raise RuntimeError(f"hvdplus.spark.run_elastic: the elastic job failed (exit status {code}){detail}")
     return [_result(driver, wid) for wid in driver.plan.workers]
+
+
+def _await_tasks(driver: SparkElasticDriver, spark: SparkJob, num_proc: int, timeout: float) -> None:
+    """Wait for `num_proc` tasks to register (Horovod's start_timeout), or for the Spark job to fail."""
+    deadline = time.monotonic() + timeout
+    while len(driver.tasks.discover()) < num_proc:
+        if spark.done.is_set():
+            raise RuntimeError(f"hvdplus.spark.run_elastic: the Spark job ended before the training: {spark.error}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"hvdplus.spark.run_elastic: only {len(driver.tasks.discover())} of the {num_proc} Spark task(s) "
+                f"started within start_timeout {timeout:g} s. Lower num_proc, add executors, or raise start_timeout "
+                "if executors are allocated on demand"
+            )
+        time.sleep(POLL_SECONDS)
 
 
 def _result(driver: SparkElasticDriver, wid: str) -> Any:

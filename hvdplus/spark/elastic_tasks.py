@@ -11,7 +11,7 @@ from hvdplus.common.rendezvous import RendezvousServer
 from hvdplus.runner.supervise import Supervisor
 from hvdplus.spark.keys import ABORT_KEY, TASKS_KEY, exit_key, heartbeat_key, start_key, stop_key, task_key
 
-__all__ = ["LOST_SECONDS", "ExitStatus", "TaskWorker", "TaskRegistry", "TaskSupervisor"]
+__all__ = ["POLL_SECONDS", "LOST_SECONDS", "ExitStatus", "TaskWorker", "TaskRegistry", "TaskSupervisor"]
 
 log = logging.getLogger("hvdplus.spark")
 

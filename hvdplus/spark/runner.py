@@ -21,7 +21,7 @@ from hvdplus.spark.output import OutputPrinter
 from hvdplus.spark.spark_job import SparkJob
 from hvdplus.spark.task import TaskJob, run_barrier_task
 
-__all__ = ["run", "check_engine", "dumps", "nic_list", "abort"]
+__all__ = ["run", "check_engine", "dumps", "nic_list", "abort", "CANCEL_SECONDS"]
 
 log = logging.getLogger("hvdplus.spark")
 

@@ -315,6 +315,17 @@ def test_run_elastic_goes_on_when_spark_loses_a_task(spark, capsys):
     assert {r["batch"] for r in results} == {8} and survivor["weights"] == newcomer["weights"], results
 
 
+def test_run_elastic_too_few_slots_is_a_clear_error_within_start_timeout(spark):
+    import hvdplus.spark
+
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"only {SLOTS} of the {SLOTS + 1} Spark task.*start_timeout 5 s"):
+        hvdplus.spark.run_elastic(_rank, num_proc=SLOTS + 1, start_timeout=5)
+    seconds = time.monotonic() - start
+    assert seconds < 5 + 10, f"run_elastic() raised {seconds:.1f} s after it was called"
+    assert hvdplus.spark.run(_rank, num_proc=SLOTS, start_timeout=30) == list(range(SLOTS))  # all slots free
+
+
 def test_horovod_spark_is_hvdplus_spark():
     """`import horovod.spark` under hvdplus's alias (what hvdplusrun puts first on PYTHONPATH) loads hvdplus.spark."""
     code = (
