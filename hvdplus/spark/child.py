@@ -73,10 +73,14 @@ class Child:
                     return  # the driver is gone: the task ends the process
 
     def wait(self, should_stop: Callable[[], bool]) -> int:
-        """Wait for the process to end, stopping it once `should_stop()` says so; its exit status (128 + signal
-        for a signal), after its last line went to the driver."""
+        """Wait for the process to end, stopping it once `should_stop()` says so (or cannot ask the driver); its
+        exit status (128 + signal for a signal), after its last line went to the driver."""
         while self.proc.poll() is None:
-            if should_stop():
+            try:
+                stop = should_stop()
+            except (ConnectionError, OSError):  # the driver is gone: nobody waits for this rank any more
+                stop = True
+            if stop:
                 self.stop()
                 break
             time.sleep(POLL_SECONDS)
