@@ -345,6 +345,26 @@ def test_arguments_are_checked_as_horovod_does():
         RayExecutor(settings, num_workers=1).start(extra_env_vars={"HOROVOD_CPU_OPERATIONS": "mpi"})
 
 
+def test_gpu_workers_see_their_node_s_gpus_in_local_rank_order():
+    """No GPU here: the rank and device arithmetic alone. Actors on two nodes in creation order A, B, A, B with
+    the GPUs Ray gave each: ranks 0-1 on A, 2-3 on B, and every worker of a node sees that node's GPUs ordered
+    by local rank (Horovod's CUDA_VISIBLE_DEVICES), so local rank i drives device i."""
+    from hvdplus.ray.ranks import WorkerNode, cuda_visible_devices, place_ranks
+
+    a, b = "a" * 56, "b" * 56
+    nodes = [WorkerNode(a, "10.0.0.1", ("3",)), WorkerNode(b, "10.0.0.2", ("0",)), WorkerNode(a, "10.0.0.1", ("1",))]
+    nodes.append(WorkerNode(b, "10.0.0.2", ("2",)))
+    slots = place_ranks(nodes)
+    assert [(s.rank, s.local_rank, s.cross_rank, s.hostname) for s in slots] == [
+        (0, 0, 0, "10.0.0.1-aaaaaaaa"),
+        (2, 0, 1, "10.0.0.2-bbbbbbbb"),
+        (1, 1, 0, "10.0.0.1-aaaaaaaa"),
+        (3, 1, 1, "10.0.0.2-bbbbbbbb"),
+    ]
+    assert cuda_visible_devices(nodes, slots) == {0: "3,1", 1: "0,2", 2: "3,1", 3: "0,2"}
+    assert cuda_visible_devices([WorkerNode(a, "10.0.0.1")], place_ranks([WorkerNode(a, "10.0.0.1")])) == {}
+
+
 def test_the_horovod_alias_imports_hvdplus_ray():
     """The horovod alias maps horovod.ray to hvdplus.ray, as hvdplusrun's workers see it."""
     code = (
