@@ -15,7 +15,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, TextIO, cast
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from hvdplus.common.elastic_plan import host_of
 from hvdplus.common.settings import Settings
@@ -32,6 +32,9 @@ from hvdplus.spark.output import OutputPrinter
 from hvdplus.spark.runner import CANCEL_SECONDS, dumps, nic_list
 from hvdplus.spark.spark_job import SparkJob
 from hvdplus.spark.task import TaskJob
+
+if TYPE_CHECKING:
+    from pyspark import SparkContext
 
 __all__ = ["run_elastic", "SparkElasticDriver"]
 
@@ -109,11 +112,7 @@ def run_elastic(
         max_num_proc = max_np
     payload = dumps(fn, args, kwargs)
     context = active_context()
-    num_proc = num_proc_from(context, num_proc)
-    fewest = num_proc_from(context, num_proc if min_num_proc is None else min_num_proc, "min_num_proc")
-    most = num_proc_from(context, num_proc if max_num_proc is None else max_num_proc, "max_num_proc")
-    if not fewest <= num_proc <= most:
-        raise ValueError(f"need min_num_proc <= num_proc <= max_num_proc, got {fewest}, {num_proc}, {most}")
+    num_proc, fewest, most = _counts(context, num_proc, min_num_proc, max_num_proc)
     timeout = start_timeout_from(start_timeout)
     settled = Settings.from_env().elastic_timeout if elastic_timeout is None else float(elastic_timeout)
     interfaces = nic_list(nics)
@@ -142,6 +141,18 @@ def run_elastic(
         detail = f"; a worker's failure:\n{failure.decode(errors='replace')}" if failure else ""
         raise RuntimeError(f"hvdplus.spark.run_elastic: the elastic job failed (exit status {code}){detail}")
     return [_result(driver, wid) for wid in driver.plan.workers]
+
+
+def _counts(
+    context: SparkContext, num_proc: int | None, min_num_proc: int | None, max_num_proc: int | None
+) -> tuple[int, int, int]:
+    """num_proc (default defaultParallelism), min_num_proc and max_num_proc (default num_proc), checked."""
+    num_proc = num_proc_from(context, num_proc)
+    fewest = num_proc_from(context, num_proc if min_num_proc is None else min_num_proc, "min_num_proc")
+    most = num_proc_from(context, num_proc if max_num_proc is None else max_num_proc, "max_num_proc")
+    if not fewest <= num_proc <= most:
+        raise ValueError(f"need min_num_proc <= num_proc <= max_num_proc, got {fewest}, {num_proc}, {most}")
+    return num_proc, fewest, most
 
 
 def _await_tasks(driver: SparkElasticDriver, spark: SparkJob, num_proc: int, timeout: float) -> None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from hvdplus.common.rendezvous import RendezvousClient
 from hvdplus.runner.cluster_env import place_by_host, rank_env, worker_environ
+from hvdplus.runner.hosts import Slot
 from hvdplus.runner.supervise import describe_exit
 from hvdplus.spark.child import Child
 from hvdplus.spark.keys import ABORT_KEY, FAILURE_KEY, attempt_key, result_key
@@ -54,30 +55,17 @@ def run_barrier_task(job: TaskJob, partition: Iterable[object]) -> Iterator[tupl
     index, host = context.partitionId(), socket.gethostname()
     client = RendezvousClient(job.address, job.port, job.secret, job.start_timeout)
     try:
-        attempt = client.add(attempt_key(index), 1)
-        if attempt > 1:
+        if client.add(attempt_key(index), 1) > 1:
             _report(
                 client,
-                f"Spark started task {index} again on {host} (attempt {attempt}): an earlier attempt of the job's "
-                "barrier stage failed (a lost executor or a killed task; see the Spark logs). hvdplus.spark runs "
-                "fn once per job and does not run it again",
+                f"Spark started task {index} again on {host}: an earlier attempt of the job's barrier stage failed "
+                "(a lost executor or a killed task; see the Spark logs). hvdplus.spark runs fn once per job and "
+                "does not run it again",
             )
             yield index, -1, 1
             return
         slot = place_by_host(context.allGather(host))[index]
-        label = f"rank {slot.rank} (Spark task {index} on {host})"
-        try:
-            env = worker_environ(os.environ, job.env, rank_env(slot, job.address, job.port, job.secret, job.nics))
-            child = Child(client, worker_argv(job, result_key(str(slot.rank)), label), env, str(slot.rank))
-        except OSError as exc:
-            _report(client, f"{label} could not start {job.executable or sys.executable!r}: {exc}")
-            yield index, slot.rank, 127
-            return
-        code = child.wait(lambda: client.check([ABORT_KEY]))
-        if code != 0 and not client.check([ABORT_KEY]):
-            tail = "\n".join(child.tail)
-            _report(client, f"{label} exited with {describe_exit(code)}" + (f"; last output:\n{tail}" if tail else ""))
-        yield index, slot.rank, code
+        yield index, slot.rank, _run_rank(job, client, slot, f"rank {slot.rank} (Spark task {index} on {host})")
     except (ConnectionError, OSError):
         raise  # the driver is gone: nobody to report to
     except Exception:
@@ -85,3 +73,18 @@ def run_barrier_task(job: TaskJob, partition: Iterable[object]) -> Iterator[tupl
         yield index, -1, 1
     finally:
         client.close()
+
+
+def _run_rank(job: TaskJob, client: RendezvousClient, slot: Slot, label: str) -> int:
+    """Run rank `slot.rank`'s process to its end, or until the driver aborts; its exit status."""
+    try:
+        env = worker_environ(os.environ, job.env, rank_env(slot, job.address, job.port, job.secret, job.nics))
+        child = Child(client, worker_argv(job, result_key(str(slot.rank)), label), env, str(slot.rank))
+    except OSError as exc:
+        _report(client, f"{label} could not start {job.executable or sys.executable!r}: {exc}")
+        return 127
+    code = child.wait(lambda: client.check([ABORT_KEY]))
+    if code != 0 and not client.check([ABORT_KEY]):
+        tail = "\n".join(child.tail)
+        _report(client, f"{label} exited with {describe_exit(code)}" + (f"; last output:\n{tail}" if tail else ""))
+    return code
