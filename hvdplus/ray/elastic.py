@@ -14,7 +14,6 @@ import sys
 import threading
 import time
 import traceback
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -28,7 +27,7 @@ from hvdplus.ray.ranks import host_name
 from hvdplus.ray.worker import LEFT_OUT, BaseHorovodWorker
 from hvdplus.runner.cluster_env import rank_env
 from hvdplus.runner.elastic_run import ElasticDriver
-from hvdplus.runner.hosts import Host, assign_slots
+from hvdplus.runner.hosts import Slot
 from hvdplus.runner.job import ElasticOptions, JobSpec
 from hvdplus.runner.supervise import Process
 
@@ -129,28 +128,14 @@ class RayElasticDriver(ElasticDriver):
         self.processes: dict[str, ActorProcess] = {}
         self.messages: list[str] = []
 
-    def _start(self, wid: str, generation: int, workers: list[str]) -> None:
-        """Start worker `wid` (an actor on its host's node) to join generation `generation` or a later one."""
-        host = host_of(wid)
-        counts = Counter(map(host_of, workers))
-        slot = assign_slots([Host(h, n) for h, n in counts.items()], len(workers))[workers.index(wid)]
-        env = {
-            **self.env,
-            **rank_env(slot, self.address, self.server.listen(self.address), self.secret),
-            "HOROVOD_ELASTIC": "1",
-            "HVDPLUS_ELASTIC_WORKER": wid,
-            "HVDPLUS_ELASTIC_GENERATION": str(generation),
-            "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout),
-        }
-        process = self.launch(wid, host, env)
+    def launch_worker(self, wid: str, slot: Slot, elastic: dict[str, str]) -> Process:
+        """Start worker `wid` as an actor on its host's node, in `slot` with the `elastic` variables."""
+        env = {**self.env, **rank_env(slot, self.address, self.server.listen(self.address), self.secret), **elastic}
+        process = self.launch(wid, host_of(wid), env)
         self.processes[wid] = process
-        self.workers[wid] = cast(Process, process)
-        self._started_for[wid] = generation
-        self._holders.discard(wid)
-        self._synced_in.pop(wid, None)
-        self._joining.add(wid)
+        return cast(Process, process)
 
-    def _say(self, message: str) -> None:  # type: ignore[override]
+    def say(self, message: str) -> None:
         message = message.replace("hvdplusrun:", "hvdplus.ray:", 1)
         self.messages.append(message)
         print(message, file=sys.stderr, flush=True)

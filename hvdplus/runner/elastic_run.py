@@ -46,7 +46,7 @@ from hvdplus.common.rendezvous import RendezvousServer, new_secret
 from hvdplus.runner.agent import source_address
 from hvdplus.runner.elastic_hosts import HostManager
 from hvdplus.runner.gloo_run import slot_env, start_agent
-from hvdplus.runner.hosts import Host, assign_slots, is_local
+from hvdplus.runner.hosts import Host, Slot, assign_slots, is_local
 from hvdplus.runner.job import ElasticOptions, JobSpec
 from hvdplus.runner.preflight import preflight
 from hvdplus.runner.supervise import POLL_SECONDS, Process, Supervisor, describe_exit
@@ -125,10 +125,10 @@ class ElasticDriver:
             self._wait_first()
             return self._watch()
         except ElasticJobError as exc:
-            self._say(f"hvdplusrun: elastic job failed: {exc}")
+            self.say(f"hvdplusrun: elastic job failed: {exc}")
             return 1
         except _Signalled as signalled:
-            self._say(f"hvdplusrun: got {signal.Signals(signalled.signum).name}; stopping every worker")
+            self.say(f"hvdplusrun: got {signal.Signals(signalled.signum).name}; stopping every worker")
             return 128 + signalled.signum
         finally:
             for signum, handler in previous.items():
@@ -208,7 +208,7 @@ class ElasticDriver:
                 self._finishing = True
                 continue
             if self._finishing:  # the job was ending well, then a worker of its last generation failed
-                self._say(f"hvdplusrun: worker {wid} failed with {describe_exit(code)} after the job finished")
+                self.say(f"hvdplusrun: worker {wid} failed with {describe_exit(code)} after the job finished")
                 return code if code > 0 else 1
             self._on_failure(wid, code)
             members = set(self.plan.workers) | self._joining
@@ -224,7 +224,7 @@ class ElasticDriver:
         host = host_of(wid)
         rank = self.plan.rank_of(wid)
         where = f"rank {rank} of generation {self.plan.generation}" if rank is not None else "starting"
-        self._say(f"hvdplusrun: worker {wid} ({where}) failed with {describe_exit(code)}; blacklisting host {host}")
+        self.say(f"hvdplusrun: worker {wid} ({where}) failed with {describe_exit(code)}; blacklisting host {host}")
         if rank is not None:
             self.server.put(
                 failure_notice_key(self.plan.generation, rank),
@@ -265,7 +265,7 @@ class ElasticDriver:
         assert self.plan is not None
         bridge = [w for w in self.plan.workers if w in holding]
         if not self._bridging:
-            self._say(
+            self.say(
                 f"hvdplusrun: every host whose workers hold the training state was removed; "
                 f"{', '.join(bridge)} keep training until {', '.join(wanted)} have started and synced from them"
             )
@@ -344,7 +344,7 @@ class ElasticDriver:
         self.server.put(plan_key(generation), self.plan.encode())
         self.server.put(LATEST_KEY, str(generation).encode())
         if self.spec.verbose or generation:
-            self._say(
+            self.say(
                 f"hvdplusrun: generation {generation} ({reason}): {self.plan.size} worker(s): {', '.join(workers)}"
             )
         self._member_failed = False
@@ -373,12 +373,12 @@ class ElasticDriver:
             self._short_since = now
             wait = f"waiting up to {self.options.timeout:g} s (--elastic-timeout)"
             if slots + len(starting) >= self.options.min_np:
-                self._say(
+                self.say(
                     f"hvdplusrun: {slots} worker(s) ready, fewer than --min-np {self.options.min_np}: {wait} for "
                     f"{', '.join(starting)} to start (reach hvd.init)"
                 )
             else:
-                self._say(
+                self.say(
                     f"hvdplusrun: {slots + len(starting)} slot(s) usable, fewer than --min-np "
                     f"{self.options.min_np}: {wait} for more hosts"
                 )
@@ -401,29 +401,34 @@ class ElasticDriver:
 
     def _start(self, wid: str, generation: int, workers: list[str]) -> None:
         """Start worker `wid` to join generation `generation` or a later one; `workers`: the planned ranks."""
-        host = host_of(wid)
-        address = "127.0.0.1" if is_local(host) else source_address(host)
         slot = assign_slots([Host(h, n) for h, n in Counter(map(host_of, workers)).items()], len(workers))[
             workers.index(wid)
         ]
-        env = slot_env(self.spec, slot, address, self.server.listen(address), self.secret)
-        env.update(
-            {
-                "HOROVOD_ELASTIC": "1",
-                "HVDPLUS_ELASTIC_WORKER": wid,
-                "HVDPLUS_ELASTIC_GENERATION": str(generation),
-                "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout),
-                "HVDPLUS_CPU_OPERATIONS": "gloo",
-            }
-        )
-        self.workers[wid] = start_agent(self.spec, self.supervisor, host, env, address, f"worker {wid}", tag=wid)
+        elastic = {
+            "HOROVOD_ELASTIC": "1",
+            "HVDPLUS_ELASTIC_WORKER": wid,
+            "HVDPLUS_ELASTIC_GENERATION": str(generation),
+            "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout),
+        }
+        self.workers[wid] = self.launch_worker(wid, slot, elastic)
         self._started_for[wid] = generation
         self._holders.discard(wid)  # a new process holds nothing until its first sync
         self._synced_in.pop(wid, None)
         self._joining.add(wid)
 
-    @staticmethod
-    def _say(message: str) -> None:
+    def launch_worker(self, wid: str, slot: Slot, elastic: dict[str, str]) -> Process:
+        """Start worker `wid` in `slot` (its ranks) with the `elastic` variables; what the driver watches (exit
+        status, stop). hvdplusrun starts an agent on the worker's host, over ssh unless local; a cluster engine
+        (hvdplus.ray, hvdplus.spark) overrides this to start an actor or hand the worker to a task."""
+        host = host_of(wid)
+        address = "127.0.0.1" if is_local(host) else source_address(host)
+        env = slot_env(self.spec, slot, address, self.server.listen(address), self.secret)
+        env.update(elastic)
+        env["HVDPLUS_CPU_OPERATIONS"] = "gloo"
+        return start_agent(self.spec, self.supervisor, host, env, address, f"worker {wid}", tag=wid)
+
+    def say(self, message: str) -> None:
+        """A notice of the driver's, to the launcher's stderr."""
         print(message, file=sys.stderr, flush=True)
 
 
