@@ -11,9 +11,9 @@ import functools
 import json
 import logging
 import pickle
+import sys
 import time
 import warnings
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
@@ -21,7 +21,7 @@ from hvdplus.common.elastic_plan import host_of
 from hvdplus.common.settings import Settings
 from hvdplus.runner.cluster_env import rank_env
 from hvdplus.runner.elastic_run import ElasticDriver, ElasticJobError
-from hvdplus.runner.hosts import Host, assign_slots
+from hvdplus.runner.hosts import Slot
 from hvdplus.runner.job import ElasticOptions, JobSpec
 from hvdplus.runner.supervise import Process
 from hvdplus.spark.context import active_context, driver_addresses, num_proc_from, start_timeout_from
@@ -50,6 +50,7 @@ class SparkElasticDriver(ElasticDriver):
         self.tasks = TaskRegistry(self.server)
         self.supervisor = TaskSupervisor(self.server, self.tasks)
         self.spark: SparkJob | None = None  # the Spark job of the tasks, once started
+        self.notices: TextIO | None = None  # where say() prints (default sys.stderr)
 
     def _check_exits(self) -> int | None:
         """As ElasticDriver's, and the job ends when the Spark job of its tasks failed (Spark aborted the stage)."""
@@ -57,25 +58,16 @@ class SparkElasticDriver(ElasticDriver):
             raise ElasticJobError(f"the Spark job of its tasks failed: {self.spark.error}")
         return super()._check_exits()
 
-    def _start(self, wid: str, generation: int, workers: list[str]) -> None:
-        """Order the task that stands for `wid`'s host to start it, for generation `generation` or a later one."""
-        hosts = Counter(map(host_of, workers))
-        slot = assign_slots([Host(h, n) for h, n in hosts.items()], len(workers))[workers.index(wid)]
+    def launch_worker(self, wid: str, slot: Slot, elastic: dict[str, str]) -> Process:
+        """Order the task that stands for `wid`'s host to start it in `slot`."""
         env = rank_env(slot, self.address, self.port, self.secret, self.spec.nics)
-        env.update(
-            {
-                "HOROVOD_ELASTIC": "1",
-                "HVDPLUS_ELASTIC_WORKER": wid,
-                "HVDPLUS_ELASTIC_GENERATION": str(generation),
-                "HVDPLUS_ELASTIC_TIMEOUT": str(self.options.timeout),
-            }
-        )
+        env.update(elastic)
         worker = self.tasks.start(host_of(wid), json.dumps(env))
-        self.workers[wid] = cast(Process, worker)  # ElasticDriver reads only .exited, .proc.returncode, .stop()
-        self._started_for[wid] = generation
-        self._holders.discard(wid)
-        self._synced_in.pop(wid, None)
-        self._joining.add(wid)
+        return cast(Process, worker)  # ElasticDriver reads only .exited, .proc.returncode and .stop()
+
+    def say(self, message: str) -> None:
+        """The driver's notices go to run_elastic's `stderr`."""
+        print(message, file=self.notices or sys.stderr, flush=True)
 
 
 def run_elastic(
@@ -119,6 +111,7 @@ def run_elastic(
     bind, address = driver_addresses(context, interfaces)
     options = ElasticOptions(num_proc, fewest, most, lambda: driver.tasks.discover(), settled, reset_limit)
     driver = SparkElasticDriver(options, bind, address, interfaces, verbose >= 2)
+    driver.notices = stderr
     driver.server.put(FUNCTION_KEY, payload)
     printer = OutputPrinter(driver.server, driver.tasks.tags, stdout, stderr, prefix_output_with_timestamp)
     job = TaskJob(address, driver.port, driver.secret, timeout, dict(env or {}), None, tuple(interfaces))
