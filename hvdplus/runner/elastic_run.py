@@ -196,6 +196,7 @@ class ElasticDriver:
     def _check_exits(self) -> int | None:
         """Act on workers that ended; the job's exit status once it is over."""
         assert self.plan is not None
+        self.check_engine()
         members = set(self.plan.workers) | self._joining
         for wid, process in list(self.workers.items()):
             if not process.exited.is_set() or id(process) in self._handled:
@@ -426,6 +427,10 @@ class ElasticDriver:
         env.update(elastic)
         env["HVDPLUS_CPU_OPERATIONS"] = "gloo"
         return start_agent(self.spec, self.supervisor, host, env, address, f"worker {wid}", tag=wid)
+
+    def check_engine(self) -> None:
+        """Raise ElasticJobError if what starts the workers has failed as a whole (hvdplusrun's agents fail one
+        by one, as workers; a cluster engine's job of tasks can fail at once)."""
 
     def say(self, message: str) -> None:
         """A notice of the driver's, to the launcher's stderr."""

@@ -52,11 +52,10 @@ class SparkElasticDriver(ElasticDriver):
         self.spark: SparkJob | None = None  # the Spark job of the tasks, once started
         self.notices: TextIO | None = None  # where say() prints (default sys.stderr)
 
-    def _check_exits(self) -> int | None:
-        """As ElasticDriver's, and the job ends when the Spark job of its tasks failed (Spark aborted the stage)."""
+    def check_engine(self) -> None:
+        """The job ends when the Spark job of its tasks failed (Spark aborted the stage)."""
         if self.spark is not None and self.spark.done.is_set() and self.spark.error is not None:
             raise ElasticJobError(f"the Spark job of its tasks failed: {self.spark.error}")
-        return super()._check_exits()
 
     def launch_worker(self, wid: str, slot: Slot, elastic: dict[str, str]) -> Process:
         """Order the task that stands for `wid`'s host to start it in `slot`."""
