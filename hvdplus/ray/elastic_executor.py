@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 from hvdplus.ray.runner import RayExecutor
 from hvdplus.ray.settings import ElasticRaySettings
+from hvdplus.runner.cluster_env import deprecated_bounds
 
 __all__ = ["ElasticRayExecutor"]
 
@@ -40,18 +40,13 @@ class ElasticRayExecutor:
     ) -> ElasticRaySettings:
         """Horovod's ElasticSettings for Ray. `min_np`/`max_np` are Horovod's deprecated names of the bounds;
         other keywords must name a settings field (`verbose`, `cooldown_range`)."""
-        if min_np is not None:
-            warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=2)
-            min_num_proc = min_np
-        if max_np is not None:
-            warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=2)
-            max_num_proc = max_np
+        fewest, max_num_proc = deprecated_bounds(min_num_proc, max_num_proc, min_np, max_np)
         known = {f.name for f in dataclasses.fields(ElasticRaySettings)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"ElasticRayExecutor.create_settings: unknown setting(s) {unknown}; known: {sorted(known)}")
         return ElasticRaySettings(
-            min_num_proc=min_num_proc,
+            min_num_proc=min_num_proc if fewest is None else fewest,
             max_num_proc=max_num_proc,
             reset_limit=reset_limit,
             elastic_timeout=elastic_timeout,

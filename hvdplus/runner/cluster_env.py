@@ -7,12 +7,13 @@ reach the job's authenticated rendezvous. Stdlib only, like the rest of the laun
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 from hvdplus.runner.env import INHERITED_LAUNCH_VARIABLES
 from hvdplus.runner.hosts import Host, Slot, assign_slots
 
-__all__ = ["place_by_host", "rank_env", "worker_environ"]
+__all__ = ["place_by_host", "rank_variables", "rank_env", "worker_environ", "deprecated_bounds"]
 
 
 def place_by_host(hosts: Sequence[str]) -> list[Slot]:
@@ -34,9 +35,10 @@ def place_by_host(hosts: Sequence[str]) -> list[Slot]:
     return placed
 
 
-def rank_env(slot: Slot, address: str, port: int, secret: str, nics: Sequence[str] | None = None) -> dict[str, str]:
-    """The variables a Gloo rank reads at hvd.init(): its place (`slot`) and how to reach the rendezvous."""
-    env = {
+def rank_variables(slot: Slot, address: str, port: int, secret: str) -> dict[str, str]:
+    """Horovod's rank variables of `slot` and how to reach the rendezvous: what every Gloo rank reads at
+    hvd.init(), whoever started it (hvdplusrun's agents, Spark tasks, Ray actors)."""
+    return {
         "HOROVOD_RANK": str(slot.rank),
         "HOROVOD_SIZE": str(slot.size),
         "HOROVOD_LOCAL_RANK": str(slot.local_rank),
@@ -44,11 +46,16 @@ def rank_env(slot: Slot, address: str, port: int, secret: str, nics: Sequence[st
         "HOROVOD_CROSS_RANK": str(slot.cross_rank),
         "HOROVOD_CROSS_SIZE": str(slot.cross_size),
         "HOROVOD_HOSTNAME": slot.hostname,
-        "HVDPLUS_CPU_OPERATIONS": "gloo",  # Spark and Ray start the ranks: there is no mpirun
         "HVDPLUS_RENDEZVOUS_ADDR": address,
         "HVDPLUS_RENDEZVOUS_PORT": str(port),
         "HVDPLUS_SECRET_KEY": secret,
     }
+
+
+def rank_env(slot: Slot, address: str, port: int, secret: str, nics: Sequence[str] | None = None) -> dict[str, str]:
+    """The variables a Gloo rank a cluster engine starts reads at hvd.init(): `rank_variables`, on Gloo."""
+    env = rank_variables(slot, address, port, secret)
+    env["HVDPLUS_CPU_OPERATIONS"] = "gloo"  # Spark and Ray start the ranks: there is no mpirun
     if nics:
         env["GLOO_SOCKET_IFNAME"] = nics[0]
     return env
@@ -61,3 +68,17 @@ def worker_environ(base: Mapping[str, str], user: Mapping[str, str], launch: Map
     env.update(user)
     env.update(launch)
     return env
+
+
+def deprecated_bounds(
+    min_num_proc: int | None, max_num_proc: int | None, min_np: int | None, max_np: int | None
+) -> tuple[int | None, int | None]:
+    """(min_num_proc, max_num_proc), taking Horovod's deprecated `min_np`/`max_np` where given, with its warnings
+    (attributed to the caller of the public function that took them)."""
+    if min_np is not None:
+        warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=3)
+        min_num_proc = min_np
+    if max_np is not None:
+        warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=3)
+        max_num_proc = max_np
+    return min_num_proc, max_num_proc

@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 from hvdplus.common.rendezvous import RendezvousServer, new_secret
 from hvdplus.runner import agent
+from hvdplus.runner.cluster_env import rank_variables
 from hvdplus.runner.env import exportable
 from hvdplus.runner.hosts import Slot, is_local
 from hvdplus.runner.job import JobSpec
@@ -46,20 +47,7 @@ def rendezvous_addresses(hostnames: list[str], nics: list[str]) -> dict[str, str
 def slot_env(spec: JobSpec, slot: Slot, address: str, port: int, secret: str) -> dict[str, str]:
     """The worker environment for `slot`: Horovod's rank variables, and how to reach the rendezvous."""
     env = dict(spec.env)
-    env.update(
-        {
-            "HOROVOD_RANK": str(slot.rank),
-            "HOROVOD_SIZE": str(slot.size),
-            "HOROVOD_LOCAL_RANK": str(slot.local_rank),
-            "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-            "HOROVOD_CROSS_RANK": str(slot.cross_rank),
-            "HOROVOD_CROSS_SIZE": str(slot.cross_size),
-            "HOROVOD_HOSTNAME": slot.hostname,
-            "HVDPLUS_RENDEZVOUS_ADDR": address,
-            "HVDPLUS_RENDEZVOUS_PORT": str(port),
-            "HVDPLUS_SECRET_KEY": secret,
-        }
-    )
+    env.update(rank_variables(slot, address, port, secret))
     if spec.nics:
         env.setdefault("GLOO_SOCKET_IFNAME", spec.nics[0])
     return env

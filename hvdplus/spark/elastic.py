@@ -13,13 +13,12 @@ import logging
 import pickle
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
 from hvdplus.common.elastic_plan import host_of
 from hvdplus.common.settings import Settings
-from hvdplus.runner.cluster_env import rank_env
+from hvdplus.runner.cluster_env import deprecated_bounds, rank_env
 from hvdplus.runner.elastic_run import ElasticDriver, ElasticJobError
 from hvdplus.runner.hosts import Slot
 from hvdplus.runner.job import ElasticOptions, JobSpec
@@ -95,12 +94,7 @@ def run_elastic(
     (default `num_proc`) live, with up to `max_num_proc` (default `num_proc`) Spark tasks. Raises RuntimeError when
     the job cannot go on (the reason, as hvdplusrun prints it, is logged to stderr). `min_np` and `max_np` are
     Horovod's deprecated spellings of `min_num_proc` and `max_num_proc`."""
-    if min_np is not None:
-        warnings.warn("min_np is deprecated, use min_num_proc instead", DeprecationWarning, stacklevel=2)
-        min_num_proc = min_np
-    if max_np is not None:
-        warnings.warn("max_np is deprecated, use max_num_proc instead", DeprecationWarning, stacklevel=2)
-        max_num_proc = max_np
+    min_num_proc, max_num_proc = deprecated_bounds(min_num_proc, max_num_proc, min_np, max_np)
     payload = dumps(fn, args, kwargs)
     context = active_context()
     num_proc, fewest, most = _counts(context, num_proc, min_num_proc, max_num_proc)
