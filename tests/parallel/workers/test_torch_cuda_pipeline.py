@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_torch_pipeline import LR, ROWS, STEPS, batches, mse  # the CPU suite's data and loss
 
 from hvdplus.common.basics import runtime
 from hvdplus.common.pipeline import Op
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-STEPS, ROWS, LR = 3, 12, 0.1
 
 
 @pytest.fixture
@@ -43,18 +42,6 @@ def make_model() -> torch.nn.Sequential:
         modules += [torch.nn.Tanh(), torch.nn.Linear(12, 12)]
     modules += [torch.nn.Tanh(), torch.nn.Linear(12, 3)]
     return torch.nn.Sequential(*modules)
-
-
-def batches(replicas: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(7)
-    return [
-        (torch.randn(replicas * ROWS, 5, generator=generator), torch.randn(replicas * ROWS, 3, generator=generator))
-        for _ in range(STEPS)
-    ]
-
-
-def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(output, target)
 
 
 def reference(replicas: int) -> torch.nn.Sequential:
