@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.parallel.jobs import (
@@ -241,3 +243,40 @@ def test_pipeline_suite_on_4_ranks(engine):
     )
     assert code == 0, f"{engine} job with 4 ranks failed (exit {code}):\n{output[-20000:]}"
     assert_every_rank_ran(engine, 4, output, at_least=15)
+
+
+# Rank 1 lets mpi4py initialise MPI at MPI_THREAD_SERIALIZED, as an application that set mpi4py.rc would.
+_SERIALIZED_RANK_1 = """
+import os, time
+import mpi4py
+rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+if rank == 1:
+    mpi4py.rc.thread_level = "serialized"
+import hvdplus.torch as hvd
+start = time.monotonic()
+try:
+    hvd.init()
+except RuntimeError as exc:
+    print(f"rank {rank} refused in {time.monotonic() - start:.1f} s: {exc}", flush=True)
+else:
+    print(f"rank {rank} went on", flush=True)
+"""
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["mpi", "mpich"])
+def test_mpi_below_thread_multiple_is_refused_on_every_rank(engine):
+    """One rank's MPI initialised at MPI_THREAD_SERIALIZED: every rank's hvd.init() raises the same error naming
+    that rank and the fix, within seconds, instead of calling MPI from several threads."""
+    _skip_if_missing(engine)
+    code, output = run_job(engine, 3, ["-c", _SERIALIZED_RANK_1], timeout=60)
+    assert code == 0, output
+    refusals = re.findall(
+        r"rank (\d) refused in ([\d.]+) s: hvdplus calls MPI from several threads and needs MPI_THREAD_MULTIPLE, "
+        r"but MPI was initialised with MPI_THREAD_SERIALIZED on rank\(s\) 1\.",
+        output,
+    )
+    assert sorted(rank for rank, _ in refusals) == ["0", "1", "2"], output
+    assert max(float(seconds) for _, seconds in refusals) < 30, output
+    assert "went on" not in output, output

@@ -14,13 +14,17 @@ from hvdplus.common import halfops
 from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.ops import ReduceOp
 
-__all__ = ["MPIEngine", "check_launcher_size"]
+__all__ = ["MPIEngine", "check_launcher_size", "check_thread_levels"]
 
 # What MPI launchers declare as the job size: Open MPI's mpirun, and Hydra (MPICH, Intel MPI) or Slurm's PMI.
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _BEACON_TAG = 0x68766470  # point-to-point on the world communicator: collectives never match it
 _FAILURE_TAG = _BEACON_TAG + 1
 _FAILURE_BYTES = 2000  # a failure notice is cut to this: small enough to be sent eagerly, without a receiver
+
+
+def _thread_level_names(MPI: Any) -> dict[int, str]:
+    return {getattr(MPI, name): f"MPI_{name}" for name in ("THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED")}
 
 
 def _beacon_tag(stream: int) -> int:
@@ -45,6 +49,23 @@ def check_launcher_size(world_size: int, environ: Mapping[str, str], library: st
             )
 
 
+def check_thread_levels(levels: Sequence[int], multiple: int, names: Mapping[int, str]) -> None:
+    """Refuse an MPI that some rank initialised below MPI_THREAD_MULTIPLE (`levels`: each rank's provided level).
+
+    hvdplus calls MPI from several threads (each process set's rounds, the cross-host lane, the planned path's
+    hooks, threads waiting on handles); below MULTIPLE that is undefined behaviour: crashes or silent corruption."""
+    low = [rank for rank, level in enumerate(levels) if level < multiple]
+    if low:
+        found = ", ".join(sorted({names.get(levels[rank], str(levels[rank])) for rank in low}))
+        raise RuntimeError(
+            f"hvdplus calls MPI from several threads and needs MPI_THREAD_MULTIPLE, but MPI was initialised with "
+            f"{found} on rank(s) {', '.join(map(str, low))}. Let mpi4py initialise MPI at its default level "
+            f"(remove mpi4py.rc.thread_level or MPI4PY_RC_THREAD_LEVEL, or set it to 'multiple'; an application "
+            f"that calls MPI_Init_thread itself must ask for MPI_THREAD_MULTIPLE and use an MPI built with thread "
+            f"support), or run over Gloo instead (HOROVOD_CPU_OPERATIONS=gloo)."
+        )
+
+
 class MPIEngine:
     """Runs collectives with mpi4py on `comm` (MPI.COMM_WORLD unless the user passes one)."""
 
@@ -65,6 +86,8 @@ class MPIEngine:
             comm = MPI.COMM_WORLD
         elif isinstance(comm, (list, tuple)):
             comm = MPI.COMM_WORLD.Create_group(MPI.COMM_WORLD.Get_group().Incl(list(comm)))
+        # Every rank learns every rank's level before any other collective, so all of them raise the same error.
+        check_thread_levels(comm.allgather(MPI.Query_thread()), MPI.THREAD_MULTIPLE, _thread_level_names(MPI))
         self.world = comm.Dup()
         self.rank = self.world.Get_rank()
         self.size = self.world.Get_size()
