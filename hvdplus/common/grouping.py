@@ -48,13 +48,18 @@ def build_groups(params: Sequence[Any], groups: int | list[Any] | None) -> dict[
 
 
 def bucket_indices(
-    nbytes: Sequence[int], kinds: Sequence[Any], bucket_bytes: int, alone_bytes: int | None
+    nbytes: Sequence[int],
+    kinds: Sequence[Any],
+    bucket_bytes: int,
+    alone_bytes: int | None,
+    first_bucket_bytes: int = 0,
 ) -> list[tuple[int, ...]]:
     """DDP's gradient buckets, as positions: the parameters in reverse order (backward produces the last
-    layers' gradients first) cut into contiguous runs of one kind (dtype) and at most `bucket_bytes`. A
-    parameter of `alone_bytes` or more (None: no limit) is in no bucket: it is reduced alone and in place, where
-    packing it would cost more than the engine call it saves. No buckets when `bucket_bytes` is 0. Every rank
-    computes the same buckets."""
+    layers' gradients first) cut into contiguous runs of one kind (dtype) and at most `bucket_bytes`. The first
+    bucket holds at most `first_bucket_bytes` (DDP's first-bucket rule; 0: no separate limit), so that its
+    reduction starts early in the backward pass. A parameter of `alone_bytes` or more (None: no limit) is in no
+    bucket: it is reduced alone and in place, where packing it would cost more than the engine call it saves. No
+    buckets when `bucket_bytes` is 0. Every rank computes the same buckets."""
     if bucket_bytes <= 0:
         return []
     buckets: list[list[int]] = []
@@ -64,7 +69,8 @@ def bucket_indices(
         if alone_bytes is not None and nbytes[i] >= alone_bytes:
             current = None  # buckets stay contiguous: a large parameter closes the open one
             continue
-        if current is None or kinds[current[-1]] != kinds[i] or filled + nbytes[i] > bucket_bytes:
+        limit = min(first_bucket_bytes, bucket_bytes) if first_bucket_bytes and len(buckets) == 1 else bucket_bytes
+        if current is None or kinds[current[-1]] != kinds[i] or filled + nbytes[i] > limit:
             current, filled = [], 0
             buckets.append(current)
         current.append(i)

@@ -88,6 +88,15 @@ SETTINGS: tuple[Setting, ...] = (
         "HVDPLUS_BUCKET_BYTES",
     ),
     Setting(
+        "first_bucket_bytes",
+        int,
+        1 << 20,
+        "DDP's first-bucket rule: the first gradient bucket a DistributedOptimizer fills (the last layers') holds "
+        "at most this many bytes, so its allreduce starts early in the backward pass; the later buckets hold "
+        "HVDPLUS_BUCKET_BYTES. 0 gives the first bucket the same size as the others.",
+        "HVDPLUS_FIRST_BUCKET_BYTES",
+    ),
+    Setting(
         "planned_path",
         _parse_bool,
         True,
@@ -461,6 +470,7 @@ class Settings:
 
     fusion_threshold: int = 128 * 1024 * 1024
     bucket_bytes: int | None = None  # None: the engine's (Engine.bucket_bytes)
+    first_bucket_bytes: int = 1 << 20
     planned_path: bool = True
     cycle_time_ms: float = 1.0
     cache_capacity: int = 1024
@@ -494,6 +504,8 @@ class Settings:
             raise ValueError(f"fusion_threshold must be >= 0 bytes, got {self.fusion_threshold}")
         if self.bucket_bytes is not None and self.bucket_bytes < 0:
             raise ValueError(f"bucket_bytes must be >= 0 bytes, got {self.bucket_bytes}")
+        if self.first_bucket_bytes < 0:
+            raise ValueError(f"first_bucket_bytes must be >= 0 bytes, got {self.first_bucket_bytes}")
         if self.cycle_time_ms <= 0:
             raise ValueError(f"cycle_time_ms must be > 0, got {self.cycle_time_ms}")
         if self.hierarchical_chunk_bytes < 0:

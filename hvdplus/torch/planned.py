@@ -50,14 +50,15 @@ def wire_dtype(compression: Any) -> tuple[bool, torch.dtype | None]:
 DEVICE_BUCKET_BYTES = 25 << 20
 
 
-def bucket_sizes(params: Sequence[torch.Tensor]) -> tuple[int, int | None]:
-    """(bucket size, the size from which a gradient goes alone) of DistributedOptimizer's buckets: for tensors on
-    a device plane (CUDA tensors on NCCL) HVDPLUS_BUCKET_BYTES or DEVICE_BUCKET_BYTES, none alone; else the
-    host engine's rules."""
+def bucket_sizes(params: Sequence[torch.Tensor]) -> tuple[int, int | None, int]:
+    """(bucket size, the size from which a gradient goes alone, first bucket's size) of DistributedOptimizer's
+    buckets: for tensors on a device plane (CUDA tensors on NCCL) HVDPLUS_BUCKET_BYTES or DEVICE_BUCKET_BYTES,
+    none alone; else the host engine's rules. The first bucket follows DDP's rule (HVDPLUS_FIRST_BUCKET_BYTES)."""
     rt = runtime()
+    first = rt.settings.first_bucket_bytes
     if params and plane_kind(params[0]) is not None:
-        return (DEVICE_BUCKET_BYTES if rt.settings.bucket_bytes is None else rt.settings.bucket_bytes), None
-    return rt.bucket_bytes, rt.engine.alone_bytes
+        return (DEVICE_BUCKET_BYTES if rt.settings.bucket_bytes is None else rt.settings.bucket_bytes), None, first
+    return rt.bucket_bytes, rt.engine.alone_bytes, first
 
 
 def _carrier(params: Sequence[torch.Tensor]) -> tuple[Any, str] | None:
@@ -114,9 +115,8 @@ def try_freeze(
     """Collective over the process set: agree on freezing this optimizer's step plan; the reducer, or why not.
     `scales`: the (prescale, postscale) of the negotiated allreduces."""
     # In launch order: the last layers' gradients first, as backward makes them.
-    plan = bucket_indices(
-        [p.numel() * p.element_size() for p in params], [p.dtype for p in params], bucket_sizes(params)[0], None
-    )
+    size, _, first = bucket_sizes(params)
+    plan = bucket_indices([p.numel() * p.element_size() for p in params], [p.dtype for p in params], size, None, first)
     wire = wire_dtype(compression)[1]
     prescale, postscale = scales
     if op == Average:

@@ -67,3 +67,17 @@ def test_large_parameters_stay_out_of_buckets():
     assert bucket_indices([10, 4, 10], kinds[:3], 100, 10) == [(1,)]
     assert bucket_indices([10, 10], kinds[:2], 100, 10) == []
     assert bucket_indices(nbytes, kinds, 100, None) == [(0, 1, 2, 3, 4, 5)]  # no limit (Gloo): all in buckets
+
+
+def test_the_first_bucket_closes_early():
+    """DDP's first-bucket rule: the first bucket (the last layers' gradients, produced first by backward) holds at
+    most first_bucket_bytes, the later ones bucket_bytes; never more than bucket_bytes; 0 turns the rule off."""
+    from hvdplus.common.grouping import bucket_indices
+
+    nbytes, kinds = [4, 4, 4, 4, 4, 4], ["f"] * 6
+    assert bucket_indices(nbytes, kinds, 100, None, 8) == [(4, 5), (0, 1, 2, 3)]
+    assert bucket_indices(nbytes, kinds, 100, None, 0) == [(0, 1, 2, 3, 4, 5)]
+    assert bucket_indices(nbytes, kinds, 8, None, 100) == [(4, 5), (2, 3), (0, 1)]  # capped by bucket_bytes
+    assert bucket_indices([4, 4, 10, 4], kinds[:4], 100, None, 8) == [(3,), (0, 1, 2)]  # 10 does not fit in it
+    # a large parameter alone, before any bucket: the first bucket is still the first one filled
+    assert bucket_indices([4, 4, 4, 4, 4, 20], kinds, 100, 20, 8) == [(3, 4), (0, 1, 2)]
