@@ -219,7 +219,8 @@ class Executor:
         if source is not None and (request.prescale != 1.0 or hierarchical):
             ops.copy(buffer, source)
             source = None
-        ops.scale(buffer, request.dtype, request.prescale)
+        if request.prescale != 1.0:
+            ops.scale(buffer, request.dtype, request.prescale)
         op = _engine_op(request)
         nans = (
             ops.nan_positions(buffer if source is None else source, request.dtype)
@@ -245,7 +246,9 @@ class Executor:
         if nans is not None:
             plane.engine.allreduce(nans, "uint8", ReduceOp.MAX, group)
             ops.restore_nan(buffer, request.dtype, nans)
-        ops.scale(buffer, request.dtype, _postscale(request, set_size))
+        postscale = _postscale(request, set_size)
+        if postscale != 1.0:
+            ops.scale(buffer, request.dtype, postscale)
 
     def _allgather(self, plane: DataPlane, send: Any, recv: Any, counts: list[int], process_set: Any) -> None:
         """The engine's allgather, or Horovod's hierarchical one where it is on and the hosts' ranks are

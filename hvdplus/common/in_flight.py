@@ -89,10 +89,10 @@ class InFlight:
 
     def take_queued(self) -> Iterator[Work]:
         """Take every work queued since the last call, recording it as in flight."""
-        while True:
+        while not self._queue.empty():  # cheaper than get_nowait's Empty, which every cycle would raise
             try:
                 work = self._queue.get_nowait()
-            except queue.Empty:
+            except queue.Empty:  # another thread (failing them all) took the last one
                 return
             with self._lock:
                 self._by_key[work.request.key] = work

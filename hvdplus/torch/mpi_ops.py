@@ -213,6 +213,21 @@ def _allreduce_async(
     return Completion([handle], lambda _: result())
 
 
+def _allreduce_now(
+    tensor: torch.Tensor,
+    inplace: bool,
+    name: str | None,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+) -> torch.Tensor:
+    """A blocking allreduce: the asynchronous path without the handle a caller would hold."""
+    handle, result = _start_allreduce(tensor, name, inplace, op, prescale, postscale, process_set)
+    handle.wait()
+    return result()
+
+
 def grouped_allreduce_async(
     tensors: Sequence[torch.Tensor],
     average: bool | None = None,
@@ -304,11 +319,11 @@ class HorovodAllreduce(torch.autograd.Function):
         process_set: ProcessSet,
     ) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
-        return synchronize(allreduce_async(tensor, None, name, op, prescale, postscale, process_set))
+        return _allreduce_now(tensor, False, name, op, prescale, postscale, process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = synchronize(allreduce_async(grad, None, None, ctx.op, ctx.prescale, ctx.postscale, ctx.process_set))
+        reduced = _allreduce_now(grad, False, None, ctx.op, ctx.prescale, ctx.postscale, ctx.process_set)
         return reduced, None, None, None, None, None
 
 
@@ -342,7 +357,8 @@ def allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> torch.Tensor:
     """In-place allreduce: `tensor` receives the result and is returned."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set))
+    op = core.resolve_op(average, op)
+    return _allreduce_now(tensor, True, name, op, prescale_factor, postscale_factor, process_set)
 
 
 class HorovodGroupedAllreduce(torch.autograd.Function):
