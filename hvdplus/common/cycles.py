@@ -22,6 +22,11 @@ from hvdplus.common.handles import Handle
 __all__ = ["Cycles"]
 
 
+# A rank whose last submit came less than this long ago is in a burst of submits (a loop of asynchronous calls,
+# ~10 us apart): the background thread's due cycle waits for its end, so that one round takes the whole burst
+# instead of a part (the rest would wait a round, a cycle time, on every rank).
+_BURST_GAP_S = 2e-4
+
 # numpy 2 keeps its error state (np.seterr) in a context variable; numpy 1 keeps it per thread.
 _STATE_IN_CONTEXT = int(np.__version__.split(".")[0]) >= 2
 
@@ -56,6 +61,7 @@ class Cycles:
         self.stopped = False  # shut down, or failed: no round runs again
         self._spin = True
         self._last = 0.0  # when the last cycle ended (time.monotonic)
+        self._last_submit = 0.0  # when this rank last submitted to these rounds (time.monotonic)
         self._owner: int | None = None  # the thread running a cycle now
         self.driven = 0  # cycles run by waiting threads so far (tests check that lone collectives ran them)
 
@@ -80,11 +86,26 @@ class Cycles:
         """Seconds until the background thread's next cycle is due (a cycle time after the last, whoever ran it)."""
         return max(0.0, self._last + self._period_s() - time.monotonic())
 
+    def submitted(self) -> None:
+        """A collective was submitted to these rounds (the background thread's cycle waits for a burst to end)."""
+        self._last_submit = time.monotonic()
+
+    def until_background_due(self) -> float:
+        """Seconds until the background thread's next cycle is due: `until_due`, or later while this rank submits a
+        burst (_BURST_GAP_S), by at most one more cycle time, so that a rank still submitting holds its peers up by
+        no more than that."""
+        due = self.until_due()
+        if due > 0.0:
+            return due
+        now = time.monotonic()
+        return max(0.0, min(self._last_submit + _BURST_GAP_S, self._last + 2 * self._period_s()) - now)
+
     def run_if_due(self, urgent: Callable[[], bool]) -> None:
-        """The background thread's cycle while busy: due once the cycle time has passed since the last one, or at
-        once if `urgent()` (asked once the lock is held)."""
+        """The background thread's cycle while busy: due once the cycle time has passed since the last one (and any
+        burst of submits has ended: until_background_due), or at once if `urgent()` (asked once the lock is
+        held)."""
         with self._lock:
-            if not (self.stopped or self.idle) and (urgent() or self.until_due() == 0.0):
+            if not (self.stopped or self.idle) and (urgent() or self.until_background_due() == 0.0):
                 self._run()
 
     def drive(self, handle: Handle, again: bool) -> bool:

@@ -102,6 +102,7 @@ class SetRounds:
     def submit(self, work: Work) -> Handle:
         """Queue `work` (its name reserved) for these rounds."""
         self._in_flight.put(work)
+        self.cycles.submitted()
         if self.cycles.stopped:  # stopped meanwhile (the set removed by a peer's round, a failure): none will run it
             reason = self._stop_reason or "a failure"
             self._in_flight.fail_all(HorovodInternalError(f"process set {self.set_id}'s rounds stopped: {reason}"))
@@ -208,7 +209,7 @@ class SetRounds:
                     self._idle.wait_for_work(self.rounds + 1)
                     self.cycles.run()
                 else:
-                    self._wake.wait(self.cycles.until_due())  # a submit nobody waits for ends it at once
+                    self._wake.wait(self.cycles.until_background_due())  # a submit nobody waits for ends it
                     self._wake.clear()
                     self.cycles.run_if_due(self._has_urgent_work)
         except BaseException as exc:  # the doorbell failed

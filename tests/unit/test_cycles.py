@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from hvdplus.common.coordinator import control_spin_s
+from hvdplus.common import cycles as cycles_module
 from hvdplus.common.cycles import Cycles
 from hvdplus.common.handles import Handle
 
@@ -87,6 +88,28 @@ def test_the_background_cycle_waits_its_period_unless_urgent():
     cycles.run_if_due(lambda: False)  # a waiting thread ran the last cycle just now: not due
     assert len(script.threads) == 1
     cycles.run_if_due(lambda: True)  # a shutdown, say
+    assert len(script.threads) == 2
+
+
+def test_the_background_cycle_waits_for_a_burst_of_submits_to_end_for_at_most_one_more_period(monkeypatch):
+    """A rank still submitting (its last submit under 0.2 ms ago) holds the background thread's due cycle, so that
+    one round takes the whole burst; never beyond two cycle times after the last cycle."""
+    now = [100.0]
+    monkeypatch.setattr(cycles_module.time, "monotonic", lambda: now[0])
+    script = Script(True, True)
+    cycles, _ = cycles_for(script, period_s=0.05)
+    cycles.drive(Handle("x"), False)  # the last cycle ends at 100.0
+    now[0] = 100.06  # due
+    assert cycles.until_due() == 0.0 and cycles.until_background_due() == 0.0
+    cycles.submitted()
+    now[0] += 1e-4
+    assert cycles.until_background_due() == pytest.approx(1e-4)
+    cycles.run_if_due(lambda: False)  # the burst goes on: not yet
+    assert len(script.threads) == 1
+    now[0] = 100.1  # two cycle times after the last cycle: a burst that never ends is held no longer
+    cycles.submitted()
+    assert cycles.until_background_due() == 0.0
+    cycles.run_if_due(lambda: False)
     assert len(script.threads) == 2
 
 
