@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from hvdplus.common.coordinator import control_spin_s
 from hvdplus.common import cycles as cycles_module
+from hvdplus.common.coordinator import control_spin_s
 from hvdplus.common.cycles import Cycles
 from hvdplus.common.handles import Handle
 
