@@ -2,7 +2,7 @@
 
 Each rank of the process set keeps the optimizer state (Adam's moments, momentum, ...) of only its part of
 the parameters. The trainable variables of each dtype, in order, are laid end to end as one flat sequence
-and cut into N balanced contiguous ranges (`hvdplus.common.sharding.partition`; a variable may span ranks).
+and cut into N balanced contiguous ranges (`hvdplus.common.plans.sharding.partition`; a variable may span ranks).
 Each rank holds its range of each dtype in one flat *shard variable*; the wrapped optimizer is built on the
 shard variables only, so its slot variables have the shard's size, not the model's.
 
@@ -61,7 +61,7 @@ from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_passes
-from hvdplus.common.sharding import DtypePartition, partition
+from hvdplus.common.plans.sharding import DtypePartition, partition
 from hvdplus.common.subclassing import disguised_subclass
 from hvdplus.keras.optimizer import _DistributedOptimizer, _OptimizerMixin
 from hvdplus.tensorflow._graph import dtype_name, graph_name

@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from hvdplus.common.elastic_plan import host_of
+from hvdplus.common.elastic.plan import host_of
 from hvdplus.ray.ranks import host_name
 from hvdplus.ray.worker import LEFT_OUT, BaseHorovodWorker
 from hvdplus.runner.cluster_env import rank_env

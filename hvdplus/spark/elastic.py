@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
-from hvdplus.common.elastic_plan import host_of
+from hvdplus.common.elastic.plan import host_of
 from hvdplus.common.settings import Settings
 from hvdplus.runner.cluster_env import deprecated_bounds, rank_env
 from hvdplus.runner.elastic_run import ElasticDriver, ElasticJobError

@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, local_rank, local_size, rank
-from hvdplus.common.pickled import pickled
+from hvdplus.common.data.pickled import pickled
 from hvdplus.tensorflow._graph import VARIABLES_CHAIN, collective_names
 from hvdplus.tensorflow.mpi_ops import broadcast_op
 

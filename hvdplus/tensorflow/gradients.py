@@ -14,9 +14,9 @@ from typing import Any
 import tensorflow as tf
 
 from hvdplus.common.basics import ProcessSet, elastic_worker
-from hvdplus.common.grouping import check_groups, group_indices
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_predivide, predivide_scales
+from hvdplus.common.plans.grouping import check_groups, group_indices
 from hvdplus.tensorflow._graph import graph_name
 from hvdplus.tensorflow.compression import Compressor
 from hvdplus.tensorflow.mpi_ops import _allreduce_op, _sparse_allreduce, _tensors

@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from hvdplus.common.elastic_plan import LATEST_KEY, GenerationReplaced  # noqa: E402
+from hvdplus.common.elastic.plan import LATEST_KEY, GenerationReplaced  # noqa: E402
 from hvdplus.common.engines.torch_dist import _authenticated_store  # noqa: E402
 from hvdplus.common.rendezvous import RendezvousServer, RendezvousTimeout, new_secret  # noqa: E402
 from hvdplus.common.settings import LaunchEnv  # noqa: E402

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdplus.common.elastic_plan import LATEST_KEY, GenerationReplaced, failure_key
+from hvdplus.common.elastic.plan import LATEST_KEY, GenerationReplaced, failure_key
 from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.settings import LaunchEnv

@@ -8,7 +8,7 @@ import torch
 
 from hvdplus.common.basics import global_process_set, rank
 from hvdplus.common.collectives import broadcast_object
-from hvdplus.common.elastic import HandledState, OptimizerHandler, StateHandler
+from hvdplus.common.elastic.state import HandledState, OptimizerHandler, StateHandler
 from hvdplus.torch.elastic.sampler import ElasticSampler
 from hvdplus.torch.elastic.snapshot import Snapshot
 from hvdplus.torch.functions import _broadcast_state, broadcast_parameters
