@@ -6,7 +6,8 @@ The model (an `nn.Sequential` or a list of modules, built the same way on every 
 `rank // replicas`, replica `rank % replicas`, so that a stage's data-parallel replicas are neighbours.
 `train_step` runs one schedule of `hvdplus/common/plans/pipeline_schedules.py` (GPipe, 1F1B, interleaved 1F1B,
 ZB-H1/ZB-V) over micro-batches: activations go forward and their gradients backward point to point on a channel of
-the engine's own (`hvdplus/common/data/p2p.py`), without negotiation, so stages run out of phase.
+the engine's own (`hvdplus/common/data/p2p.py`; transport.py moves one message), without negotiation, so stages
+run out of phase. partition.py cuts the model into chunks and a batch into micro-batches.
 
 Why not torch.distributed.pipelining's runtime or schedules: they run on torch.distributed process groups
 only (no MPI engine), and its schedule classes produce their orders only from live `PipelineStage` objects
@@ -39,84 +40,25 @@ import torch
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, _add, global_process_set, open_channel, runtime
-from hvdplus.common.data.p2p import (
-    ROUTE_PLANE,
-    TAGS_PER_MESSAGE,
-    PeerError,
-    recv_arrays,
-    recv_data,
-    recv_header,
-    send_arrays,
-    send_error,
-    send_header,
-)
+from hvdplus.common.data.p2p import TAGS_PER_MESSAGE, PeerError, recv_arrays, send_arrays, send_error
 from hvdplus.common.exceptions import HorovodInternalError
-from hvdplus.common.plans.pipeline_schedules import (
-    Action,
-    Op,
-    balanced_split,
-    build_schedule,
-    check_sizes,
-    chunk_stages,
-    message_lanes,
-)
-from hvdplus.torch.buffers import DTYPE_NAMES, as_numpy, dtype_name, plane_kind
-from hvdplus.torch.device_plane import CPU_TEST_KIND
+from hvdplus.common.plans.pipeline_schedules import Action, Op, build_schedule, chunk_stages, message_lanes
+from hvdplus.torch.buffers import as_numpy
 from hvdplus.torch.mpi_ops import allreduce
+from hvdplus.torch.pipeline.partition import as_tuple, chunk_sizes, split_batch
 from hvdplus.torch.pipeline.pipeline_backward import WeightWork, backward_full, backward_input, backward_weight
-from hvdplus.torch.streams import host_copy, host_empty
+from hvdplus.torch.pipeline.transport import CPU, kind_of, plane_device, receive_tensors, send_tensors, tensor_of
+from hvdplus.torch.streams import host_copy
 
 __all__ = ["Pipeline", "PipelineError"]
 
 
 _ABANDONED: list[Any] = []  # transfers of failed steps, never waited for (see _Step.fail)
-_TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-_CPU = torch.device("cpu")
 _ANY = "any"  # the device-plane offer of a stage without parameters or buffers: it takes the others' kind
-_FROM_HOST, _FROM_CUDA = 0, 1  # a message's origin word: where the sender's tensors were
 
 
 class PipelineError(RuntimeError):
     """A pipeline stage failed; the message names the stage (and global rank) and the micro-batch."""
-
-
-def _as_tuple(value: Any) -> tuple[torch.Tensor, ...]:
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _split(value: Any, micro_batches: int, what: str) -> list[Any]:
-    """Cut a tensor (or each tensor of a tuple) into `micro_batches` parts along its first dimension."""
-    tensors = _as_tuple(value)
-    rows = {int(t.shape[0]) for t in tensors}
-    if len(rows) != 1:
-        raise ValueError(f"the tensors of {what} have different batch sizes {sorted(rows)}")
-    if rows.pop() < micro_batches:
-        raise ValueError(f"{what} has {tensors[0].shape[0]} rows, fewer than micro_batches={micro_batches}")
-    parts = [torch.tensor_split(t, micro_batches) for t in tensors]
-    return [
-        tuple(p[m] for p in parts) if isinstance(value, (tuple, list)) else parts[0][m] for m in range(micro_batches)
-    ]
-
-
-def _layer_costs(layers: Sequence[torch.nn.Module], sample: Any, repeats: int = 3) -> list[float]:
-    """Each layer's median forward+backward time on `sample` (fed through the layers before it)."""
-    costs = []
-    x = sample
-    for layer in layers:
-        times = []
-        for _ in range(repeats):
-            inputs = tuple(t.detach().requires_grad_(t.is_floating_point()) for t in _as_tuple(x))
-            started = time.perf_counter()
-            out = layer(inputs if isinstance(x, tuple) else inputs[0])
-            roots = [o for o in _as_tuple(out) if o.requires_grad]
-            if roots:
-                torch.autograd.backward(roots, [torch.ones_like(o) for o in roots])
-            times.append(time.perf_counter() - started)
-        layer.zero_grad(set_to_none=True)
-        costs.append(sorted(times)[len(times) // 2])
-        with torch.no_grad():
-            x = layer(x)
-    return costs
 
 
 class Pipeline(torch.nn.Module):
@@ -148,7 +90,7 @@ class Pipeline(torch.nn.Module):
                 f"cannot cut {len(layers)} layers into {chunks} chunks (num_stages={num_stages} x "
                 f"virtual_stages={virtual_stages})"
             )
-        sizes = self._sizes(layers, chunks, balance, sample_input)
+        sizes = chunk_sizes(layers, chunks, balance, sample_input)
         self.num_stages, self.micro_batches, self.virtual_stages = num_stages, micro_batches, virtual_stages
         self.schedule_name = schedule
         self.replicas = world // num_stages
@@ -177,21 +119,6 @@ class Pipeline(torch.nn.Module):
                 f"engine has ({self._channel.max_tag})"
             )
         self.last_timings: list[tuple[Action, float, float]] = []
-
-    # ------------------------------------------------------------------ construction
-    @staticmethod
-    def _sizes(layers: list, chunks: int, balance: str | Sequence[int], sample_input: Any) -> list[int]:
-        if not isinstance(balance, str):
-            check_sizes(list(balance), len(layers), chunks)
-            return list(balance)
-        if balance == "parameters":
-            return balanced_split([sum(p.numel() for p in layer.parameters()) for layer in layers], chunks)
-        if balance == "time":
-            if sample_input is None:
-                raise ValueError("balance='time' measures each layer on a sample batch: pass sample_input=")
-            measured = core.allgather_object(_layer_costs(layers, sample_input), name="Pipeline.layer_costs")
-            return balanced_split([sum(costs) / len(measured) for costs in zip(*measured)], chunks)
-        raise ValueError(f"balance must be 'parameters', 'time' or a list of layer counts, got {balance!r}")
 
     def _process_sets(self, world: int) -> tuple[ProcessSet, ProcessSet]:
         """Register every pipeline's and every stage's process set (all ranks, same order); return this rank's."""
@@ -244,10 +171,10 @@ class Pipeline(torch.nn.Module):
         self._connect()
         run = _Step(self, self.actions_by_stage[self.stage], grad=True)
         if self.is_first_stage:
-            run.inputs = _split(inputs, self.micro_batches, "inputs")
+            run.inputs = split_batch(inputs, self.micro_batches, "inputs")
         if self.is_last_stage:
-            targets = _split(target, self.micro_batches, "target")
-            rows = [int(_as_tuple(t)[0].shape[0]) for t in targets]
+            targets = split_batch(target, self.micro_batches, "target")
+            rows = [int(as_tuple(t)[0].shape[0]) for t in targets]
             run.loss = lambda m, output: loss_fn(output, targets[m]) * (rows[m] / sum(rows))
         run.execute()
         return run.share_loss()
@@ -268,7 +195,7 @@ class Pipeline(torch.nn.Module):
                 actions.append(Action(Op.SEND_ACTIVATION, m, c, self.stage_of_chunk[c + 1]))
         run = _Step(self, actions, grad=False)
         if self.is_first_stage:
-            run.inputs = _split(inputs, self.micro_batches, "inputs")
+            run.inputs = split_batch(inputs, self.micro_batches, "inputs")
         run.execute()
         if not self.is_last_stage:
             return None
@@ -289,14 +216,14 @@ class Pipeline(torch.nn.Module):
         if not runtime().coordinator.device_kinds:  # no device plane in the job: every rank knows the same
             return
         device = self.device
-        offer = _ANY if device is None else _kind_of(device)
+        offer = _ANY if device is None else kind_of(device)
         offers = core.allgather_object((offer, secrets.token_hex(8)), process_set=self.pipeline_set)
         kinds = {kind for kind, _ in offers if kind != _ANY}
         lanes = message_lanes(self.actions_by_stage)
         if len(kinds) != 1 or None in kinds or lanes is None:
             return  # stages on different kinds, all on the host, or a schedule whose lanes NCCL could not order
         (kind,) = kinds
-        probe = torch.zeros(1, device=device if offer == kind else _plane_device(kind))
+        probe = torch.zeros(1, device=device if offer == kind else plane_device(kind))
         allreduce(probe, process_set=self.pipeline_set)  # builds the plane on every rank, if none has yet
         engine = runtime().coordinator.plane_engine(kind)
         if engine is None or not hasattr(engine, "open_p2p"):
@@ -455,7 +382,7 @@ class _Step:
     def forward(self, m: int, c: int) -> None:
         pipe = self.pipe
         if c == 0:
-            inputs = _as_tuple(self.inputs[m])
+            inputs = as_tuple(self.inputs[m])
         elif (m, c) in self.received:
             inputs = self.received[(m, c)]
         else:  # the previous chunk is on this stage (the V's tip): hand its output over as a new leaf
@@ -470,7 +397,7 @@ class _Step:
             self.total_loss = part if self.total_loss is None else self.total_loss + part
             self.outputs[(m, c)] = (loss,)
         else:
-            self.outputs[(m, c)] = _as_tuple(output)
+            self.outputs[(m, c)] = as_tuple(output)
 
     def backward_args(self, key: tuple[int, int]) -> _BackwardArgs:
         m, c = key
@@ -482,7 +409,7 @@ class _Step:
         else:  # the next chunk is on this stage
             grads = tuple(self.input_grads.pop((m, c + 1)))
         grads = _align(outputs, grads)
-        inputs = _as_tuple(self.inputs[m]) if c == 0 else self.received[key]
+        inputs = as_tuple(self.inputs[m]) if c == 0 else self.received[key]
         params = [p for p in self.pipe.chunks[c].parameters() if p.requires_grad]
         return outputs, grads, inputs, params
 
@@ -501,50 +428,17 @@ class _Step:
         self.received.pop(key, None)
 
     def send(self, action: Action, tensors: Sequence[torch.Tensor]) -> None:
-        """Start sending: on the lane's device-plane channel when there is one and the tensors are of its kind
-        (the data first, then the header on the host channel), else through host memory."""
+        """Start sending (transport.py), on the lane's device-plane channel if the lane has one."""
         pipe, key = self.pipe, (action.op, action.micro_batch, action.chunk)
-        peer, tag = self.peer(action), pipe.tag(*key)
-        tensors = [t.detach().contiguous() for t in tensors]
-        specs = [(tuple(t.shape), dtype_name(t)) for t in tensors]
-        origin = _FROM_CUDA if any(t.is_cuda for t in tensors) else _FROM_HOST
         lane = pipe.lane(pipe.stage, action.peer, action.op is Op.SEND_ACTIVATION)
-        if lane is not None and all(plane_kind(t) == pipe.plane for t in tensors):
-            transfers = [lane.isend(t, peer, tag + 1 + j) for j, t in enumerate(tensors) if t.numel()]
-            self.sends[key] = transfers + send_header(pipe._channel, peer, tag, specs, ROUTE_PLANE, origin)
-            return
-        arrays = [(as_numpy(host_copy(t)), name) for t, (_, name) in zip(tensors, specs)]
-        self.sends[key] = send_arrays(pipe._channel, peer, tag, arrays, origin)
+        self.sends[key] = send_tensors(pipe._channel, lane, pipe.plane, self.peer(action), pipe.tag(*key), tensors)
 
     def receive(self, action: Action) -> tuple[torch.Tensor, ...]:
-        """The tensors of a message, created on this stage's device (where the sender's were, for a stage
-        without parameters or buffers), whichever way they travel."""
+        """The tensors of a message (transport.py), created on this stage's device."""
         pipe = self.pipe
-        peer, tag = self.peer(action), pipe.tag(action.op, action.micro_batch, action.chunk)
-        header = recv_header(pipe._channel, peer, tag, self.alive)
-        device = self.device
-        if device is None:  # no parameters or buffers: where the sender's tensors were
-            device = _plane_device("cuda") if header.origin == _FROM_CUDA and torch.cuda.is_available() else _CPU
-        if header.route == ROUTE_PLANE:
-            lane = pipe.lane(action.peer, pipe.stage, action.op is Op.RECV_ACTIVATION)
-            if lane is None or pipe.plane is None:
-                raise RuntimeError(f"rank {peer} sent on a device plane this stage has no channel for")
-            where = device if _kind_of(device) == pipe.plane else _plane_device(pipe.plane)
-            tensors = [torch.empty(shape, dtype=_TORCH_DTYPES[dtype], device=where) for shape, dtype in header.specs]
-            for transfer in [lane.irecv(t, peer, tag + 1 + j) for j, t in enumerate(tensors) if t.numel()]:
-                transfer.wait(self.alive)
-            return tuple(t.to(device) for t in tensors)
-        if device.type == "cpu":
-            arrays = recv_data(pipe._channel, peer, tag, header.specs, self.alive)
-            return tuple(_tensor(array, dtype) for array, dtype in arrays)
-        staged: list[torch.Tensor] = []  # pinned host buffers, copied to the device without waiting
-
-        def pinned(shape: tuple[int, ...], dtype: str) -> Any:
-            staged.append(host_empty(_numel(shape), _TORCH_DTYPES[dtype], device).view(shape))
-            return as_numpy(staged[-1])
-
-        recv_data(pipe._channel, peer, tag, header.specs, self.alive, pinned)
-        return tuple(host.to(device, non_blocking=True) for host in staged)
+        tag = pipe.tag(action.op, action.micro_batch, action.chunk)
+        lane = pipe.lane(action.peer, pipe.stage, action.op is Op.RECV_ACTIVATION)
+        return receive_tensors(pipe._channel, lane, pipe.plane, self.peer(action), tag, self.device, self.alive)
 
     def share_loss(self) -> torch.Tensor:
         """The batch loss, sent by the last stage to the pipeline's other ranks (point to point)."""
@@ -563,7 +457,7 @@ class _Step:
             ((array, dtype),) = recv_arrays(pipe._channel, last, pipe._loss_tag, self.alive)
         except PeerError as exc:
             raise PipelineError(str(exc)) from exc
-        return _tensor(array, dtype).reshape(()).to(_CPU if self.device is None else self.device)
+        return tensor_of(array, dtype).reshape(()).to(CPU if self.device is None else self.device)
 
 
 def _align(outputs: tuple[torch.Tensor, ...], grads: tuple) -> tuple:
@@ -581,29 +475,3 @@ def _nothing() -> contextlib.AbstractContextManager[None]:
 def _alive() -> None:
     if not runtime().coordinator.running:
         raise HorovodInternalError("hvdplus stopped (another rank shut down) during a pipeline step")
-
-
-def _kind_of(device: torch.device) -> str | None:
-    """The device-plane kind of tensors on `device` (None: they go through host memory)."""
-    return plane_kind(torch.empty(0, device=device))
-
-
-def _plane_device(kind: str) -> torch.device:
-    """Where a rank without a device of its own puts tensors of plane `kind`: the current GPU for CUDA."""
-    if kind == CPU_TEST_KIND:
-        return _CPU
-    if kind == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(kind)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def _tensor(array: Any, dtype: str) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
