@@ -28,7 +28,7 @@ from hvdplus.torch.buffers import as_numpy, dtype_name, host_tensor
 __all__ = ["ZeroStateDicts"]
 
 if TYPE_CHECKING:  # a mixin placed before the user's optimizer class: it uses the optimizer's attributes and methods
-    from hvdplus.torch.zero.optimizer import _Shards
+    from hvdplus.torch.zero.shards import Shards
 
     _OptimizerMixin = torch.optim.Optimizer
 else:
@@ -45,9 +45,9 @@ def _per_element(value: Any, shard: torch.Tensor) -> bool:
 
 
 class ZeroStateDicts(_OptimizerMixin):
-    """Checkpoint methods of ZeroOptimizer (a mixin: `self._zero` is its `_Shards`)."""
+    """Checkpoint methods of ZeroOptimizer (a mixin: `self._zero` is its `Shards`)."""
 
-    _zero: _Shards
+    _zero: Shards
     _zero_original_groups: list[list[torch.Tensor]]
 
     def state_dict(self) -> dict[str, Any]:
