@@ -47,7 +47,7 @@ from hvdplus.runner.agent import source_address
 from hvdplus.runner.elastic_hosts import HostManager
 from hvdplus.runner.gloo_run import slot_env, start_agent
 from hvdplus.runner.hosts import Host, Slot, assign_slots, is_local
-from hvdplus.runner.job import ElasticOptions, JobSpec
+from hvdplus.runner.job_spec import ElasticOptions, JobSpec
 from hvdplus.runner.preflight import preflight
 from hvdplus.runner.supervise import POLL_SECONDS, Process, Supervisor, describe_exit
 
