@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def _broadcast_assign(
+def broadcast_assign(
     variables: Sequence[Any], root_rank: int, process_set: ProcessSet, prefix: str | None
 ) -> tf.Operation | None:
     """Assign the root's values to `variables` with one broadcast op (in graphs on the chain of variable
@@ -54,7 +54,7 @@ def broadcast_variables(
 
     `root_rank` is a global rank (`hvd.rank()`), also with `process_set`.
     Collective: every rank in the process set must call this with the same variables, in the same order."""
-    return _broadcast_assign(variables, root_rank, process_set, None)
+    return broadcast_assign(variables, root_rank, process_set, None)
 
 
 def broadcast_(
@@ -64,7 +64,7 @@ def broadcast_(
     new values, as Horovod does: in a graph, tensors read after the assignments (fetching them broadcasts).
 
     Collective: every rank in the process set must call this, in the same order."""
-    assigned = _broadcast_assign(variables, root_rank, process_set, name)
+    assigned = broadcast_assign(variables, root_rank, process_set, name)
     with tf.control_dependencies([] if assigned is None else [assigned]):
         return [tf.identity(v) for v in variables]
 
