@@ -1,4 +1,4 @@
-"""What every frozen step plan shares (reducer.py for DistributedOptimizer, torch/shard_reducer.py for
+"""What every frozen step plan shares (reducer.py for DistributedOptimizer, zero/shard_plan.py for
 ZeroOptimizer): the plan's own communicator, the registry that join() serves, the failure rules, and the
 consistency exchange that names the ranks whose step differs.
 

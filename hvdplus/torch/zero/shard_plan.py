@@ -1,6 +1,6 @@
 """ZeroOptimizer's frozen step plan (stages 1 and 2): its buckets' reduce-scatters start from the backward hooks,
 in plan order, on the plan's own communicator, with no negotiation, and so do the allgathers of the updated
-shards at step() (optimizer.py moves the data; this module runs the collectives and the step's agreement).
+shards at step() (shards.py moves the data; this module runs the collectives and the step's agreement).
 
 A reduce-scatter leaves each rank only its own slice, so the guard cannot ride in the data as it does in
 DistributedOptimizer's last bucket: it is one more element, allreduced after the step's last bucket starts

@@ -2,7 +2,7 @@
 
 Why this API: a Horovod user wraps what they already have. `shard_parameters` shards the model in place and
 returns it (as FSDP2's `fully_shard` does), so model code, parameter names, `state_dict` keys and param groups
-stay the user's; `hvd.ZeroOptimizer` over its parameters then steps the shards (zero.py). It is one call for the
+stay the user's; `hvd.ZeroOptimizer` over its parameters then steps the shards (optimizer.py). It is one call for the
 whole model, not one per module, because the units must be known together: which unit owns a parameter that two
 modules share, the order in which prefetch gathers them, and one positional name sequence for all ranks.
 
@@ -17,7 +17,7 @@ one flat buffer per dtype and the parameters become views of it; after the forwa
 released (`reshard_after_forward`), so that tensors autograd saved stay valid views that the gather before the
 unit's backward (hooked on its outputs) fills again. The next units are prefetched with non-blocking gathers,
 in forward order and then in reverse, at most `max_live_units` at once. Gradients are reduce-scattered as each
-unit's backward completes (zero.py), after which the unit releases its buffer.
+unit's backward completes (shards.py), after which the unit releases its buffer.
 
 Every gather and reduce-scatter of a pass takes the next positional name ("zero3.<model>.<n>"), tagged with its unit:
 ranks that run units in different orders, or skip one, meet a different unit, kind or size under one name and
@@ -223,7 +223,7 @@ class ShardedModel:
             self.prefetch_from(backward_order, backward_order.index(unit))
 
     def gradients_sent(self, unit: Unit) -> None:
-        """zero.py started the reduce-scatter of every trainable partition of `unit`: its buffer can go, unless
+        """shards.py started the reduce-scatter of every trainable partition of `unit`: its buffer can go, unless
         it has frozen parameters, which its backward may still need until it reaches its inputs."""
         self.sent.add(id(unit))
         if all(p.requires_grad for p in unit.params) or id(unit) in self.reached:
