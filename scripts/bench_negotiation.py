@@ -43,9 +43,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from hvdplus.common.coordinator import Coordinator
+from hvdplus.common.control.coordinator import Coordinator
+from hvdplus.common.control.messages import Request
 from hvdplus.common.engines.threads import ThreadEngine, ThreadWorld
-from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
 from hvdplus.common.topology import Topology

@@ -71,9 +71,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training_bench import finish_job, start_mpi_job  # noqa: E402
 
-from hvdplus.common.pipeline import build_schedule, chunk_stages, simulate, theoretical_bubble  # noqa: E402
+from hvdplus.common.plans.pipeline_schedules import build_schedule, chunk_stages, simulate, theoretical_bubble  # noqa: E402
 
-# name -> (schedule of hvdplus.common.pipeline, virtual_stages)
+# name -> (schedule of hvdplus.common.plans.pipeline_schedules, virtual_stages)
 SCHEDULES = {
     "gpipe": ("gpipe", 1),
     "1f1b": ("1f1b", 1),
@@ -200,7 +200,7 @@ def check_sleep_layer(seconds: float = 0.02, width: int = 16) -> dict[str, float
     sleep layer take `seconds` each; raises RuntimeError if not."""
     import torch
 
-    from hvdplus.torch.pipeline_backward import backward_input, backward_weight
+    from hvdplus.torch.pipeline.pipeline_backward import backward_input, backward_weight
 
     layer = layer_classes()[0](width, seconds)
     params = list(layer.parameters())
@@ -235,7 +235,7 @@ def time_chunks(pipe: Any, rows: int, width: int, warmup: int = 2, repeats: int 
     and the bytes one chunk's forward saves."""
     import torch
 
-    from hvdplus.torch.pipeline_backward import backward_full, backward_input, backward_weight
+    from hvdplus.torch.pipeline.pipeline_backward import backward_full, backward_input, backward_weight
 
     samples: dict[str, list[float]] = {"F": [], "B": [], "W": [], "BW": []}
     chunk_bytes = 0

@@ -20,7 +20,7 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from hvdplus.common.messages import Response
+from hvdplus.common.control.messages import Response
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
 from hvdplus.common.tunables import Tunables

@@ -11,12 +11,12 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, cast
 
-from hvdplus.common.buffer_ops import agreed_device_kinds
-from hvdplus.common.coordinator import Coordinator
-from hvdplus.common.elastic_rendezvous import ElasticWorker
+from hvdplus.common.control.coordinator import Coordinator
+from hvdplus.common.control.messages import Request
+from hvdplus.common.data.buffer_ops import agreed_device_kinds
+from hvdplus.common.elastic.rendezvous import ElasticWorker
 from hvdplus.common.engines import create_engine
 from hvdplus.common.exceptions import NotInitializedError
-from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline

@@ -13,15 +13,15 @@ from typing import Any, overload
 
 import numpy as np
 
-from hvdplus.common.adasum import check_adasum_size
 from hvdplus.common.basics import ProcessSet, global_process_set, runtime
+from hvdplus.common.control.messages import Request
+from hvdplus.common.data.adasum import check_adasum_size
+from hvdplus.common.data.executor import even_splits
+from hvdplus.common.data.pickled import pickled
 from hvdplus.common.exceptions import HorovodInternalError
-from hvdplus.common.executor import even_splits
 from hvdplus.common.handles import Handle
-from hvdplus.common.messages import Request
 from hvdplus.common.naming import grouped_call
 from hvdplus.common.ops import OpKind, ReduceOp, check_reducible, storage_dtype
-from hvdplus.common.pickled import pickled
 
 __all__ = [
     "resolve_op",
@@ -340,7 +340,7 @@ def submit_barrier(process_set: ProcessSet = global_process_set) -> Handle:
 
 def submit_join() -> Handle:
     """This rank has no more data: contribute zeros to other ranks' allreduces until all have joined."""
-    from hvdplus.common.negotiation import JOIN_KEY
+    from hvdplus.common.control.negotiation import JOIN_KEY
 
     rt = runtime()
     rt.coordinator.mark_joined()

@@ -20,7 +20,7 @@ class CollectiveMismatchError(HorovodInternalError, ValueError):
 
 
 class PlanMismatchError(RuntimeError):
-    """A planned DistributedOptimizer step differed between ranks (common/step_plan.py): raised on every rank of
+    """A planned DistributedOptimizer step differed between ranks (common/plans/step_plan.py): raised on every rank of
     the process set, for the same step; the next step negotiates again."""
 
 

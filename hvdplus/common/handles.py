@@ -16,7 +16,7 @@ class Handle:
     """Completion of one submitted collective: its result, or the exception every rank raises.
 
     A held lock marks "not done" (lighter than threading.Event, which matters at one handle per tensor).
-    `drive(handle, again)`, if given, runs the next cycle on the waiting thread when it can (common/cycles.py)."""
+    `drive(handle, again)`, if given, runs the next cycle on the waiting thread when it can (control/cycles.py)."""
 
     __slots__ = ("name", "_pending", "_done", "_result", "_error", "_event", "_drive")
 

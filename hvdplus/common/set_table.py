@@ -12,8 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hvdplus.common.data.hierarchical import HierarchicalGroups, hierarchical_groups
 from hvdplus.common.engines.base import Engine
-from hvdplus.common.hierarchical import HierarchicalGroups, hierarchical_groups
 from hvdplus.common.settings import Settings
 from hvdplus.common.topology import Topology
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from hvdplus.common.basics import rank, size
 from hvdplus.common.collectives import allgather_object
-from hvdplus.common.schedules import fractional_epoch, in_epoch_range, warmup_multiplier
+from hvdplus.common.plans.lr_schedules import fractional_epoch, in_epoch_range, warmup_multiplier
 from hvdplus.keras.functions import broadcast_model
 
 __all__ = [

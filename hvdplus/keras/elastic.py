@@ -13,7 +13,7 @@ from typing import Any
 
 import keras
 
-from hvdplus.common.elastic import ObjectState, State
+from hvdplus.common.elastic.state import ObjectState, State
 from hvdplus.tensorflow.elastic import TensorFlowKerasState, run
 
 __all__ = [

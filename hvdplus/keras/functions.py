@@ -14,7 +14,7 @@ from hvdplus.common.ops import ReduceOp
 from hvdplus.keras.optimizer import DistributedOptimizer
 from hvdplus.tensorflow import mpi_ops
 from hvdplus.tensorflow.compression import Compression, Compressor
-from hvdplus.tensorflow.functions import _broadcast_assign
+from hvdplus.tensorflow.functions import broadcast_assign
 
 __all__ = ["broadcast_model", "broadcast_global_variables", "load_model", "allreduce", "allgather", "broadcast"]
 
@@ -23,14 +23,14 @@ def broadcast_model(model: keras.Model, root_rank: int, process_set: ProcessSet 
     """Give every rank the root's model variables and optimizer state (building the optimizer if needed).
 
     Collective: every rank in the process set must call this, in the same order."""
-    _broadcast_assign(model.variables, root_rank, process_set, "broadcast_model.variables")
+    broadcast_assign(model.variables, root_rank, process_set, "broadcast_model.variables")
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         if not optimizer.built:
             optimizer.build(model.trainable_variables)
         # A ZeroOptimizer's slots are this rank's shard: only its replicated variables (iterations, ...) travel.
         variables = getattr(optimizer, "replicated_variables", optimizer.variables)
-        _broadcast_assign(variables, root_rank, process_set, "broadcast_model.optimizer")
+        broadcast_assign(variables, root_rank, process_set, "broadcast_model.optimizer")
 
 
 def broadcast_global_variables(root_rank: int, model: keras.Model | None = None) -> None:

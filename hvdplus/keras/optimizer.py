@@ -30,15 +30,15 @@ from hvdplus.common.ops import Average, ReduceOp
 from hvdplus.common.optimizer_options import check_passes, merge_num_groups
 from hvdplus.common.subclassing import disguised_subclass
 from hvdplus.tensorflow.compression import Compression, Compressor
-from hvdplus.tensorflow.gradient_tape import _layer_variables
+from hvdplus.tensorflow.gradient_tape import layer_variables
 from hvdplus.tensorflow.gradients import GradientReducer
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 if TYPE_CHECKING:  # the mixins below sit before a Keras optimizer class, whose attributes and methods they use
-    _OptimizerMixin: TypeAlias = keras.optimizers.Optimizer
+    OptimizerMixin: TypeAlias = keras.optimizers.Optimizer
 else:
-    _OptimizerMixin = object
+    OptimizerMixin = object
 
 
 class _Reducer(Protocol):
@@ -51,7 +51,7 @@ class _Reducer(Protocol):
     ) -> list[Any]: ...
 
 
-class _DistributedOptimizer(_OptimizerMixin):
+class DistributedOptimizerMixin(OptimizerMixin):
     """Mixin placed before the user's optimizer class; the `_hvd_*` attributes are set on each instance."""
 
     _hvd_reducer: _Reducer
@@ -95,7 +95,7 @@ class _DistributedOptimizer(_OptimizerMixin):
                 None if g is None else a.read_value() * tf.cast(scale, a.dtype) for g, a in zip(grads, accumulators)
             ]
             reduced = self._hvd_reducer.reduce(summed, variables, names)
-            super(_DistributedOptimizer, self).apply(reduced, trainable_variables)
+            super(DistributedOptimizerMixin, self).apply(reduced, trainable_variables)
             for accumulator in accumulators:
                 accumulator.assign(tf.zeros_like(accumulator))
 
@@ -200,7 +200,7 @@ def PartialDistributedOptimizer(
         groups,
         process_set,
         scale_local_gradients,
-        _layer_variables(local_layers),
+        layer_variables(local_layers),
     )
 
 
@@ -222,7 +222,7 @@ def _wrap(
         raise TypeError(
             f"optimizer must be a Keras 3 optimizer (keras.optimizers.Optimizer), got {type(optimizer).__name__}"
         )
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, DistributedOptimizerMixin):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the original optimizer only once")
     check_passes(passes)
     if keras.config.dtype_policy().name == "mixed_float16" and not isinstance(
@@ -249,7 +249,7 @@ def _wrap(
     config = optimizer.get_config()
     if name is not None:
         config["name"] = name
-    wrapped = disguised_subclass(_DistributedOptimizer, type(optimizer)).from_config(config)
+    wrapped = disguised_subclass(DistributedOptimizerMixin, type(optimizer)).from_config(config)
     wrapped._hvd_reducer, wrapped._hvd_passes = reducer, passes
     wrapped._hvd_average_aggregated = average_aggregated
     if optimizer.built:

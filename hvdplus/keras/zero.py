@@ -2,7 +2,7 @@
 
 Each rank of the process set keeps the optimizer state (Adam's moments, momentum, ...) of only its part of
 the parameters. The trainable variables of each dtype, in order, are laid end to end as one flat sequence
-and cut into N balanced contiguous ranges (`hvdplus.common.sharding.partition`; a variable may span ranks).
+and cut into N balanced contiguous ranges (`hvdplus.common.plans.sharding.partition`; a variable may span ranks).
 Each rank holds its range of each dtype in one flat *shard variable*; the wrapped optimizer is built on the
 shard variables only, so its slot variables have the shard's size, not the model's.
 
@@ -61,9 +61,9 @@ from hvdplus.common.basics import ProcessSet, global_process_set
 from hvdplus.common.exceptions import CollectiveMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_passes
-from hvdplus.common.sharding import DtypePartition, partition
+from hvdplus.common.plans.sharding import DtypePartition, partition
 from hvdplus.common.subclassing import disguised_subclass
-from hvdplus.keras.optimizer import _DistributedOptimizer, _OptimizerMixin
+from hvdplus.keras.optimizer import DistributedOptimizerMixin, OptimizerMixin
 from hvdplus.tensorflow._graph import dtype_name, graph_name
 from hvdplus.tensorflow.compression import Compression, Compressor
 from hvdplus.tensorflow.flat_ops import allgather_flat, reducescatter_flat
@@ -102,7 +102,7 @@ class _NamePassing:
         return list(grads)
 
 
-class _ZeroStep(_OptimizerMixin):
+class _ZeroStep(OptimizerMixin):
     """Placed just before the user's optimizer class: builds it on the shard variables and runs the sharded step.
 
     Instance attributes (set past Keras' tracker): `_hvd_model_variables`, `_hvd_plans`, `_hvd_shards`,
@@ -367,7 +367,7 @@ class _ZeroStep(_OptimizerMixin):
             self._hvd_slots[key].assign(buffer)
 
 
-class _SlotProbe(_OptimizerMixin):
+class _SlotProbe(OptimizerMixin):
     """Records which model variable each slot of a plain optimizer refers to, creating empty variables only."""
 
     _hvd_probe_calls: dict[int, tuple[Any, str]]
@@ -384,12 +384,12 @@ class _SlotProbe(_OptimizerMixin):
         return variable
 
 
-class _ZeroOptimizer(_DistributedOptimizer, _ZeroStep):
+class _ZeroOptimizer(DistributedOptimizerMixin, _ZeroStep):
     """DistributedOptimizer's accumulation in front of the sharded step: its `super().apply` after the
     accumulation lands in `_ZeroStep.apply` (the method resolution order is _ZeroOptimizer,
-    _DistributedOptimizer, _ZeroStep, the user's class)."""
+    DistributedOptimizerMixin, _ZeroStep, the user's class)."""
 
-    _hvd_reducer: _NamePassing  # what _ZeroStep needs, and a reducer for _DistributedOptimizer's accumulation
+    _hvd_reducer: _NamePassing  # what _ZeroStep needs, and a reducer for DistributedOptimizerMixin's accumulation
 
     @_not_converted
     def apply(self, grads: Sequence[Any], trainable_variables: Sequence[Any] | None = None) -> None:
@@ -476,7 +476,7 @@ def ZeroOptimizer(
         raise TypeError(
             f"optimizer must be a Keras 3 optimizer (keras.optimizers.Optimizer), got {type(optimizer).__name__}"
         )
-    if isinstance(optimizer, _DistributedOptimizer):
+    if isinstance(optimizer, DistributedOptimizerMixin):
         raise ValueError("optimizer is already wrapped by hvdplus; wrap the original optimizer")
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         raise TypeError("ZeroOptimizer cannot wrap a LossScaleOptimizer")

@@ -22,13 +22,13 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from hvdplus.common.elastic_plan import host_of
+from hvdplus.common.elastic.plan import host_of
 from hvdplus.ray.ranks import host_name
 from hvdplus.ray.worker import LEFT_OUT, BaseHorovodWorker
 from hvdplus.runner.cluster_env import rank_env
 from hvdplus.runner.elastic_run import ElasticDriver
 from hvdplus.runner.hosts import Slot
-from hvdplus.runner.job import ElasticOptions, JobSpec
+from hvdplus.runner.job_spec import ElasticOptions, JobSpec
 from hvdplus.runner.supervise import Process
 
 __all__ = ["RayHostDiscovery", "ActorProcess", "RayElasticDriver", "ElasticJob"]

@@ -15,7 +15,7 @@ from hvdplus.ray.elastic import ElasticJob, RayHostDiscovery
 from hvdplus.ray.placement import Placement
 from hvdplus.ray.settings import RaySettings, settings_env
 from hvdplus.ray.static import StaticJob
-from hvdplus.runner.job import ElasticOptions
+from hvdplus.runner.job_spec import ElasticOptions
 
 __all__ = ["RayExecutor"]
 

@@ -1,6 +1,6 @@
 """Elastic mode: hvdplusrun keeps a job running while workers fail and hosts come and go (Horovod Elastic's driver).
 
-The job runs in generations. Each is a plan (hvdplus/common/elastic_plan.py): the workers, by their lasting ids
+The job runs in generations. Each is a plan (hvdplus/common/elastic/plan.py): the workers, by their lasting ids
 ("host/slot"), in rank order, published in the authenticated rendezvous store. The driver:
 - polls discovery (the script, or the fixed -H/--hostfile hosts) about every second in a thread of its own;
 - plans a new generation when a worker fails (its host is blacklisted, its host's other workers are stopped, and
@@ -12,7 +12,7 @@ The job runs in generations. Each is a plan (hvdplus/common/elastic_plan.py): th
   commit, as in Horovod), so that the job regains its size;
 - gives the lowest ranks to the longest-lived hosts, and rank 0 always to a worker that holds the state;
 - never plans a generation without a worker that holds the last commit (a worker holds it once its state sync is
-  over: common/elastic.py marks it in the store): when discovery removes every host whose workers hold it, they
+  over: common/elastic/state.py marks it in the store): when discovery removes every host whose workers hold it, they
   stay in the job as a bridge until workers on the remaining hosts have synced from them, then leave;
 - counts a reset, as Horovod's driver does, for each worker failure and each host change that changes the workers
   it wants, when it happens, even while new workers are still starting;
@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from hvdplus.common.elastic_plan import (
+from hvdplus.common.elastic.plan import (
     LATEST_KEY,
     Plan,
     failure_notice_key,
@@ -47,7 +47,7 @@ from hvdplus.runner.agent import source_address
 from hvdplus.runner.elastic_hosts import HostManager
 from hvdplus.runner.gloo_run import slot_env, start_agent
 from hvdplus.runner.hosts import Host, Slot, assign_slots, is_local
-from hvdplus.runner.job import ElasticOptions, JobSpec
+from hvdplus.runner.job_spec import ElasticOptions, JobSpec
 from hvdplus.runner.preflight import preflight
 from hvdplus.runner.supervise import POLL_SECONDS, Process, Supervisor, describe_exit
 

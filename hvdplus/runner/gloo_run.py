@@ -12,7 +12,7 @@ from hvdplus.runner import agent
 from hvdplus.runner.cluster_env import rank_variables
 from hvdplus.runner.env import exportable
 from hvdplus.runner.hosts import Slot, is_local
-from hvdplus.runner.job import JobSpec
+from hvdplus.runner.job_spec import JobSpec
 from hvdplus.runner.preflight import LaunchError, preflight
 from hvdplus.runner.supervise import Process, Supervisor
 

@@ -1,4 +1,5 @@
-"""One job, decided from the command line and the launcher's environment: ranks, hosts, mode, worker env."""
+"""One job, decided from the command line and the launcher's environment: ranks, hosts, mode, worker env (the
+JobSpec and ElasticOptions of job_spec.py)."""
 
 from __future__ import annotations
 
@@ -7,54 +8,17 @@ import functools
 import importlib.util
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from hvdplus.common.settings import SETTINGS, LaunchEnv
 from hvdplus.runner.alias import ALIAS_PATH, real_horovod
 from hvdplus.runner.elastic_hosts import discover_with_script
 from hvdplus.runner.env import INHERITED_LAUNCH_VARIABLES
-from hvdplus.runner.hosts import Host, Slot, assign_slots, parse_hostfile, parse_hosts, slurm_hosts
+from hvdplus.runner.hosts import Host, assign_slots, parse_hostfile, parse_hosts, slurm_hosts
+from hvdplus.runner.job_spec import ElasticOptions, JobSpec
 from hvdplus.runner.mpi_run import find_mpirun
 from hvdplus.runner.ssh import SshOptions
 
-__all__ = ["JobSpec", "ElasticOptions", "job_from_args", "elastic_options", "tuning_env", "ALIAS_PATH"]
-
-
-@dataclass
-class JobSpec:
-    """Everything needed to start the job's ranks."""
-
-    command: list[str]
-    slots: list[Slot]
-    mode: str
-    env: dict[str, str]
-    ssh: SshOptions = field(default_factory=SshOptions)
-    nics: list[str] = field(default_factory=list)
-    start_timeout: int | None = None
-    output_dir: str | None = None
-    verbose: bool = False
-    mpi_args: list[str] = field(default_factory=list)
-
-    @property
-    def hosts(self) -> list[Host]:
-        """Hosts in rank order, each with the number of ranks it runs."""
-        counts: dict[str, int] = {}
-        for slot in self.slots:
-            counts[slot.hostname] = counts.get(slot.hostname, 0) + 1
-        return [Host(name, n) for name, n in counts.items()]
-
-
-@dataclass(frozen=True)
-class ElasticOptions:
-    """The elastic flags: how many workers, where from, and when to give up."""
-
-    np: int  # workers to wait for before the first generation starts
-    min_np: int
-    max_np: int | None
-    discover: Callable[[], dict[str, int]]  # runs the discovery script, or returns the fixed hosts
-    timeout: float  # --elastic-timeout
-    reset_limit: int | None = None
-    cooldown_range: tuple[float, float] | None = None
+__all__ = ["job_from_args", "elastic_options", "tuning_env", "ALIAS_PATH"]
 
 
 def elastic_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ElasticOptions | None:

@@ -11,7 +11,8 @@ from hvdplus.runner.args import parse_args
 from hvdplus.runner.check_build import check_build
 from hvdplus.runner.elastic_run import run_elastic
 from hvdplus.runner.gloo_run import run_gloo
-from hvdplus.runner.job import JobSpec, elastic_options, job_from_args
+from hvdplus.runner.job import elastic_options, job_from_args
+from hvdplus.runner.job_spec import JobSpec
 from hvdplus.runner.mpi_run import run_mpi
 from hvdplus.runner.preflight import LaunchError
 

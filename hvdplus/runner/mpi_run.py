@@ -19,7 +19,7 @@ from hvdplus.runner.preflight import preflight
 from hvdplus.runner.supervise import Supervisor
 
 if TYPE_CHECKING:
-    from hvdplus.runner.job import JobSpec
+    from hvdplus.runner.job_spec import JobSpec
 
 __all__ = ["find_mpirun", "mpi_flavor", "mpirun_command", "abort_on_exception", "launcher_libmpi", "run_mpi"]
 

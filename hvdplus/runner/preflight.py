@@ -14,7 +14,7 @@ from hvdplus.runner.hosts import is_local
 from hvdplus.runner.ssh import check_reachable
 
 if TYPE_CHECKING:
-    from hvdplus.runner.job import JobSpec
+    from hvdplus.runner.job_spec import JobSpec
 
 __all__ = ["LaunchError", "preflight"]
 

@@ -16,12 +16,12 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, cast
 
-from hvdplus.common.elastic_plan import host_of
+from hvdplus.common.elastic.plan import host_of
 from hvdplus.common.settings import Settings
 from hvdplus.runner.cluster_env import deprecated_bounds, rank_env
 from hvdplus.runner.elastic_run import ElasticDriver, ElasticJobError
 from hvdplus.runner.hosts import Slot
-from hvdplus.runner.job import ElasticOptions, JobSpec
+from hvdplus.runner.job_spec import ElasticOptions, JobSpec
 from hvdplus.runner.supervise import Process
 from hvdplus.spark.context import active_context, driver_addresses, num_proc_from, start_timeout_from
 from hvdplus.spark.elastic_task import run_elastic_task

@@ -14,7 +14,7 @@ import os
 import threading
 from collections.abc import Iterable, Iterator
 
-from hvdplus.common.elastic_plan import worker_id
+from hvdplus.common.elastic.plan import worker_id
 from hvdplus.common.rendezvous import RendezvousClient
 from hvdplus.runner.cluster_env import worker_environ
 from hvdplus.runner.supervise import describe_exit

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from hvdplus.common.halfops import has_fast_kernels, register_half_kernels
+from hvdplus.common.data.halfops import has_fast_kernels, register_half_kernels
 from hvdplus.common.ops import ReduceOp
 from hvdplus.tensorflow._graph import values
 

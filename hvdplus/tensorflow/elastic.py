@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from hvdplus.common.basics import rank
 from hvdplus.common.collectives import broadcast_object
-from hvdplus.common.elastic import HandledState, ObjectState, OptimizerHandler, State, StateHandler, run_fn
+from hvdplus.common.elastic.state import HandledState, ObjectState, OptimizerHandler, State, StateHandler, run_fn
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.tensorflow.functions import broadcast_variables
 
@@ -60,7 +60,7 @@ def run(
     func: Callable[Concatenate[_StateT, _Params], _Result],
 ) -> Callable[Concatenate[_StateT, _Params], _Result]:
     """Decorate the training function `func(state, ...)`: it runs until it returns, across failures and host
-    changes (see hvdplus.common.elastic). Collectives must not run outside it, or new workers would deadlock
+    changes (see hvdplus.common.elastic.state). Collectives must not run outside it, or new workers would deadlock
     against the others' state sync."""
     return run_fn(_collective_errors_as_internal(func))
 

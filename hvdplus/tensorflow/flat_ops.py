@@ -1,7 +1,7 @@
 """Flat (1-D) reduce-scatter and allgather with explicit per-rank element counts, as TensorFlow ops.
 
 The building blocks of ZeRO-style sharding (`hvdplus.keras.ZeroOptimizer`): a rank's slice of a flat
-buffer is `counts[r]` elements, as a partition plan (`hvdplus.common.sharding`) cuts it, not Horovod's
+buffer is `counts[r]` elements, as a partition plan (`hvdplus.common.plans.sharding`) cuts it, not Horovod's
 split of the first dimension. Both ops work eagerly and inside tf.function (see _graph.py: a submit op and a
 wait op in graphs) and have static output shapes (`counts[this rank]`, `sum(counts)`). They are not
 differentiable: they move gradients and parameters, they are not part of a model.

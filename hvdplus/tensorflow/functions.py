@@ -11,7 +11,7 @@ import tensorflow as tf
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, local_rank, local_size, rank
-from hvdplus.common.pickled import pickled
+from hvdplus.common.data.pickled import pickled
 from hvdplus.tensorflow._graph import VARIABLES_CHAIN, collective_names
 from hvdplus.tensorflow.mpi_ops import broadcast_op
 
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 
-def _broadcast_assign(
+def broadcast_assign(
     variables: Sequence[Any], root_rank: int, process_set: ProcessSet, prefix: str | None
 ) -> tf.Operation | None:
     """Assign the root's values to `variables` with one broadcast op (in graphs on the chain of variable
@@ -54,7 +54,7 @@ def broadcast_variables(
 
     `root_rank` is a global rank (`hvd.rank()`), also with `process_set`.
     Collective: every rank in the process set must call this with the same variables, in the same order."""
-    return _broadcast_assign(variables, root_rank, process_set, None)
+    return broadcast_assign(variables, root_rank, process_set, None)
 
 
 def broadcast_(
@@ -64,7 +64,7 @@ def broadcast_(
     new values, as Horovod does: in a graph, tensors read after the assignments (fetching them broadcasts).
 
     Collective: every rank in the process set must call this, in the same order."""
-    assigned = _broadcast_assign(variables, root_rank, process_set, name)
+    assigned = broadcast_assign(variables, root_rank, process_set, name)
     with tf.control_dependencies([] if assigned is None else [assigned]):
         return [tf.identity(v) for v in variables]
 

@@ -121,11 +121,11 @@ def PartialDistributedGradientTape(
         process_set,
         scale_local_gradients,
     )
-    tape._hvd_reducer.register_local(_layer_variables(local_layers))
+    tape._hvd_reducer.register_local(layer_variables(local_layers))
     return tape
 
 
-def _layer_variables(local_layers: Any) -> Iterable[Any]:
+def layer_variables(local_layers: Any) -> Iterable[Any]:
     """The trainable variables of a layer or a list of layers (nothing for None)."""
     if local_layers is None:
         return []

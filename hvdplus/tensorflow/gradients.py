@@ -14,12 +14,12 @@ from typing import Any
 import tensorflow as tf
 
 from hvdplus.common.basics import ProcessSet, elastic_worker
-from hvdplus.common.grouping import check_groups, group_indices
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_predivide, predivide_scales
+from hvdplus.common.plans.grouping import check_groups, group_indices
 from hvdplus.tensorflow._graph import graph_name
 from hvdplus.tensorflow.compression import Compressor
-from hvdplus.tensorflow.mpi_ops import _allreduce_op, _sparse_allreduce, _tensors
+from hvdplus.tensorflow.mpi_ops import allreduce_op, as_tensors, sparse_allreduce
 
 __all__ = ["GradientReducer"]
 
@@ -68,7 +68,7 @@ class GradientReducer:
         dense = []
         for i in shared:
             if isinstance(grads[i], tf.IndexedSlices) and not self.sparse_as_dense:
-                grads[i] = _sparse_allreduce(
+                grads[i] = sparse_allreduce(
                     grads[i], names[i], self.op, self.prescale, self.postscale, self.process_set, True
                 )
             else:
@@ -94,8 +94,8 @@ class GradientReducer:
 
     def _allreduce(self, grads: list[Any], members: list[int], names: list[str]) -> None:
         pairs = [self.compression.compress(tf.convert_to_tensor(grads[i])) for i in members]
-        inputs = _tensors([p[0] for p in pairs])
-        reduced = _allreduce_op(
+        inputs = as_tensors([p[0] for p in pairs])
+        reduced = allreduce_op(
             inputs, [names[i] for i in members], self.op, self.prescale, self.postscale, self.process_set
         )
         for i, output, (_, ctx) in zip(members, reduced, pairs):

@@ -45,7 +45,7 @@ __all__ = [
 Names = Sequence["str | None"]
 
 
-def _tensors(tensors: Sequence[Any]) -> list[tf.Tensor]:
+def as_tensors(tensors: Sequence[Any]) -> list[tf.Tensor]:
     result = [tf.convert_to_tensor(t) for t in tensors]
     for t in result:
         dtype_name(t.dtype)
@@ -74,12 +74,12 @@ def _same_shape_op(
     @tf.custom_gradient
     def forward(*xs: tf.Tensor) -> Any:
         ys = execute(start, xs, [x.dtype for x in xs], [x.shape for x in xs], chain)
-        return ys, lambda *dys: gradient(_tensors(dys))
+        return ys, lambda *dys: gradient(as_tensors(dys))
 
     return list(forward(*tensors)) if tensors else []
 
 
-def _allreduce_op(
+def allreduce_op(
     tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet
 ) -> list[tf.Tensor]:
     """One op reducing every tensor (fused by the core); its gradient allreduces the gradients (Sum/Average)."""
@@ -87,7 +87,7 @@ def _allreduce_op(
     def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             raise NotImplementedError(f"the gradient of allreduce is defined for Average and Sum, not {op!r}")
-        return _allreduce_op(dys, collective_names("Allreduce", dys, None), op, prescale, postscale, process_set)
+        return allreduce_op(dys, collective_names("Allreduce", dys, None), op, prescale, postscale, process_set)
 
     return _same_shape_op(
         tensors,
@@ -110,7 +110,7 @@ def _check_sparse(op: ReduceOp, prescale: float, postscale: float) -> None:
         raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
 
 
-def _sparse_allreduce(
+def sparse_allreduce(
     tensor: tf.IndexedSlices,
     name: str | None,
     op: ReduceOp,
@@ -123,7 +123,7 @@ def _sparse_allreduce(
     size with TensorFlow's `/` (so integer values become floating point, as in Horovod). The scale factors are
     applied for the gradient reducers' gradient_predivide_factor (`allreduce` itself refuses them, see
     `_check_sparse`)."""
-    parts = _tensors([tensor.values, tensor.indices])
+    parts = as_tensors([tensor.values, tensor.indices])
     names = collective_names("Allgather", parts, name, ignore_name_scope)
     gathered_values, indices = _allgather_op(parts, names, process_set)
     if prescale * postscale != 1.0:
@@ -152,11 +152,11 @@ def allreduce(
     op = core.resolve_op(average, op)
     if isinstance(tensor, tf.IndexedSlices):
         _check_sparse(op, prescale_factor, postscale_factor)
-        return _sparse_allreduce(tensor, name, op, 1.0, 1.0, process_set, ignore_name_scope)
+        return sparse_allreduce(tensor, name, op, 1.0, 1.0, process_set, ignore_name_scope)
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    [tensor] = _tensors([compressed])
+    [tensor] = as_tensors([compressed])
     names = collective_names("Allreduce", [tensor], name, ignore_name_scope)
-    [reduced] = _allreduce_op([tensor], names, op, prescale_factor, postscale_factor, process_set)
+    [reduced] = allreduce_op([tensor], names, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(reduced, ctx)
 
 
@@ -181,12 +181,12 @@ def grouped_allreduce(
         _check_sparse(op, prescale_factor, postscale_factor)
     for i, t in enumerate(tensors):
         if isinstance(t, tf.IndexedSlices):
-            results[i] = _sparse_allreduce(t, None, op, 1.0, 1.0, process_set, False)
+            results[i] = sparse_allreduce(t, None, op, 1.0, 1.0, process_set, False)
     compressed, contexts = (
         zip(*(compression.compress(tf.convert_to_tensor(tensors[i])) for i in dense)) if dense else ((), ())
     )
-    inputs = _tensors(compressed)
-    reduced = _allreduce_op(
+    inputs = as_tensors(compressed)
+    reduced = allreduce_op(
         inputs, collective_names("Allreduce", inputs, None), op, prescale_factor, postscale_factor, process_set
     )
     for i, output, ctx in zip(dense, reduced, contexts):
@@ -217,7 +217,7 @@ def _resizing_op(
     @tf.custom_gradient
     def forward(*xs: tf.Tensor) -> Any:
         ys = execute(start, xs, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
-        return ys, lambda *dys: gradient(xs, _tensors(dys))
+        return ys, lambda *dys: gradient(xs, as_tensors(dys))
 
     return list(forward(*tensors)) if tensors else []
 
@@ -227,7 +227,7 @@ def _allgather_op(tensors: list[tf.Tensor], names: Names, process_set: ProcessSe
     over the set (Horovod's `_allgather_grad`)."""
 
     def gradient(xs: Sequence[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        averaged = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0, process_set)
+        averaged = allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0, process_set)
         rows = [tf.shape(x, out_type=tf.int64)[:1] for x in xs]
         all_rows = _allgather_op(rows, collective_names("Allgather", rows, None), process_set)
         me = process_set.rank()
@@ -244,7 +244,7 @@ def allgather(
     """Concatenate every rank's `tensor` along dimension 0 (first dimensions may differ). Differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    tensors = _tensors([tensor])
+    tensors = as_tensors([tensor])
     return _allgather_op(tensors, collective_names("Allgather", tensors, name, ignore_name_scope), process_set)[0]
 
 
@@ -257,7 +257,7 @@ def grouped_allgather(
     """Allgather a list of tensors in one op. Differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    inputs = _tensors(tensors)
+    inputs = as_tensors(tensors)
     return _allgather_op(inputs, collective_names("Allgather", inputs, name, ignore_name_scope), process_set)
 
 
@@ -272,7 +272,7 @@ def broadcast_op(
     root_rank = core.check_root(root_rank, process_set)
 
     def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
-        averaged = _allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0, process_set)
+        averaged = allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0, process_set)
         return averaged if rank() == root_rank else [g * tf.constant(0, g.dtype) for g in averaged]
 
     return _same_shape_op(
@@ -293,7 +293,7 @@ def broadcast(
 ) -> tf.Tensor:
     """Return the root's `tensor` on every member; `root_rank` is a global rank (`hvd.rank()`), also with
     `process_set`. Differentiable. Collective: every rank in the process set must call this, in the same order."""
-    tensors = _tensors([tensor])
+    tensors = as_tensors([tensor])
     names = collective_names("Broadcast", tensors, name, ignore_name_scope)
     return broadcast_op(tensors, names, root_rank, process_set)[0]
 
@@ -331,7 +331,7 @@ def alltoall(
     Returns the output, or (output, received_splits) when `splits` is given (as hvdplus.torch).
     Splits must be known when the op runs: a list, a numpy array or an eager tensor, or in tf.function a tensor.
     Collective: every rank in the process set must call this, in the same order."""
-    [x] = _tensors([tensor])
+    [x] = as_tensors([tensor])
     if x.shape.rank == 0:
         raise ValueError("alltoall needs a tensor with at least one dimension, got a scalar; reshape it to (1,)")
     split_tensor = tf.zeros([0], tf.int32) if splits is None else _split_counts(splits)
@@ -392,7 +392,7 @@ def _alltoall_op(
         )
 
         def grad(dy: tf.Tensor, *_: Any) -> tf.Tensor:
-            [dy] = _tensors([dy])
+            [dy] = as_tensors([dy])
             [grad_name] = collective_names("Alltoall", [dy], None)
             sent_back = _alltoall_op(dy, received, False, grad_name, process_set)[0]
             return tf.concat([sent_back, tf.zeros_like(value[tf.shape(sent_back)[0] :])], 0)  # rows not sent: 0
@@ -452,7 +452,7 @@ def reducescatter(
     Differentiable. Collective: every rank in the process set must call this, in the same order."""
     op = _reducescatter_op_of(op)
     compressed, ctx = compression.compress(tf.convert_to_tensor(tensor))
-    inputs = _tensors([compressed])
+    inputs = as_tensors([compressed])
     names = collective_names("Reducescatter", inputs, name, ignore_name_scope)
     [shard] = _reducescatter_op(inputs, names, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(shard, ctx)
@@ -472,7 +472,7 @@ def grouped_reducescatter(
     Collective: every rank in the process set must call this, in the same order."""
     op = _reducescatter_op_of(op)
     pairs = [compression.compress(tf.convert_to_tensor(t)) for t in tensors]
-    inputs = _tensors([p[0] for p in pairs])
+    inputs = as_tensors([p[0] for p in pairs])
     shards = _reducescatter_op(
         inputs, collective_names("Reducescatter", inputs, None), op, prescale_factor, postscale_factor, process_set
     )

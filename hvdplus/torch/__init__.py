@@ -74,9 +74,9 @@ from hvdplus.torch.mpi_ops import (
 from hvdplus.torch.optimizer import DistributedOptimizer
 from hvdplus.torch.sparse import sparse_allreduce_async
 from hvdplus.torch.sync_batch_norm import SyncBatchNorm
-from hvdplus.torch.zero import ZeroOptimizer
-from hvdplus.torch.zero3 import gathered_parameters, shard_parameters
-from hvdplus.torch.zero3_checkpoint import (
+from hvdplus.torch.zero.optimizer import ZeroOptimizer
+from hvdplus.torch.zero.zero3 import gathered_parameters, shard_parameters
+from hvdplus.torch.zero.zero3_checkpoint import (
     full_state_dict,
     load_full_checkpoint,
     load_full_state_dict,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from hvdplus.common.halfops import register_half_kernels
+from hvdplus.common.data.halfops import register_half_kernels
 from hvdplus.common.ops import ReduceOp
 
 _COMBINE: dict[ReduceOp, Callable[..., torch.Tensor]] = {

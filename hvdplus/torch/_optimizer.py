@@ -13,15 +13,15 @@ from typing import Any
 import torch
 
 from hvdplus.common.basics import ProcessSet, elastic_worker, global_process_set, size
-from hvdplus.common.grouping import bucket_indices, build_groups
 from hvdplus.common.ops import Adasum, Average, ReduceOp, Sum
 from hvdplus.common.optimizer_options import check_passes, predivide_scales
-from hvdplus.common.step_plan import Decision
+from hvdplus.common.plans.grouping import bucket_indices, build_groups
+from hvdplus.common.plans.step_plan import Decision
 from hvdplus.torch.compression import Compressor
 from hvdplus.torch.device_plane import scale_in_place
 from hvdplus.torch.mpi_ops import allreduce_async_, grouped_allreduce_async_
-from hvdplus.torch.planned import bucket_sizes, try_freeze, wire_dtype
-from hvdplus.torch.reducer import Reducer
+from hvdplus.torch.planned.planned import bucket_sizes, try_freeze, wire_dtype
+from hvdplus.torch.planned.reducer import Reducer
 from hvdplus.torch.sparse import sparse_allreduce_async
 
 __all__ = ["AllreduceInFlightError"]

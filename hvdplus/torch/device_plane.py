@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from hvdplus.common.buffer_ops import DeviceKind, register_device_plane
+from hvdplus.common.data.buffer_ops import DeviceKind, register_device_plane
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.settings import Settings
 from hvdplus.common.topology import Topology

@@ -130,10 +130,10 @@ def broadcast_optimizer_state(
             "cannot broadcast torch.optim.LBFGS state (its state holds nested closures); "
             "save and load it with torch.save on every rank instead"
         )
-    _broadcast_state(optimizer, root_rank, model, process_set, initialize_everywhere=True)
+    broadcast_state(optimizer, root_rank, model, process_set, initialize_everywhere=True)
 
 
-def _broadcast_state(
+def broadcast_state(
     optimizer: torch.optim.Optimizer,
     root_rank: int,
     model: torch.nn.Module | None,

@@ -94,7 +94,7 @@ def _start_allreduce(
 ) -> tuple[Handle, Callable[[], torch.Tensor]]:
     """Submit one allreduce (a member of a grouped call of `group` tensors, if not 0); return its handle and the
     function that gives the result once it is done."""
-    # Adasum reduces tensor by tensor on the host engine (common/adasum.py)
+    # Adasum reduces tensor by tensor on the host engine (common/data/adasum.py)
     kind = None if op == ReduceOp.ADASUM else plane_kind(tensor)
     output, in_array, out_array, label = collective_buffers(tensor, inplace, kind)
     device = tensor.device
@@ -776,8 +776,8 @@ def join(device: int = -1) -> int:
 
     Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
     Returns the rank that joined last. Collective: every rank must call it once per epoch. DistributedOptimizers
-    on the planned path get their zeros from here too (torch/planned_steps.py: serve_joined)."""
-    from hvdplus.torch.planned_steps import serve_joined  # the planned steps build on this module
+    on the planned path get their zeros from here too (torch/planned/planned_steps.py: serve_joined)."""
+    from hvdplus.torch.planned.planned_steps import serve_joined  # the planned steps build on this module
 
     handle = core.submit_join()
     serve_joined()

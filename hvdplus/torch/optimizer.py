@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from hvdplus.common.adasum import check_adasum_size
 from hvdplus.common.basics import ProcessSet, global_process_set
+from hvdplus.common.data.adasum import check_adasum_size
 from hvdplus.common.ops import Adasum, Average, ReduceOp
 from hvdplus.common.optimizer_options import check_compression, check_passes, check_predivide, merge_num_groups
 from hvdplus.torch._adasum_optimizer import _DistributedAdasumOptimizer

@@ -39,7 +39,7 @@ class Jitter:
 
 def jitter_submits(rng: random.Random | None = None) -> Jitter:
     """From now on, sleep a random time before each collective this process submits (each rank draws its own)."""
-    from hvdplus.common.coordinator import Coordinator
+    from hvdplus.common.control.coordinator import Coordinator
 
     draw, done = rng or random.Random(), Jitter()
     submit = Coordinator.submit

@@ -178,8 +178,8 @@ _SET_FAILURE_TEXT = {
 @pytest.mark.parametrize("engine, mode, env", _SET_FAILURES)
 def test_a_failure_in_a_process_sets_own_rounds_reaches_every_rank(engine, mode, env):
     """A member of a process set dies, stalls or freezes while its peer waits for it in the set's own rounds
-    (common/set_rounds.py): the peer raises within seconds, naming it, and rank 0, outside the set and sharing no
-    round with them, raises at its next collective instead of hanging."""
+    (common/control/set_rounds.py): the peer raises within seconds, naming it, and rank 0, outside the set and sharing
+    no round with them, raises at its next collective instead of hanging."""
     code, output = run_job(engine, 3, [str(SCENARIOS / "set_failures.py"), mode], env, timeout=90)
     # (mpirun reports a rank that exits without MPI_Finalize, as these do once hvdplus failed, with exit code 1.)
     assert code == (3 if mode == "dead" else 1 if engine == "mpi" else 0), output

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from hvdplus.common import halfops
-from hvdplus.common.adasum import adasum_allreduce, check_adasum_size, combine, partners
+from hvdplus.common.data import halfops
+from hvdplus.common.data.adasum import adasum_allreduce, check_adasum_size, combine, partners
 from hvdplus.common.engines.local import LocalEngine
 
 

@@ -1,4 +1,4 @@
-"""What a control round agrees on (common/agreement.py), with ranks simulated as threads of this process: a
+"""What a control round agrees on (common/control/agreement.py), with ranks simulated as threads of this process: a
 collective is negotiated in full once and then agreed by its cache bit alone; a changed one is dropped from the
 cache on every rank and compared again; a joined rank hits the cached allreduces of its sets; a rank outside a set
 raises the bits of that set's collectives."""
@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from hvdplus.common.agreement import HAS_UNCACHED, Agreement
+from hvdplus.common.control.agreement import HAS_UNCACHED, Agreement
+from hvdplus.common.control.messages import Request
+from hvdplus.common.data.executor import Work
 from hvdplus.common.engines.threads import ThreadWorld
-from hvdplus.common.executor import Work
 from hvdplus.common.handles import Handle
-from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
 

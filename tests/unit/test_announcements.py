@@ -6,11 +6,11 @@ import threading
 import numpy as np
 import pytest
 
-from hvdplus.common.announcements import exchange_announcements
-from hvdplus.common.coordinator import Coordinator
+from hvdplus.common.control.announcements import exchange_announcements
+from hvdplus.common.control.coordinator import Coordinator
+from hvdplus.common.control.messages import Request
 from hvdplus.common.engines.threads import ThreadWorld
 from hvdplus.common.exceptions import CollectiveMismatchError
-from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
 from hvdplus.common.topology import Topology

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdplus.common.buffer_ops import NUMPY_OPS
+from hvdplus.common.data.buffer_ops import NUMPY_OPS
 
 torch = pytest.importorskip("torch")
 
@@ -58,7 +58,7 @@ def test_scale_rounds_like_the_host(dtype, factor):
 
 
 def test_bfloat16_scale_matches_the_host_kernel():
-    from hvdplus.common.halfops import bfloat16_to_float32
+    from hvdplus.common.data.halfops import bfloat16_to_float32
 
     values = torch.tensor([1.0, 3.0, -0.1, 1000.0], dtype=torch.bfloat16)
     host = values.view(torch.int16).numpy().view(np.uint16).copy()

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdplus.common.coordinator import Coordinator
+from hvdplus.common.control.coordinator import Coordinator
+from hvdplus.common.control.messages import Request
 from hvdplus.common.engines.local import LocalEngine
 from hvdplus.common.exceptions import HorovodInternalError
-from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.settings import Settings
 from hvdplus.common.topology import Topology

@@ -39,13 +39,13 @@ SCRIPT = textwrap.dedent("""
 
 CORE = [
     "hvdplus.common",
-    "hvdplus.common.coordinator",
+    "hvdplus.common.control.coordinator",
     "hvdplus.common.engines",
     "hvdplus.common.engines.local",
-    "hvdplus.common.grouping",
+    "hvdplus.common.plans.grouping",
     "hvdplus.common.naming",
     "hvdplus.common.optimizer_options",
-    "hvdplus.common.schedules",
+    "hvdplus.common.plans.lr_schedules",
 ]
 RUNNER = [
     "hvdplus.runner",

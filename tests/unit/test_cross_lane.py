@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from hvdplus.common.cross_lane import CrossLane
+from hvdplus.common.data.cross_lane import CrossLane
 
 
 def test_steps_run_in_order_on_one_daemon_thread_while_the_caller_goes_on():

@@ -1,5 +1,5 @@
-"""Who runs the coordinator's cycles (common/cycles.py): waiting threads while the ranks are busy, never two at once,
-never out of an idle spell; and how long a rank spins for a control round."""
+"""Who runs the coordinator's cycles (common/control/cycles.py): waiting threads while the ranks are busy, never two at
+once, never out of an idle spell; and how long a rank spins for a control round."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import threading
 import numpy as np
 import pytest
 
-from hvdplus.common import cycles as cycles_module
-from hvdplus.common.coordinator import control_spin_s
-from hvdplus.common.cycles import Cycles
+from hvdplus.common.control import cycles as cycles_module
+from hvdplus.common.control.coordinator import control_spin_s
+from hvdplus.common.control.cycles import Cycles
 from hvdplus.common.handles import Handle
 
 
@@ -181,7 +181,7 @@ def test_a_cycle_run_by_a_waiting_thread_does_not_take_its_numpy_error_state(mon
     """A user thread's np.seterr(all="raise") would turn a float16 overflow inside a cycle (a scaled gradient)
     into an engine failure that ends the job; the background thread's cycles never see it. Both ways of
     keeping it out: a fresh context (numpy 2), and numpy's default error state (numpy 1, per thread)."""
-    import hvdplus.common.cycles as cycles_module
+    import hvdplus.common.control.cycles as cycles_module
 
     monkeypatch.setattr(cycles_module, "_STATE_IN_CONTEXT", state_in_context)
     seen: list[dict[str, str]] = []

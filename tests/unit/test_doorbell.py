@@ -8,10 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from hvdplus.common.coordinator import Coordinator
+from hvdplus.common.control.coordinator import Coordinator
+from hvdplus.common.control.messages import Request
 from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.engines.threads import ThreadWorld
-from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.settings import Settings
 from hvdplus.common.topology import Topology

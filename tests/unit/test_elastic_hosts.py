@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hvdplus.common.elastic_plan import Plan, arrived_key, failure_notice_key, holds_key, worker_id
+from hvdplus.common.elastic.plan import Plan, arrived_key, failure_notice_key, holds_key, worker_id
 from hvdplus.runner.args import parse_args
 from hvdplus.runner.elastic_hosts import HostManager, parse_discovery_output
 from hvdplus.runner.job import elastic_options

@@ -13,8 +13,8 @@ pytest.importorskip("torch")
 
 import torch.distributed as dist  # noqa: E402
 
-from hvdplus.common.elastic_plan import LATEST_KEY, GenerationReplaced  # noqa: E402
-from hvdplus.common.engines.torch_dist import _authenticated_store  # noqa: E402
+from hvdplus.common.elastic.plan import LATEST_KEY, GenerationReplaced  # noqa: E402
+from hvdplus.common.engines.torch_store import authenticated_store  # noqa: E402
 from hvdplus.common.rendezvous import RendezvousServer, RendezvousTimeout, new_secret  # noqa: E402
 from hvdplus.common.settings import LaunchEnv  # noqa: E402
 
@@ -28,7 +28,7 @@ def _store(server: RendezvousServer, secret: str, **elastic: object):
         secret_key=secret,
         **elastic,
     )
-    return _authenticated_store(dist, launch, timeout_seconds=20)
+    return authenticated_store(dist, launch, timeout_seconds=20)
 
 
 def test_a_read_in_a_replaced_generation_raises_at_once_and_others_still_wait():
@@ -58,7 +58,7 @@ def test_outside_elastic_jobs_a_read_waits_for_the_whole_timeout():
         launch = LaunchEnv(
             rank=0, size=2, rendezvous_addr="127.0.0.1", rendezvous_port=server.port("127.0.0.1"), secret_key=secret
         )
-        store = _authenticated_store(dist, launch, timeout_seconds=1)
+        store = authenticated_store(dist, launch, timeout_seconds=1)
         start = time.monotonic()
         with pytest.raises(RendezvousTimeout):
             store.get("never.set")

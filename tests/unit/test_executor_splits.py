@@ -2,8 +2,8 @@
 
 import pytest
 
-from hvdplus.common.executor import even_splits
-from hvdplus.common.layout import balanced_counts
+from hvdplus.common.data.executor import even_splits
+from hvdplus.common.data.layout import balanced_counts
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,9 @@
 """plan_batches: which allreduces share a fusion buffer."""
 
+from hvdplus.common.control.messages import Request, Response
+from hvdplus.common.data.fusion import plan_batches
 from hvdplus.common.engines.mpi import MPIEngine
 from hvdplus.common.engines.torch_dist import TorchDistEngine
-from hvdplus.common.fusion import plan_batches
-from hvdplus.common.messages import Request, Response
 from hvdplus.common.ops import OpKind, ReduceOp
 
 

@@ -7,7 +7,7 @@ The race cannot be produced on demand with real Gloo, so a work object replays c
 import numpy as np
 import pytest
 
-from hvdplus.common.engines.torch_dist import _GlooPending
+from hvdplus.common.engines.gloo_channels import GlooPending
 
 
 class _WorkThatFinishesDuringTheTimeout:
@@ -32,14 +32,14 @@ class _WorkThatFinishesDuringTheTimeout:
 def test_work_completed_after_the_timeout_is_returned() -> None:
     out = np.arange(3.0)
     work = _WorkThatFinishesDuringTheTimeout()
-    assert _GlooPending(work, out).wait(timeout_s=1.0) is out
+    assert GlooPending(work, out).wait(timeout_s=1.0) is out
     assert work.untimed_waits == 1
 
 
 def test_work_that_failed_after_the_timeout_raises_its_own_error() -> None:
     work = _WorkThatFinishesDuringTheTimeout(RuntimeError("Connection closed by peer"))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
-        _GlooPending(work, np.zeros(1)).wait(timeout_s=1.0)
+        GlooPending(work, np.zeros(1)).wait(timeout_s=1.0)
 
 
 def test_work_still_running_after_the_timeout_is_waited_for_again() -> None:
@@ -50,4 +50,4 @@ def test_work_still_running_after_the_timeout_is_waited_for_again() -> None:
         def is_completed(self) -> bool:
             return False
 
-    assert _GlooPending(StillRunning(), np.zeros(1)).wait(timeout_s=0.1) is None
+    assert GlooPending(StillRunning(), np.zeros(1)).wait(timeout_s=0.1) is None

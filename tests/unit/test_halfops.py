@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from hvdplus.common.halfops import bfloat16_reducer, bfloat16_to_float32, float32_to_bfloat16, scale_inplace
+from hvdplus.common.data.halfops import bfloat16_reducer, bfloat16_to_float32, float32_to_bfloat16, scale_inplace
 from hvdplus.common.ops import ReduceOp
 
 

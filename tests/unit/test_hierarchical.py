@@ -4,10 +4,10 @@ reduction for every size, dtype and op; the layouts that cannot run hierarchical
 import numpy as np
 import pytest
 
+from hvdplus.common.data.halfops import bfloat16_to_float32, float32_to_bfloat16
+from hvdplus.common.data.hierarchical import cross_allreduce, hierarchical_groups, p2p_reducescatter, resolve_algorithm
+from hvdplus.common.data.layout import balanced_counts
 from hvdplus.common.engines.threads import ThreadWorld
-from hvdplus.common.halfops import bfloat16_to_float32, float32_to_bfloat16
-from hvdplus.common.hierarchical import cross_allreduce, hierarchical_groups, p2p_reducescatter, resolve_algorithm
-from hvdplus.common.layout import balanced_counts
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.topology import Topology
 from tests.unit.test_announcements import run_ranks

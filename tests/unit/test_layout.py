@@ -1,8 +1,8 @@
-"""Fused-buffer layouts (common/layout.py): rank-major packing for reduce-scatter and allgather."""
+"""Fused-buffer layouts (common/data/layout.py): rank-major packing for reduce-scatter and allgather."""
 
 import numpy as np
 
-from hvdplus.common.layout import Layout
+from hvdplus.common.data.layout import Layout
 
 
 def test_rank_major_pack_and_unpack_round_trip():

@@ -1,7 +1,7 @@
 """MessageTable readiness, validation errors, join and process-set deadlock detection."""
 
-from hvdplus.common.messages import Request
-from hvdplus.common.negotiation import JOIN_KEY, MessageTable, is_join, join_key, validate
+from hvdplus.common.control.messages import Request
+from hvdplus.common.control.negotiation import JOIN_KEY, MessageTable, is_join, join_key, validate
 from hvdplus.common.ops import OpKind, ReduceOp
 
 
@@ -263,7 +263,7 @@ def test_overlapping_sets_without_cycle_do_not_error():
 
 
 def test_a_shadow_from_a_set_whose_rounds_keep_their_own_table_names_the_deadlock_and_never_runs():
-    """Each process set's rounds keep a table of their own (common/set_rounds.py): the set [0, 1]'s table sees
+    """Each process set's rounds keep a table of their own (common/control/set_rounds.py): the set [0, 1]'s table sees
     rank 1's allreduce 't' and, as a shadow, rank 0's 't' on the whole job; it fails its entry with the same error
     one table of both sets gives, and drops the shadow."""
     pair = MessageTable(join_key(1))

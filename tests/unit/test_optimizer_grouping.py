@@ -2,7 +2,7 @@
 
 import pytest
 
-from hvdplus.common.grouping import build_groups, split_list
+from hvdplus.common.plans.grouping import build_groups, split_list
 
 
 class Param:
@@ -45,7 +45,7 @@ def test_duplicates_and_flat_lists_are_rejected():
 
 def test_buckets_follow_ddp():
     """Reverse order, contiguous, one dtype per bucket, capped in bytes (a larger parameter alone), 0 = none."""
-    from hvdplus.common.grouping import bucket_indices
+    from hvdplus.common.plans.grouping import bucket_indices
 
     nbytes, kinds = [4, 4, 10, 4, 4, 4], ["f"] * 6
     big = 1 << 30
@@ -59,7 +59,7 @@ def test_buckets_follow_ddp():
 def test_large_parameters_stay_out_of_buckets():
     """A parameter of alone_bytes or more is in no bucket (reduced alone, in place), and it closes the open bucket
     so that buckets stay contiguous."""
-    from hvdplus.common.grouping import bucket_indices
+    from hvdplus.common.plans.grouping import bucket_indices
 
     nbytes, kinds = [4, 4, 10, 4, 4, 4], ["f"] * 6
     assert bucket_indices(nbytes, kinds, 100, 10) == [(3, 4, 5), (0, 1)]
@@ -72,7 +72,7 @@ def test_large_parameters_stay_out_of_buckets():
 def test_the_first_bucket_closes_early():
     """DDP's first-bucket rule: the first bucket (the last layers' gradients, produced first by backward) holds at
     most first_bucket_bytes, the later ones bucket_bytes; never more than bucket_bytes; 0 turns the rule off."""
-    from hvdplus.common.grouping import bucket_indices
+    from hvdplus.common.plans.grouping import bucket_indices
 
     nbytes, kinds = [4, 4, 4, 4, 4, 4], ["f"] * 6
     assert bucket_indices(nbytes, kinds, 100, None, 8) == [(4, 5), (0, 1, 2, 3)]

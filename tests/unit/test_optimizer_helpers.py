@@ -4,7 +4,6 @@ import warnings
 
 import pytest
 
-from hvdplus.common.grouping import group_indices
 from hvdplus.common.naming import member_names, normalize_name
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.optimizer_options import (
@@ -14,6 +13,7 @@ from hvdplus.common.optimizer_options import (
     merge_num_groups,
     predivide_scales,
 )
+from hvdplus.common.plans.grouping import group_indices
 
 
 class Unhashable:

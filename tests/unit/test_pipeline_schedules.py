@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (hvdplus.common.pipeline): the rules every schedule keeps, its simulated
+"""Pipeline schedules as data (hvdplus.common.plans.pipeline_schedules): the rules every schedule keeps, its simulated
 bubble against the papers' formulas, and the layer partition."""
 
 import collections
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hvdplus.common.pipeline import (
+from hvdplus.common.plans.pipeline_schedules import (
     SCHEDULES,
     Action,
     DeadlockError,

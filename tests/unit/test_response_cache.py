@@ -1,8 +1,8 @@
 """ResponseCache lookups, LRU eviction and what is (not) stored."""
 
-from hvdplus.common.messages import Request, Response
+from hvdplus.common.control.messages import Request, Response
+from hvdplus.common.control.response_cache import Lookup, ResponseCache
 from hvdplus.common.ops import OpKind
-from hvdplus.common.response_cache import Lookup, ResponseCache
 
 
 def req(name, kind=OpKind.ALLREDUCE, **kw):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hvdplus.common.schedules import fractional_epoch, in_epoch_range, warmup_multiplier
+from hvdplus.common.plans.lr_schedules import fractional_epoch, in_epoch_range, warmup_multiplier
 
 
 def test_epoch_range_is_half_open():

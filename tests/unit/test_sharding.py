@@ -1,10 +1,10 @@
-"""ZeRO partition plans (common/sharding.py): every element has one owner, ranks differ by at most one element."""
+"""ZeRO partition plans (common/plans/sharding.py): every element has one owner, ranks differ by at most one element."""
 
 import random
 
 import pytest
 
-from hvdplus.common.sharding import balanced_bounds, bucket_ranges, counts_within, partition
+from hvdplus.common.plans.sharding import balanced_bounds, bucket_ranges, counts_within, partition
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7])

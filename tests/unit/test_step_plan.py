@@ -1,4 +1,4 @@
-"""The planned path's agreements (common/step_plan.py): what the summed words say, at sizes that need several
+"""The planned path's agreements (common/plans/step_plan.py): what the summed words say, at sizes that need several
 words of rank bits."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdplus.common.step_plan import (
+from hvdplus.common.plans.step_plan import (
     Decision,
     Guard,
     agreement_words,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdplus.common import halfops
+from hvdplus.common.data import halfops
 from hvdplus.common.ops import ReduceOp
 
 tf_kernels = pytest.importorskip("hvdplus.tensorflow._half_kernels")

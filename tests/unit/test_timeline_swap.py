@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from hvdplus.common.coordinator import Coordinator
+from hvdplus.common.control.coordinator import Coordinator
+from hvdplus.common.control.messages import Request
 from hvdplus.common.engines.threads import ThreadWorld
-from hvdplus.common.messages import Request
 from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline, TimelineSlot

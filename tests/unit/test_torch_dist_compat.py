@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from hvdplus.common.engines.torch_dist import all_gather_single, reduce_scatter_single
+from hvdplus.common.engines.torch_collectives import all_gather_single, reduce_scatter_single
 
 
 def older(*args, **kwargs):

@@ -115,7 +115,7 @@ class PlannedRequest(Protocol):
 
 
 class PlannedGroup(Protocol):
-    """A communicator of one process set's ranks that only the planned path uses (torch/reducer.py): its
+    """A communicator of one process set's ranks that only the planned path uses (torch/planned/reducer.py): its
     collectives are started from the caller's thread, several in flight, with no negotiation. Every member
     starts the same collectives in the same order; that is what freezing a plan agrees on."""
 
@@ -138,7 +138,7 @@ class PlannedGroup(Protocol):
 
 class DataEngine(Protocol):
     """The data collectives the executor runs on one kind of buffer. The host engine's buffers are flat numpy
-    arrays; a device engine's are tensors of its framework on its device (common/buffer_ops.py)."""
+    arrays; a device engine's are tensors of its framework on its device (common/data/buffer_ops.py)."""
 
     name: str
     rank: int

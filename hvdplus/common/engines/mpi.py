@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdplus.common import halfops
+from hvdplus.common.data import halfops
 from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.ops import ReduceOp
 

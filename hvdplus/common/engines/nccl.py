@@ -12,14 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hvdplus.common.engines.base import Engine
-from hvdplus.common.engines.torch_dist import (
-    PlannedMeeting,
-    TorchPlannedGroup,
-    gather_bytes,
-    meet_in_store,
-    reduce_scatter_single,
-    store_incarnation,
-)
+from hvdplus.common.engines.torch_collectives import gather_bytes, reduce_scatter_single
+from hvdplus.common.engines.torch_planned import PlannedMeeting, TorchPlannedGroup, meet_in_store, store_incarnation
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["TorchTensorEngine", "TensorChannel"]

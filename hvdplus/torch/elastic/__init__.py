@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec, TypeVar
 
-from hvdplus.common.elastic import ObjectState, State, run_fn
+from hvdplus.common.elastic.state import ObjectState, State, run_fn
 from hvdplus.torch.elastic.sampler import ElasticSampler
 from hvdplus.torch.elastic.state import TorchState
 
@@ -23,6 +23,6 @@ def run(
     func: Callable[Concatenate[_StateT, _Params], _Result],
 ) -> Callable[Concatenate[_StateT, _Params], _Result]:
     """Decorate the training function `func(state, ...)`: it runs until it returns, across failures and host
-    changes (see hvdplus.common.elastic). Collectives must not run outside it, or new workers would deadlock
+    changes (see hvdplus.common.elastic.state). Collectives must not run outside it, or new workers would deadlock
     against the others' state sync."""
     return run_fn(func)

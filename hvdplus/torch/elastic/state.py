@@ -8,10 +8,10 @@ import torch
 
 from hvdplus.common.basics import global_process_set, rank
 from hvdplus.common.collectives import broadcast_object
-from hvdplus.common.elastic import HandledState, OptimizerHandler, StateHandler
+from hvdplus.common.elastic.state import HandledState, OptimizerHandler, StateHandler
 from hvdplus.torch.elastic.sampler import ElasticSampler
 from hvdplus.torch.elastic.snapshot import Snapshot
-from hvdplus.torch.functions import _broadcast_state, broadcast_parameters
+from hvdplus.torch.functions import broadcast_parameters, broadcast_state
 
 __all__ = ["TorchState"]
 
@@ -41,7 +41,7 @@ class _OptimizerHandler(OptimizerHandler, _ModelHandler):
         self.value.load_state_dict(self._snapshot.fresh())  # the optimizer keeps these tensors: not our buffers
 
     def sync(self) -> None:
-        _broadcast_state(self.value, 0, None, global_process_set, initialize_everywhere=False)
+        broadcast_state(self.value, 0, None, global_process_set, initialize_everywhere=False)
 
 
 class _SamplerHandler(StateHandler):

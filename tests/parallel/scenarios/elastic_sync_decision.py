@@ -5,7 +5,7 @@ rank 1 would go on while the others wait in the sync's broadcast. Every rank mus
 after the reset) and end with rank 0's value. The reset itself is a no-op here: the same runtime goes on."""
 
 import hvdplus.torch as hvd
-from hvdplus.common.elastic import ObjectState, run_fn
+from hvdplus.common.elastic.state import ObjectState, run_fn
 from hvdplus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 hvd.init()

@@ -4,7 +4,7 @@ allgather exchange, and the doubling path really ran."""
 
 import torch
 
-import hvdplus.common.announcements as announcements
+import hvdplus.common.control.announcements as announcements
 import hvdplus.torch as hvd
 
 calls = []

@@ -1,4 +1,4 @@
-"""Failures inside a process set's own rounds (common/set_rounds.py), 3 ranks, the set of ranks 1 and 2 (rank 0
+"""Failures inside a process set's own rounds (common/control/set_rounds.py), 3 ranks, the set of ranks 1 and 2 (rank 0
 outside it); argv[1] says which:
 
 * dead: rank 2 exits while rank 1 waits for it in a set collective;

@@ -59,7 +59,7 @@ def test_a_rank_without_work_is_woken_for_its_peers(hvd, left_out):
 def test_a_rank_left_out_of_its_peers_collectives_stops_holding_them_back(hvd):
     """Rank 0 submits nothing while the others reduce on a set without it, each call after an idle spell.
 
-    Host tensors go to the set's own rounds (common/set_rounds.py): rank 0 runs no round at all. Device tensors
+    Host tensors go to the set's own rounds (common/control/set_rounds.py): rank 0 runs no round at all. Device tensors
     (HVDPLUS_DEVICE_PATH_ON_CPU=1 here) travel in the whole job's rounds, which need rank 0: every call's ring
     wakes it, and after a few rings whose grace passed without work of its own it stops waiting that grace (5 ms,
     for a data-parallel peer's gradients to come) and joins at once. The members' sums stay right either way."""
@@ -91,7 +91,7 @@ def test_a_rank_left_out_of_its_peers_collectives_stops_holding_them_back(hvd):
 
 
 def test_a_blocking_collective_runs_its_cycle_on_the_callers_thread(hvd):
-    """While the ranks are busy, a thread that waits for a collective runs the cycles itself (common/cycles.py):
+    """While the ranks are busy, a thread that waits for a collective runs the cycles itself (common/control/cycles.py):
     back-to-back blocking allreduces are driven by their callers, not handed to the background thread and back.
     Each gives every rank the right sum."""
     from hvdplus.common.basics import runtime

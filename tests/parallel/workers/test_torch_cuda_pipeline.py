@@ -15,7 +15,7 @@ import torch
 from test_torch_pipeline import LR, ROWS, STEPS, batches, mse  # the CPU suite's data and loss
 
 from hvdplus.common.basics import runtime
-from hvdplus.common.pipeline import Op
+from hvdplus.common.plans.pipeline_schedules import Op
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -284,7 +284,7 @@ def test_parameters_keep_the_names_of_the_unpartitioned_model(hvd):
 
 def _messages(pipe) -> int:
     """The sends and receives of this rank's last step: one tensor each for make_model's stages."""
-    from hvdplus.common.pipeline import Op
+    from hvdplus.common.plans.pipeline_schedules import Op
 
     moves = (Op.SEND_ACTIVATION, Op.RECV_ACTIVATION, Op.SEND_GRAD, Op.RECV_GRAD)
     return sum(action.op in moves for action in pipe.actions_by_stage[pipe.stage])

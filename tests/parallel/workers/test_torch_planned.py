@@ -1,4 +1,4 @@
-"""The planned path of DistributedOptimizer (torch/reducer.py): after the first negotiated step the ranks freeze
+"""The planned path of DistributedOptimizer (torch/planned/reducer.py): after the first negotiated step the ranks freeze
 the step plan, and from then on gradients live in the reducer's buckets and travel with no negotiation.
 
 Each scenario runs twice in the same job, once on the planned path and once with it switched off (Horovod's
@@ -245,8 +245,8 @@ def test_process_set_without_rank_0(hvd):
             for g, w in zip(got, want):
                 torch.testing.assert_close(g, w, **SAME)
         # The set's steps need nothing from rank 0, outside it: negotiated, they take the set's own rounds
-        # (common/set_rounds.py); planned, the plan's group. Device tensors (HVDPLUS_DEVICE_PATH_ON_CPU=1 here) are
-        # negotiated in the whole job's rounds, where every step takes a round of every rank, members or not;
+        # (common/control/set_rounds.py); planned, the plan's group. Device tensors (HVDPLUS_DEVICE_PATH_ON_CPU=1 here)
+        # are negotiated in the whole job's rounds, where every step takes a round of every rank, members or not;
         # planned, rank 0 then runs only the rounds of the first (negotiated) step and the agreement. Rank 0 waits
         # for the end on a channel (point to point, no round), not in a collective, which would run rounds itself.
         in_world_rounds = CPU_TEST_KIND in runtime().coordinator.device_kinds  # CPU tensors on a device plane
@@ -297,7 +297,7 @@ def test_a_dropped_optimizer_releases_its_plan(hvd):
     import gc
     import weakref
 
-    from hvdplus.torch import planned_steps
+    from hvdplus.torch.planned import planned_steps
 
     with planned(True):
         model, optimizer = train(hvd, "plan.dropped", steps=2)

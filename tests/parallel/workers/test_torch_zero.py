@@ -287,7 +287,7 @@ def test_the_plan_freezes_after_the_first_step_and_leaves_with_its_optimizer(hvd
     import gc
     import weakref
 
-    from hvdplus.torch import zero
+    from hvdplus.torch.zero import shards as zero
 
     negotiated: list[str] = []
     for kind in ("submit_reducescatter", "submit_allgather"):
@@ -361,7 +361,7 @@ def test_offloaded_optimizer_steps_host_copies_and_matches_single_process_adamw(
     """offload="optimizer": the wrapped optimizer steps host copies of this rank's range (not views of the
     model's flat buffer), each bucket's reduced slice reaches the host through a staged copy, and the updated
     range goes back before the allgather; the training equals one process's."""
-    from hvdplus.torch import zero
+    from hvdplus.torch.zero import shards as zero
 
     staged: list[int] = []
     host_empty = zero.host_empty

@@ -22,7 +22,7 @@ import torch
 
 from hvdplus.common.basics import runtime
 from hvdplus.common.exceptions import CollectiveMismatchError
-from hvdplus.torch.zero3_init import check_same_everywhere, default_init
+from hvdplus.torch.zero.zero3_init import check_same_everywhere, default_init
 from tests.parallel.process_sets import pset, rest  # noqa: F401 (fixtures)
 
 VOCAB, WIDTH, BLOCKS, ROWS, STEPS = 32, 16, 3, 2, 4

@@ -1,0 +1,54 @@
+"""torch.distributed collective helpers that the Gloo engine, the NCCL engine and the planned groups share: the
+single-tensor allgather and reduce-scatter under their names in each torch release, and uneven allgathers, which
+Gloo runs only padded to equal parts."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["WIDENED", "all_gather_single", "gather_bytes", "padded_parts", "reduce_scatter_single"]
+
+# Gloo cannot reduce these; they are widened for the reduction and narrowed back.
+WIDENED = {"int16": np.int32, "uint16": np.int32}
+
+
+def all_gather_single(dist: Any) -> Any:
+    """torch.distributed's allgather into one tensor: `all_gather_single` since torch 2.13, which deprecates
+    the `all_gather_into_tensor` of earlier releases (2.11 on the GPU machines has only that one)."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_single(dist: Any) -> Any:
+    """Likewise `reduce_scatter_single` (torch 2.13), else `reduce_scatter_tensor`."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def gather_bytes(dist: Any, send: Any, recv: Any, byte_counts: Sequence[int], group: Any) -> None:
+    """Allgather of flat uint8 tensors, byte_counts[r] bytes from rank r into `recv` end to end (`send` must not
+    alias `recv`). Uneven parts travel padded to the longest: Gloo's allgather needs equal sizes."""
+    if len(set(byte_counts)) == 1:
+        all_gather_single(dist)(recv, send, group=group)
+        return
+    padded, gathered, unpad = padded_parts(send, recv, byte_counts)
+    all_gather_single(dist)(gathered, padded, group=group)
+    unpad()
+
+
+def padded_parts(send: Any, recv: Any, counts: Sequence[int]) -> tuple[Any, Any, Callable[[], None]]:
+    """Gloo gathers equal parts only: (`send` copied into a part of the longest size, the buffer the parts land
+    in, and what moves each gathered part, counts[r] elements of rank r, to its place in `recv`, end to end)."""
+    longest = max(counts)
+    padded = recv.new_zeros(longest)
+    padded[: send.numel()] = send
+    gathered = recv.new_empty(len(counts) * longest)
+
+    def unpad() -> None:
+        offset = 0
+        for row, count in zip(gathered.view(len(counts), longest), counts):
+            recv[offset : offset + count] = row[:count]
+            offset += count
+
+    return padded, gathered, unpad

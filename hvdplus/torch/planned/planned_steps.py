@@ -1,0 +1,235 @@
+"""What every frozen step plan shares (reducer.py for DistributedOptimizer, zero/shard_plan.py for
+ZeroOptimizer): the plan's own communicator, the registry that join() serves, the failure rules, and the
+consistency exchange that names the ranks whose step differs.
+
+A plan is frozen on every member of its process set together (planned.py). From then on its collectives
+start from the caller's thread in plan order, with no negotiation; a guard in each step (1 from a rank that
+trains, 0 from a rank in join(), NaN from a rank whose step differs) keeps every member's view of the step the
+same, and a NaN makes them exchange one consistency word and raise PlanMismatchError together.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+
+from hvdplus.common import basics
+from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
+from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
+from hvdplus.common.ops import ReduceOp
+from hvdplus.common.plans.step_plan import consistency_words, read_consistency
+from hvdplus.common.timeline import Timeline
+from hvdplus.torch.buffers import as_numpy
+
+__all__ = ["PlannedStep", "Alive", "serve_joined"]
+
+log = logging.getLogger("hvdplus")
+
+# Plans frozen on this rank: join() runs their steps with zeros while other ranks still train. Held weakly: an
+# optimizer the program dropped releases its buffers and communicator with it (weakref.finalize). Every member
+# must serve the same plans, so join() first runs a full garbage collection, after which the plans left are
+# those the program still holds, the same on every rank.
+_FROZEN: weakref.WeakSet[PlannedStep] = weakref.WeakSet()
+_JOIN_POLL_S = 1e-3
+
+
+class PlannedStep:
+    """A frozen step plan of one optimizer on one process set, and the communicator its collectives use."""
+
+    what = "a planned step"  # how messages name one of the plan's collectives
+    title = "the planned step"  # and the plan's step, with its optimizer
+
+    def __init__(
+        self,
+        group: PlannedGroup,
+        ranks: Sequence[int],
+        digest: int,
+        host: bool,
+        device: torch.device,
+        guard_group: PlannedGroup | None = None,
+    ) -> None:
+        """`ranks`: the process set's global ranks. `host`: whether `group` is the host engine's, which takes
+        numpy views of CPU buffers (else a device plane's, which takes the tensors). `guard_group`: a planned
+        group of the host engine that sums the step's guard as a host word, for a device plane's plan (reading a
+        reduced device element would hold the training thread until the GPU drained: reducer.py)."""
+        self.runtime = basics.runtime()
+        self._group, self._ranks, self._digest = group, tuple(ranks), digest
+        self._set_rank = self._ranks.index(self.runtime.rank)
+        self._host, self._device = host, device
+        _FROZEN.add(self)
+        self._release = weakref.finalize(self, group.close)  # at close(), or when the optimizer is collected
+        self._guard_group = guard_group
+        self._guard_word = np.zeros(1, dtype=np.float32)  # this rank's guard, then the sum (with a guard group)
+        if guard_group is not None:
+            self._release_guard_group = weakref.finalize(self, guard_group.close)
+
+    @property
+    def closed(self) -> bool:
+        """Whether the plan was dropped (a failed step, an engine error, a new job): the optimizer negotiates."""
+        return self not in _FROZEN
+
+    @property
+    def stale(self) -> bool:
+        """Closed, or frozen in an earlier job (an elastic reset, or shutdown() and init()), whose ranks agree
+        afresh: the optimizer negotiates."""
+        return self.closed or self.runtime is not basics._runtime
+
+    def close(self) -> None:
+        """Drop the plan: release its communicator (once; later calls do nothing) and the collectives in flight
+        on it, which are abandoned (a Gloo work kept alive keeps the group's context to interpreter exit)."""
+        _FROZEN.discard(self)
+        self._abandon()
+        self._release()
+        if self._guard_group is not None:
+            self._release_guard_group()
+
+    def _start_guard_word(self, value: float) -> PlannedRequest:
+        """Start summing this rank's guard `value` as a host word on the guard group (there must be one)."""
+        assert self._guard_group is not None
+        self._guard_word[0] = value
+        return self._guard_group.start_allreduce(self._guard_word, "float32", ReduceOp.SUM)
+
+    def _abandon(self) -> None:
+        """Forget the requests in flight (each kind of plan keeps its own)."""
+
+    def _buffer(self, tensor: torch.Tensor) -> Any:
+        """What the plan's group reduces: a numpy view of a CPU tensor for the host engine, else the tensor."""
+        return as_numpy(tensor) if self._host else tensor
+
+    def _trace_start(self, names: Sequence[str], kind: str) -> Timeline | None:
+        """Open the timeline spans of a planned collective on its tensors' rows (`kind`, and PLANNED_`kind`
+        inside it); the timeline they went to, or None (no timeline, or stopped meanwhile)."""
+        timeline = self.runtime.coordinator.timeline
+        if timeline is None:
+            return None
+        try:
+            timeline.begin(names, kind)
+            timeline.begin(names, f"PLANNED_{kind}")
+        except RuntimeError:  # closed by a swap under this thread: the events are dropped
+            return None
+        return timeline
+
+    @staticmethod
+    def _trace_end(timeline: Timeline | None, names: Sequence[str]) -> None:
+        """Close the spans `_trace_start` opened, once this thread saw the collective complete."""
+        if timeline is not None:
+            try:
+                timeline.end(names)
+                timeline.end(names)
+                timeline.flush_if_due()  # the coordinator, idle on the planned path, would not write them
+            except RuntimeError:
+                pass
+
+    def _alive(self) -> Alive:
+        return Alive(self.runtime, self._group.size, self.what)
+
+    @contextmanager
+    def _engine_errors(self) -> Iterator[None]:
+        """An engine's error (a peer died: Gloo's connection closed) becomes the HorovodInternalError the
+        negotiated path raises, which elastic training recovers from; the plan is dropped."""
+        try:
+            yield
+        except HorovodInternalError:
+            self.close()
+            raise
+        except Exception as exc:
+            self.close()
+            raise HorovodInternalError(
+                f"{self.what} failed on rank {self.runtime.rank}: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _fail(self, differs: list[str], training: bool) -> None:
+        """A rank's step differed: every rank exchanges one consistency word to learn which, and raises."""
+        words = consistency_words(self._set_rank, self._group.size, self._digest, training, bool(differs))
+        sent = torch.from_numpy(words).to(self._device)  # on the host: the same memory
+        with self._engine_errors():
+            self._group.start_allreduce(self._buffer(sent), "int64", ReduceOp.SUM).wait(self._alive())
+        consistency = read_consistency(sent.cpu().numpy(), self._group.size, self._digest)
+        who = [self._ranks[i] for i in consistency.differing]
+        text = (
+            f"{self.title} cannot complete this step: the step of rank(s) {who} differs from the plan frozen on "
+            f"every rank (a changed model)"
+        )
+        if not consistency.digests_agree:
+            text += " (and the ranks ran plans with different digests)"
+        if differs:
+            text += f"; here: {'; '.join(differs[:3])}"
+        self.close()
+        raise PlanMismatchError(
+            text + ". The step's gradients are partly reduced and not usable; the next step negotiates again."
+        )
+
+    # ----------------------------------------------------------------- join
+    def start_joined_step(self) -> None:
+        """In join(): start this plan's collectives with zeros (guard 0), as the training ranks start theirs."""
+        raise NotImplementedError
+
+    def joined_step_done(self) -> bool:
+        """Without blocking: whether the step `start_joined_step` started has completed."""
+        raise NotImplementedError
+
+    def end_joined_step(self) -> bool:
+        """After a completed joined step: whether to stop serving this plan (every rank joined, or the plan
+        ended on every rank)."""
+        raise NotImplementedError
+
+
+class Alive:
+    """Called between polls while a planned step waits: raise once hvdplus has failed, warn once about a stall."""
+
+    def __init__(self, runtime: basics.Runtime, size: int, what: str = "a planned step") -> None:
+        self._runtime, self._started, self._warned = runtime, time.monotonic(), False
+        self._size, self._what = size, what
+
+    def __call__(self) -> None:
+        if not self._runtime.coordinator.running:
+            why = self._runtime.coordinator.failure
+            stopped = f"hvdplus stopped while {self._what} was in flight"
+            raise HorovodInternalError(f"{stopped}: {why}" if why else stopped)
+        settings = self._runtime.settings
+        waited = time.monotonic() - self._started
+        if not self._warned and not settings.stall_check_disable and waited > settings.stall_check_time_seconds:
+            self._warned = True
+            log.warning(
+                "%s has waited %.0f s for the other %d rank(s) of its process set: a rank may have stopped "
+                "calling optimizer.step() (or join())",
+                self._what,
+                waited,
+                self._size - 1,
+            )
+        limit = settings.stall_shutdown_time_seconds
+        if limit > 0 and waited > limit:
+            raise HorovodInternalError(
+                f"{self._what} stalled longer than HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={limit:g}"
+            )
+
+
+def serve_joined() -> None:
+    """join(): while other ranks still train, run every frozen plan's steps with zeros, as the negotiated path
+    contributes zeros to their collectives. Each plan is served until its step shows that no rank trains any more,
+    or that the plan ended on every rank."""
+    current = basics.runtime()
+    if _FROZEN:  # plans of optimizers the program dropped go now, on every rank alike (a full collection takes
+        gc.collect()  # ~75 ms with torch loaded, holding the GIL: only where a plan could be among the garbage)
+    for stale in [plan for plan in _FROZEN if plan.runtime is not current]:  # an earlier job's
+        stale.close()
+    serving = list(_FROZEN)
+    for plan in serving:
+        plan.start_joined_step()
+    alive = Alive(current, current.size, "a planned step served by join()")
+    while serving:
+        time.sleep(_JOIN_POLL_S)
+        alive()
+        for plan in [plan for plan in serving if plan.joined_step_done()]:
+            if plan.end_joined_step():
+                serving.remove(plan)
+            else:
+                plan.start_joined_step()
