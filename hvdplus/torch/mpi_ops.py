@@ -8,28 +8,38 @@ op without a device plane (HOROVOD_GPU_OPERATIONS=mpi, torch without NCCL), stag
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar, overload
+from collections.abc import Sequence
+from typing import Any, overload
 
 import torch
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, rank
-from hvdplus.common.handles import Completion, Handle
+from hvdplus.common.handles import Completion
 from hvdplus.common.naming import group_size, member_names
 from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
+from hvdplus.torch.allreduce_ops import (
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+)
 from hvdplus.torch.buffers import (
     as_numpy,
     collective_buffers,
     collective_input,
     collective_result,
-    device_label,
     dtype_name,
     from_numpy,
     host_tensor,
     plane_kind,
 )
 from hvdplus.torch.compression import Compression, Compressor
+from hvdplus.torch.op_base import differentiable, first_result, poll, synchronize
 
 __all__ = [
     "allreduce",
@@ -60,370 +70,6 @@ __all__ = [
     "barrier",
 ]
 
-_T = TypeVar("_T")
-
-
-def poll(handle: Completion[Any]) -> bool:
-    """True if the asynchronous operation behind `handle` has finished; never blocks."""
-    return _check(handle).done()
-
-
-def synchronize(handle: Completion[_T]) -> _T:
-    """Wait for the asynchronous operation behind `handle` and return its output (once: as in Horovod, a
-    handle is released by its synchronize)."""
-    _check(handle).synchronized = True
-    return handle.result()
-
-
-def _check(handle: object) -> Completion[Any]:
-    if not isinstance(handle, Completion) or handle.synchronized:
-        raise ValueError(f"handle {handle!r} is unknown or was already synchronized")
-    return handle
-
-
-# ----------------------------------------------------------------------------- allreduce
-def _start_allreduce(
-    tensor: torch.Tensor,
-    name: str | None,
-    inplace: bool,
-    op: ReduceOp,
-    prescale: float,
-    postscale: float,
-    process_set: ProcessSet,
-    group: int = 0,
-) -> tuple[Handle, Callable[[], torch.Tensor]]:
-    """Submit one allreduce (a member of a grouped call of `group` tensors, if not 0); return its handle and the
-    function that gives the result once it is done."""
-    # Adasum reduces tensor by tensor on the host engine (common/data/adasum.py)
-    kind = None if op == ReduceOp.ADASUM else plane_kind(tensor)
-    output, in_array, out_array, label = collective_buffers(tensor, inplace, kind)
-    device = tensor.device
-    handle = core.submit_allreduce(
-        in_array, out_array, dtype_name(tensor), name, op, prescale, postscale, process_set, label, group=group
-    )
-
-    def result() -> torch.Tensor:
-        if inplace:
-            if output.data_ptr() != tensor.data_ptr():
-                tensor.data.copy_(output)
-            return tensor
-        return output if output.device == device else output.to(device)
-
-    return handle, result
-
-
-def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
-    """Whether a group can travel as one flat buffer: several CPU tensors of one dtype, and not Adasum
-    (which reduces tensor by tensor)."""
-    if len(tensors) < 2 or op == ReduceOp.ADASUM or not isinstance(tensors[0], torch.Tensor):
-        return False
-    dtype = tensors[0].dtype  # is_cpu and one dtype object: ~0.4 us a tensor (device.type costs 4x more)
-    if tensors[0].is_cpu:
-        return all(isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dtype for t in tensors)
-    device = tensors[0].device  # device tensors pack on their device when a device plane takes them
-    return plane_kind(tensors[0]) is not None and all(
-        isinstance(t, torch.Tensor) and t.device == device and t.dtype == dtype for t in tensors
-    )
-
-
-def _start_packed_allreduce(
-    tensors: Sequence[torch.Tensor],
-    name: str | None,
-    inplace: bool,
-    op: ReduceOp,
-    prescale: float,
-    postscale: float,
-    process_set: ProcessSet,
-) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
-    """One request for the whole group: packed by one torch kernel, reduced in place in one engine call,
-    unpacked as views of the buffer (copied into the inputs when in place)."""
-    with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
-        flat = torch._utils._flatten_dense_tensors(tensors)
-    kind = plane_kind(flat)
-    buffer = as_numpy(flat) if kind is None else flat
-    handle = core.submit_allreduce(
-        buffer,
-        buffer,
-        dtype_name(flat),
-        name,
-        op,
-        prescale,
-        postscale,
-        process_set,
-        device_label(flat, kind),
-        parts=tuple(tuple(t.shape) for t in tensors),
-        group=len(tensors),
-    )
-
-    def result() -> list[torch.Tensor]:
-        outputs = torch._utils._unflatten_dense_tensors(flat, tensors)
-        if not inplace:
-            return list(outputs)
-        with torch.no_grad():  # in place on the inputs, leaves that require grad included
-            torch._foreach_copy_(list(tensors), list(outputs))
-        return list(tensors)
-
-    return handle, result
-
-
-def _grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    inplace: bool,
-    average: bool | None,
-    name: str | None,
-    op: ReduceOp | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-) -> Completion[list[torch.Tensor]]:
-    op = core.resolve_op(average, op)
-    tensors = list(tensors)
-    if _packable(tensors, op):
-        handle, result = _start_packed_allreduce(
-            tensors, name, inplace, op, prescale_factor, postscale_factor, process_set
-        )
-        return Completion([handle], lambda _: result())
-    group = group_size(len(tensors))
-    started = [
-        _start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set, group)
-        for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))
-    ]
-    return Completion([handle for handle, _ in started], lambda _: [result() for _, result in started])
-
-
-def _first(results: list[_T]) -> _T:
-    """The result of a one-tensor call that went the grouped path."""
-    return results[0]
-
-
-def _allreduce_async(
-    tensor: torch.Tensor,
-    inplace: bool,
-    average: bool | None,
-    name: str | None,
-    op: ReduceOp | None,
-    prescale_factor: float,
-    postscale_factor: float,
-    process_set: ProcessSet,
-) -> Completion[torch.Tensor]:
-    """One tensor: the grouped path without its lists (this runs once per gradient per step)."""
-    handle, result = _start_allreduce(
-        tensor, name, inplace, core.resolve_op(average, op), prescale_factor, postscale_factor, process_set
-    )
-    return Completion([handle], lambda _: result())
-
-
-def _allreduce_now(
-    tensor: torch.Tensor,
-    inplace: bool,
-    name: str | None,
-    op: ReduceOp,
-    prescale: float,
-    postscale: float,
-    process_set: ProcessSet,
-) -> torch.Tensor:
-    """A blocking allreduce: the asynchronous path without the handle a caller would hold."""
-    handle, result = _start_allreduce(tensor, name, inplace, op, prescale, postscale, process_set)
-    handle.wait()
-    return result()
-
-
-def grouped_allreduce_async(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> Completion[list[torch.Tensor]]:
-    """Start allreduces of several tensors; `synchronize` returns the list of results.
-
-    Collective: every rank in the process set must call this, in the same order."""
-    return _grouped_allreduce_async(tensors, False, average, name, op, prescale_factor, postscale_factor, process_set)
-
-
-def grouped_allreduce_async_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> Completion[list[torch.Tensor]]:
-    """In-place `grouped_allreduce_async`: the inputs receive the results."""
-    return _grouped_allreduce_async(tensors, True, average, name, op, prescale_factor, postscale_factor, process_set)
-
-
-def allreduce_async(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> Completion[torch.Tensor]:
-    """Start an allreduce of `tensor`; `synchronize(handle)` returns a new tensor with the result.
-
-    Collective: every rank in the process set must call this, in the same order."""
-    return _allreduce_async(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
-
-
-def allreduce_async_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> Completion[torch.Tensor]:
-    """In-place `allreduce_async`: `tensor` itself receives the result."""
-    return _allreduce_async(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
-
-
-class _Unrecorded:
-    """The context a collective's autograd Function gets when autograd does not record the call."""
-
-    def mark_non_differentiable(self, *tensors: torch.Tensor) -> None:
-        return None
-
-
-def _differentiable(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """`function.apply(*args)` where autograd records the call (grad mode on and an input requires grad); else its
-    forward alone, as apply would give it: autograd's dispatch costs ~18 us a call (MPI, 2 ranks, a lone 4 KiB
-    allreduce: 71 -> 53 us), a third of a small collective. An output that is an input comes back as a view of it,
-    as from apply."""
-    if torch.is_grad_enabled() and any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args):
-        return function.apply(*args)
-    outputs = function.forward(_Unrecorded(), *args)
-    inputs = {id(arg) for arg in args if isinstance(arg, torch.Tensor)}
-    if isinstance(outputs, tuple):
-        return tuple(out.view_as(out) if id(out) in inputs else out for out in outputs)
-    return outputs.view_as(outputs) if id(outputs) in inputs else outputs
-
-
-class HorovodAllreduce(torch.autograd.Function):
-    """Allreduce whose gradient is the allreduce of the gradient."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        tensor: torch.Tensor,
-        name: str | None,
-        op: ReduceOp,
-        prescale: float,
-        postscale: float,
-        process_set: ProcessSet,
-    ) -> torch.Tensor:
-        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
-        return _allreduce_now(tensor, False, name, op, prescale, postscale, process_set)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        reduced = _allreduce_now(grad, False, None, ctx.op, ctx.prescale, ctx.postscale, ctx.process_set)
-        return reduced, None, None, None, None, None
-
-
-def allreduce(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: Compressor = Compression.none,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> torch.Tensor:
-    """Reduce `tensor` over all ranks (Average by default) and return the result; differentiable.
-
-    Collective: every rank in the process set must call this, in the same order."""
-    op = core.resolve_op(average, op)
-    compressed, ctx = compression.compress(tensor)
-    reduced = _differentiable(HorovodAllreduce, compressed, name, op, prescale_factor, postscale_factor, process_set)
-    result: torch.Tensor = compression.decompress(reduced, ctx)
-    return result
-
-
-def allreduce_(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> torch.Tensor:
-    """In-place allreduce: `tensor` receives the result and is returned."""
-    op = core.resolve_op(average, op)
-    return _allreduce_now(tensor, True, name, op, prescale_factor, postscale_factor, process_set)
-
-
-class HorovodGroupedAllreduce(torch.autograd.Function):
-    """Grouped allreduce whose gradients are the grouped allreduce of the gradients (as Horovod)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        name: str | None,
-        op: ReduceOp,
-        prescale: float,
-        postscale: float,
-        process_set: ProcessSet,
-        *tensors: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
-        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
-        return tuple(
-            synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale, postscale, process_set))
-        )
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        reduced = synchronize(
-            grouped_allreduce_async(
-                [g.contiguous() for g in grads], None, None, ctx.op, ctx.prescale, ctx.postscale, ctx.process_set
-            )
-        )
-        return (None, None, None, None, None, *reduced)
-
-
-def grouped_allreduce(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    compression: Compressor = Compression.none,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:
-    """Allreduce a list of tensors together (one flat buffer when they share a dtype); differentiable.
-
-    Collective: every rank in the process set must call this, in the same order."""
-    op = core.resolve_op(average, op)
-    compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else ((), ())
-    reduced = _differentiable(
-        HorovodGroupedAllreduce, name, op, prescale_factor, postscale_factor, process_set, *compressed
-    )
-    return [compression.decompress(r, ctx) for r, ctx in zip(reduced, contexts)]
-
-
-def grouped_allreduce_(
-    tensors: Sequence[torch.Tensor],
-    average: bool | None = None,
-    name: str | None = None,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: ProcessSet = global_process_set,
-) -> list[torch.Tensor]:
-    """In-place grouped allreduce."""
-    return synchronize(
-        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
-    )
-
 
 # ----------------------------------------------------------------------------- allgather
 def _allgather_members(
@@ -450,7 +96,7 @@ def allgather_async(
     """Start concatenating every rank's `tensor` along dimension 0 (first dimensions may differ).
 
     Collective: every rank in the process set must call this, in the same order."""
-    return _allgather_members([tensor], [name], process_set, 0).then(_first)
+    return _allgather_members([tensor], [name], process_set, 0).then(first_result)
 
 
 class HorovodAllgather(torch.autograd.Function):
@@ -459,7 +105,7 @@ class HorovodAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, process_set: ProcessSet, group: int) -> torch.Tensor:
         ctx.rows, ctx.process_set = tensor.shape[0], process_set
-        return synchronize(_allgather_members([tensor], [name], process_set, group).then(_first))
+        return synchronize(_allgather_members([tensor], [name], process_set, group).then(first_result))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -475,7 +121,7 @@ def allgather(
     """Concatenate every rank's `tensor` along dimension 0; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    gathered: torch.Tensor = _differentiable(HorovodAllgather, tensor, name, process_set, 0)
+    gathered: torch.Tensor = differentiable(HorovodAllgather, tensor, name, process_set, 0)
     return gathered
 
 
@@ -485,7 +131,7 @@ def grouped_allgather(
     """Allgather a list of tensors; differentiable."""
     group = group_size(len(tensors))
     return [
-        _differentiable(HorovodAllgather, t, n, process_set, group)
+        differentiable(HorovodAllgather, t, n, process_set, group)
         for t, n in zip(tensors, member_names(name, len(tensors)))
     ]
 
@@ -547,7 +193,7 @@ def broadcast(
     """Return root's `tensor` on every rank; differentiable.
 
     Collective: every rank in the process set must call this, in the same order."""
-    result: torch.Tensor = _differentiable(HorovodBroadcast, tensor, root_rank, name, process_set)
+    result: torch.Tensor = differentiable(HorovodBroadcast, tensor, root_rank, name, process_set)
     return result
 
 
@@ -601,7 +247,7 @@ class HorovodAlltoall(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.received, ctx.process_set = received, process_set
-        ctx.mark_non_differentiable(received)
+        ctx.mark_nondifferentiable(received)
         return output, received
 
     @staticmethod
@@ -635,7 +281,7 @@ def alltoall(
 
     Returns the output, or (output, received_splits) when `splits` is given (as Horovod).
     Collective: every rank in the process set must call this, in the same order."""
-    output, received = _differentiable(HorovodAlltoall, tensor, splits, name, process_set)
+    output, received = differentiable(HorovodAlltoall, tensor, splits, name, process_set)
     return output if splits is None else (output, received)
 
 
@@ -692,7 +338,9 @@ def reducescatter_async(
     """Start a reduce-scatter: rank r receives its rows of the reduction (Horovod's uneven split).
 
     Collective: every rank in the process set must call this, in the same order."""
-    return _reducescatter_members([tensor], [name], op, process_set, prescale_factor, postscale_factor, 0).then(_first)
+    return _reducescatter_members([tensor], [name], op, process_set, prescale_factor, postscale_factor, 0).then(
+        first_result
+    )
 
 
 class HorovodReducescatter(torch.autograd.Function):
@@ -712,7 +360,7 @@ class HorovodReducescatter(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
         return synchronize(
-            _reducescatter_members([tensor], [name], op, process_set, prescale, postscale, group).then(_first)
+            _reducescatter_members([tensor], [name], op, process_set, prescale, postscale, group).then(first_result)
         )
 
     @staticmethod
@@ -733,7 +381,7 @@ def _reducescatter(
     group: int,
 ) -> torch.Tensor:
     compressed, ctx = compression.compress(tensor)
-    shard = _differentiable(HorovodReducescatter, compressed, name, op, process_set, prescale, postscale, group)
+    shard = differentiable(HorovodReducescatter, compressed, name, op, process_set, prescale, postscale, group)
     result: torch.Tensor = compression.decompress(shard, ctx)
     return result
 

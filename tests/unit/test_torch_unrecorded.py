@@ -1,5 +1,5 @@
 """hvdplus.torch's collectives skip autograd's dispatch when autograd would not record the call
-(mpi_ops._differentiable): the same outputs as Function.apply, a graph only where one is needed."""
+(op_base.differentiable): the same outputs as Function.apply, a graph only where one is needed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hvdplus.torch.mpi_ops import _differentiable  # noqa: E402
+from hvdplus.torch.op_base import differentiable  # noqa: E402
 
 
 class Doubled(torch.autograd.Function):
@@ -30,7 +30,7 @@ class Doubled(torch.autograd.Function):
 
 def test_a_call_autograd_records_goes_through_apply():
     x, passed = torch.ones(3, requires_grad=True), torch.zeros(2)
-    doubled, same = _differentiable(Doubled, x, passed)
+    doubled, same = differentiable(Doubled, x, passed)
     assert doubled.grad_fn is not None
     doubled.sum().backward()
     assert x.grad.tolist() == [2.0, 2.0, 2.0]
@@ -45,7 +45,7 @@ def test_a_call_autograd_does_not_record_runs_forward_alone(why, monkeypatch):
         applies = []
         monkeypatch.setattr(Doubled, "apply", lambda *args: applies.append(args))
         forwards_before = Doubled.forwards
-        doubled, same = _differentiable(Doubled, x, passed)
+        doubled, same = differentiable(Doubled, x, passed)
     assert not applies and Doubled.forwards == forwards_before + 1  # the forward ran, autograd's dispatch did not
     assert doubled.grad_fn is None and not doubled.requires_grad
     assert torch.equal(doubled, expected)

@@ -1,0 +1,352 @@
+"""horovod.torch's allreduce family on PyTorch tensors: one tensor, grouped (packed into one buffer when the tensors
+allow), in place or into a new tensor, asynchronous or blocking, and differentiable.
+
+CUDA tensors stay on the GPU when the job has a device plane for them (torch/device_plane.py); Adasum, and every
+tensor without a plane, goes through host memory. The work itself is `hvdplus.common.collectives`'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hvdplus.common import collectives as core
+from hvdplus.common.basics import ProcessSet, global_process_set
+from hvdplus.common.handles import Completion, Handle
+from hvdplus.common.naming import group_size, member_names
+from hvdplus.common.ops import ReduceOp
+from hvdplus.torch.buffers import as_numpy, collective_buffers, device_label, dtype_name, plane_kind
+from hvdplus.torch.compression import Compression, Compressor
+from hvdplus.torch.op_base import differentiable, synchronize
+
+__all__ = [
+    "allreduce",
+    "allreduce_async",
+    "allreduce_",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_async",
+    "grouped_allreduce_",
+    "grouped_allreduce_async_",
+    "HorovodAllreduce",
+    "HorovodGroupedAllreduce",
+]
+
+
+def _start_allreduce(
+    tensor: torch.Tensor,
+    name: str | None,
+    inplace: bool,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+    group: int = 0,
+) -> tuple[Handle, Callable[[], torch.Tensor]]:
+    """Submit one allreduce (a member of a grouped call of `group` tensors, if not 0); return its handle and the
+    function that gives the result once it is done."""
+    # Adasum reduces tensor by tensor on the host engine (common/data/adasum.py)
+    kind = None if op == ReduceOp.ADASUM else plane_kind(tensor)
+    output, in_array, out_array, label = collective_buffers(tensor, inplace, kind)
+    device = tensor.device
+    handle = core.submit_allreduce(
+        in_array, out_array, dtype_name(tensor), name, op, prescale, postscale, process_set, label, group=group
+    )
+
+    def result() -> torch.Tensor:
+        if inplace:
+            if output.data_ptr() != tensor.data_ptr():
+                tensor.data.copy_(output)
+            return tensor
+        return output if output.device == device else output.to(device)
+
+    return handle, result
+
+
+def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
+    """Whether a group can travel as one flat buffer: several CPU tensors of one dtype, and not Adasum
+    (which reduces tensor by tensor)."""
+    if len(tensors) < 2 or op == ReduceOp.ADASUM or not isinstance(tensors[0], torch.Tensor):
+        return False
+    dtype = tensors[0].dtype  # is_cpu and one dtype object: ~0.4 us a tensor (device.type costs 4x more)
+    if tensors[0].is_cpu:
+        return all(isinstance(t, torch.Tensor) and t.is_cpu and t.dtype == dtype for t in tensors)
+    device = tensors[0].device  # device tensors pack on their device when a device plane takes them
+    return plane_kind(tensors[0]) is not None and all(
+        isinstance(t, torch.Tensor) and t.device == device and t.dtype == dtype for t in tensors
+    )
+
+
+def _start_packed_allreduce(
+    tensors: Sequence[torch.Tensor],
+    name: str | None,
+    inplace: bool,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
+    """One request for the whole group: packed by one torch kernel, reduced in place in one engine call,
+    unpacked as views of the buffer (copied into the inputs when in place)."""
+    with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
+        flat = torch._utils._flatten_dense_tensors(tensors)
+    kind = plane_kind(flat)
+    buffer = as_numpy(flat) if kind is None else flat
+    handle = core.submit_allreduce(
+        buffer,
+        buffer,
+        dtype_name(flat),
+        name,
+        op,
+        prescale,
+        postscale,
+        process_set,
+        device_label(flat, kind),
+        parts=tuple(tuple(t.shape) for t in tensors),
+        group=len(tensors),
+    )
+
+    def result() -> list[torch.Tensor]:
+        outputs = torch._utils._unflatten_dense_tensors(flat, tensors)
+        if not inplace:
+            return list(outputs)
+        with torch.no_grad():  # in place on the inputs, leaves that require grad included
+            torch._foreach_copy_(list(tensors), list(outputs))
+        return list(tensors)
+
+    return handle, result
+
+
+def _grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: ReduceOp | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+) -> Completion[list[torch.Tensor]]:
+    op = core.resolve_op(average, op)
+    tensors = list(tensors)
+    if _packable(tensors, op):
+        handle, result = _start_packed_allreduce(
+            tensors, name, inplace, op, prescale_factor, postscale_factor, process_set
+        )
+        return Completion([handle], lambda _: result())
+    group = group_size(len(tensors))
+    started = [
+        _start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set, group)
+        for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))
+    ]
+    return Completion([handle for handle, _ in started], lambda _: [result() for _, result in started])
+
+
+def _allreduce_async(
+    tensor: torch.Tensor,
+    inplace: bool,
+    average: bool | None,
+    name: str | None,
+    op: ReduceOp | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: ProcessSet,
+) -> Completion[torch.Tensor]:
+    """One tensor: the grouped path without its lists (this runs once per gradient per step)."""
+    handle, result = _start_allreduce(
+        tensor, name, inplace, core.resolve_op(average, op), prescale_factor, postscale_factor, process_set
+    )
+    return Completion([handle], lambda _: result())
+
+
+def _allreduce_now(
+    tensor: torch.Tensor,
+    inplace: bool,
+    name: str | None,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+) -> torch.Tensor:
+    """A blocking allreduce: the asynchronous path without the handle a caller would hold."""
+    handle, result = _start_allreduce(tensor, name, inplace, op, prescale, postscale, process_set)
+    handle.wait()
+    return result()
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Completion[list[torch.Tensor]]:
+    """Start allreduces of several tensors; `synchronize` returns the list of results.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return _grouped_allreduce_async(tensors, False, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Completion[list[torch.Tensor]]:
+    """In-place `grouped_allreduce_async`: the inputs receive the results."""
+    return _grouped_allreduce_async(tensors, True, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Completion[torch.Tensor]:
+    """Start an allreduce of `tensor`; `synchronize(handle)` returns a new tensor with the result.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    return _allreduce_async(tensor, False, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> Completion[torch.Tensor]:
+    """In-place `allreduce_async`: `tensor` itself receives the result."""
+    return _allreduce_async(tensor, True, average, name, op, prescale_factor, postscale_factor, process_set)
+
+
+class HorovodAllreduce(torch.autograd.Function):
+    """Allreduce whose gradient is the allreduce of the gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        tensor: torch.Tensor,
+        name: str | None,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+    ) -> torch.Tensor:
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
+        return _allreduce_now(tensor, False, name, op, prescale, postscale, process_set)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        reduced = _allreduce_now(grad, False, None, ctx.op, ctx.prescale, ctx.postscale, ctx.process_set)
+        return reduced, None, None, None, None, None
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """Reduce `tensor` over all ranks (Average by default) and return the result; differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    op = core.resolve_op(average, op)
+    compressed, ctx = compression.compress(tensor)
+    reduced = differentiable(HorovodAllreduce, compressed, name, op, prescale_factor, postscale_factor, process_set)
+    result: torch.Tensor = compression.decompress(reduced, ctx)
+    return result
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> torch.Tensor:
+    """In-place allreduce: `tensor` receives the result and is returned."""
+    op = core.resolve_op(average, op)
+    return _allreduce_now(tensor, True, name, op, prescale_factor, postscale_factor, process_set)
+
+
+class HorovodGroupedAllreduce(torch.autograd.Function):
+    """Grouped allreduce whose gradients are the grouped allreduce of the gradients (as Horovod)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        name: str | None,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
+        *tensors: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        ctx.op, ctx.prescale, ctx.postscale, ctx.process_set = op, prescale, postscale, process_set
+        return tuple(
+            synchronize(grouped_allreduce_async(list(tensors), None, name, op, prescale, postscale, process_set))
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        reduced = synchronize(
+            grouped_allreduce_async(
+                [g.contiguous() for g in grads], None, None, ctx.op, ctx.prescale, ctx.postscale, ctx.process_set
+            )
+        )
+        return (None, None, None, None, None, *reduced)
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Compressor = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """Allreduce a list of tensors together (one flat buffer when they share a dtype); differentiable.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    op = core.resolve_op(average, op)
+    compressed, contexts = zip(*(compression.compress(t) for t in tensors)) if tensors else ((), ())
+    reduced = differentiable(
+        HorovodGroupedAllreduce, name, op, prescale_factor, postscale_factor, process_set, *compressed
+    )
+    return [compression.decompress(r, ctx) for r, ctx in zip(reduced, contexts)]
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> list[torch.Tensor]:
+    """In-place grouped allreduce."""
+    return synchronize(
+        grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
