@@ -123,3 +123,21 @@ def test_the_discovery_script_must_be_executable(tmp_path):
         _options("-np", "2", "--host-discovery-script", str(script))
     script.chmod(0o755)
     assert _options("-np", "2", "--slots-per-host", "3", "--host-discovery-script", str(script)).discover() == {"a": 2}
+
+
+def test_the_elastic_package_serves_horovods_names_and_the_launcher_imports_only_the_plan():
+    """hvdplusrun imports hvdplus.common.elastic.plan with the standard library alone; the package still serves
+    State, ObjectState and run_fn, as horovod.common.elastic does, loading state.py on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from hvdplus.common.elastic import plan\n"
+        "assert 'numpy' not in sys.modules and 'hvdplus.common.elastic.state' not in sys.modules\n"
+        "from hvdplus.common.elastic import ObjectState, State, run_fn\n"
+        "from hvdplus.common.elastic import state\n"
+        "assert (State, ObjectState, run_fn) == (state.State, state.ObjectState, state.run_fn)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
