@@ -175,7 +175,7 @@ def init(
     global_process_set.ranks = list(range(_runtime.size))
     if process_sets is not None and process_sets != "dynamic":
         for process_set in process_sets:
-            _add(process_set)
+            register_process_set(process_set)
 
 
 def _elastic_runtime(settings: Settings, comm: Any) -> Runtime:
@@ -264,7 +264,9 @@ def is_homogeneous() -> bool:
     return runtime().topology.is_homogeneous
 
 
-def _add(process_set: ProcessSet) -> ProcessSet:
+def register_process_set(process_set: ProcessSet) -> ProcessSet:
+    """Register `process_set` in this job, as `add_process_set` does but also without HOROVOD_DYNAMIC_PROCESS_SETS
+    (init's sets, a pipeline's stage sets). Collective: every rank of the job must call this, in the same order."""
     rt = runtime()
     if process_set.process_set_id is not None and process_set.registered_in is rt:
         raise ValueError(f"{process_set} is already registered")
@@ -285,7 +287,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         )
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
-    return _add(process_set)
+    return register_process_set(process_set)
 
 
 def open_channel() -> Any:

@@ -26,11 +26,11 @@ from hvdplus.torch.sparse import sparse_allreduce_async
 
 __all__ = ["AllreduceInFlightError"]
 
-_ZERO_GRAD_IN_FLIGHT = (
+ZERO_GRAD_IN_FLIGHT = (
     "optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
     "optimizer.synchronize(). This is prohibited as it can cause a race condition."
 )
-_TOO_MANY_PASSES = (
+TOO_MANY_PASSES = (
     "Gradients were computed more than backward_passes_per_step times before call to step(). "
     "Increase backward_passes_per_step to accumulate gradients locally."
 )
@@ -71,9 +71,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         process_set: ProcessSet = global_process_set,
     ) -> None:
         base = self._hvd_base
-        base.__init__(self, params, **_constructor_kwargs(base, self._hvd_defaults))
+        base.__init__(self, params, **constructor_kwargs(base, self._hvd_defaults))
         self._compression = compression
-        self._parameter_names = _parameter_names(self.param_groups, named_parameters)
+        self._parameter_names = parameter_names(self.param_groups, named_parameters)
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {p: backward_passes_per_step for p in self._parameter_names}
         self.op = op
@@ -97,7 +97,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hook_handles = [
                 p.register_post_accumulate_grad_hook(self._make_hook(p)) for p in self._requires_update
             ]
-            weakref.finalize(self, _remove_hooks, self._hook_handles)
+            weakref.finalize(self, remove_hooks, self._hook_handles)
 
     def _buckets(self) -> list[list[torch.Tensor]] | None:
         """Default groups: DDP-style buckets of `HVDPLUS_BUCKET_BYTES`, each allreduced as one packed buffer once
@@ -132,14 +132,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         reducer = self._planned()
         if reducer is not None:
             if self._allreduce_delay[p] <= 0 and reducer.launched(p):
-                raise AllreduceInFlightError(_TOO_MANY_PASSES)
+                raise AllreduceInFlightError(TOO_MANY_PASSES)
             self._backward_since_step = True
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] == 0:
                 reducer.mark_ready(p)
             return
         if p in self._handles and self._handles[p][0] is not None and self._allreduce_delay[p] <= 0:
-            raise AllreduceInFlightError(_TOO_MANY_PASSES)
+            raise AllreduceInFlightError(TOO_MANY_PASSES)
         self._allreduce_delay[p] -= 1
         self._handles[p] = (None, None)
         if self._allreduce_delay[p] == 0:
@@ -371,7 +371,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         the gradients stay views of the reducer's buckets, zeroed in place (set_to_none changes nothing)."""
         reducer = self._planned()
         if self._handles or self._backward_since_step:
-            raise AllreduceInFlightError(_ZERO_GRAD_IN_FLIGHT)
+            raise AllreduceInFlightError(ZERO_GRAD_IN_FLIGHT)
         if reducer is None:
             return self._hvd_base.zero_grad(self, set_to_none)
         reducer.zero_grad()
@@ -384,13 +384,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         p.grad.detach_().requires_grad_(False).zero_()
 
 
-def _remove_hooks(handles: list[Any]) -> None:
+def remove_hooks(handles: list[Any]) -> None:
     """A dropped optimizer's hooks leave its parameters (which a new optimizer may wrap)."""
     for handle in handles:
         handle.remove()
 
 
-def _constructor_kwargs(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
+def constructor_kwargs(cls: type[torch.optim.Optimizer], defaults: dict[str, Any]) -> dict[str, Any]:
     """The wrapped optimizer's hyperparameters that its constructor accepts by keyword.
 
     Passing them lets optimizers with required hyperparameters be rebuilt, and keeps `defaults`
@@ -403,7 +403,7 @@ def _constructor_kwargs(cls: type[torch.optim.Optimizer], defaults: dict[str, An
     return {k: v for k, v in defaults.items() if k in named}
 
 
-def _parameter_names(param_groups: list[dict[str, Any]], named_parameters: Any) -> dict[torch.Tensor, str]:
+def parameter_names(param_groups: list[dict[str, Any]], named_parameters: Any) -> dict[torch.Tensor, str]:
     """Map every optimized parameter to its allreduce name, checking Horovod's rules."""
     if named_parameters is None:
         params = [p for group in param_groups for p in group["params"]]

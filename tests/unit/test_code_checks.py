@@ -172,14 +172,6 @@ PRIVATE_IMPORTS = {
     # Horovod's class names: horovod.torch.optimizer defines both, and hvdplus.torch.optimizer holds both.
     ("hvdplus.torch._optimizer", "_DistributedOptimizer"),
     ("hvdplus.torch._adasum_optimizer", "_DistributedAdasumOptimizer"),
-    # Owned by a change to torch/_optimizer.py and common/basics.py in progress alongside the package layout: they
-    # are to be made public (or moved to their users) there; drop them from here then.
-    ("hvdplus.torch._optimizer", "_TOO_MANY_PASSES"),
-    ("hvdplus.torch._optimizer", "_ZERO_GRAD_IN_FLIGHT"),
-    ("hvdplus.torch._optimizer", "_constructor_kwargs"),
-    ("hvdplus.torch._optimizer", "_parameter_names"),
-    ("hvdplus.torch._optimizer", "_remove_hooks"),
-    ("hvdplus.common.basics", "_add"),
 }
 
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from hvdplus.common import collectives as core
-from hvdplus.common.basics import ProcessSet, _add, global_process_set, open_channel, runtime
+from hvdplus.common.basics import ProcessSet, global_process_set, open_channel, register_process_set, runtime
 from hvdplus.common.data.p2p import TAGS_PER_MESSAGE, PeerError, recv_arrays, send_arrays, send_error
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.plans.pipeline_schedules import Action, Op, build_schedule, chunk_stages, message_lanes
@@ -124,7 +124,7 @@ class Pipeline(torch.nn.Module):
         """Register every pipeline's and every stage's process set (all ranks, same order); return this rank's."""
 
         def register(ranks: list[int]) -> ProcessSet:
-            return global_process_set if len(ranks) == world else _add(ProcessSet(ranks))
+            return global_process_set if len(ranks) == world else register_process_set(ProcessSet(ranks))
 
         pipelines = [register([s * self.replicas + r for s in range(self.num_stages)]) for r in range(self.replicas)]
         stages = [register([s * self.replicas + r for r in range(self.replicas)]) for s in range(self.num_stages)]

@@ -39,11 +39,11 @@ from hvdplus.common.optimizer_options import check_compression, check_passes
 from hvdplus.common.plans.sharding import parameter_mismatch
 from hvdplus.common.subclassing import disguised_subclass
 from hvdplus.torch._optimizer import (
-    _ZERO_GRAD_IN_FLIGHT,
+    ZERO_GRAD_IN_FLIGHT,
     AllreduceInFlightError,
-    _constructor_kwargs,
-    _parameter_names,
-    _remove_hooks,
+    constructor_kwargs,
+    parameter_names,
+    remove_hooks,
 )
 from hvdplus.torch.buffers import one_device
 from hvdplus.torch.compression import Compression, Compressor
@@ -106,7 +106,7 @@ class _ZeroOptimizer(ZeroStateDicts):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's and the shards' gradients; raises while gradient reduce-scatters are pending."""
         if self._zero.in_flight or any(bucket.fills or bucket.written for bucket in self._zero.buckets):
-            raise AllreduceInFlightError(_ZERO_GRAD_IN_FLIGHT)
+            raise AllreduceInFlightError(ZERO_GRAD_IN_FLIGHT)
         for p in self._zero.params:
             p.grad = None
         self._zero.clear_gradients()
@@ -158,7 +158,7 @@ def ZeroOptimizer(
         raise ValueError(
             f"this rank ({runtime().rank}) is not in {process_set}: only its members can shard an optimizer over it"
         )
-    names = _parameter_names(optimizer.param_groups, named_parameters)
+    names = parameter_names(optimizer.param_groups, named_parameters)
     params, group_of = [], []
     for g, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
@@ -206,14 +206,14 @@ def ZeroOptimizer(
     base = type(optimizer)
     cls = disguised_subclass(_ZeroOptimizer, base)
     wrapped = cls.__new__(cls)
-    base.__init__(wrapped, groups, **_constructor_kwargs(base, dict(optimizer.defaults)))
+    base.__init__(wrapped, groups, **constructor_kwargs(base, dict(optimizer.defaults)))
     wrapped._zero = shards
     wrapped._zero_original_groups = [list(group["params"]) for group in optimizer.param_groups]
     # The hooks hold the shards weakly and leave with the optimizer: a dropped ZeroOptimizer neither lives on in
     # its parameters' hooks nor goes on reduce-scattering (its plan's communicator is released with it).
     owner = weakref.ref(shards)
     handles = [p.register_post_accumulate_grad_hook(functools.partial(_hook, owner, i)) for i, p in enumerate(params)]
-    weakref.finalize(wrapped, _remove_hooks, handles)
+    weakref.finalize(wrapped, remove_hooks, handles)
     return wrapped
 
 

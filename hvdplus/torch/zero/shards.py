@@ -17,7 +17,7 @@ from hvdplus.common.ops import ReduceOp
 from hvdplus.common.plans.sharding import DtypePartition, bucket_ranges, counts_within, partition
 from hvdplus.common.plans.step_plan import Decision
 from hvdplus.torch._optimizer import (
-    _TOO_MANY_PASSES,
+    TOO_MANY_PASSES,
     AllreduceInFlightError,
 )
 from hvdplus.torch.buffers import as_numpy, collective_input, dtype_name, plane_kind
@@ -245,7 +245,7 @@ class Shards:
         self._drop_closed_plan()
         p, bucket = self.params[i], self.bucket_of[i]
         if self.passes_done[i] >= self.passes:
-            raise AllreduceInFlightError(_TOO_MANY_PASSES)
+            raise AllreduceInFlightError(TOO_MANY_PASSES)
         grad = p.grad
         assert grad is not None  # a post-accumulate-grad hook runs once p.grad is set
         wrong = None
