@@ -247,7 +247,7 @@ class HorovodAlltoall(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
         ctx.received, ctx.process_set = received, process_set
-        ctx.mark_nondifferentiable(received)
+        ctx.mark_non_differentiable(received)
         return output, received
 
     @staticmethod
