@@ -77,9 +77,9 @@ class Agreement:
         self._shadowed: dict[Key, Request] = {}  # entries here this rank sent a shadow for: its request elsewhere
         self._names = Names() if names is None else names
         self._invalid: set[int] = set()
-        # Words by (flags, masks, config), with their bytes (see `words`), and the last ones sent, with their masks.
+        # Words by (flags, masks, config), with their bytes (see `words`); the bytes and masks of the last ones sent.
         self._built: dict[tuple[int | None, ...], tuple[np.ndarray, bytes]] = {}
-        self._sent: tuple[np.ndarray, bytes, tuple[int, int, int]] = (np.empty(0, dtype=np.int64), b"", (0, 0, 0))
+        self._sent: tuple[bytes, tuple[int, int, int]] = (b"", (0, 0, 0))
 
     def announce(self, work: Work) -> None:
         """Announce `work` in the next round: by its cache bit if cached as it is, else in full."""
@@ -146,7 +146,7 @@ class Agreement:
             if len(self._built) >= _BUILT_WORDS:
                 self._built.clear()
             self._built[key] = built = (words, words.tobytes())
-        self._sent = (*built, masks)
+        self._sent = (built[1], masks)
         return built[0]
 
     def exchange(self, words: np.ndarray, spin_s: float, frozen: FrozenPeerInspector, round_number: int) -> np.ndarray:
@@ -174,8 +174,8 @@ class Agreement:
     def responses(self, words: np.ndarray) -> list[Response]:
         """After the round (the AND of every rank's words): the responses every rank runs now, in one order: the
         cached ones every member hit, then those that full negotiation (if any rank asked for it) agreed."""
-        sent, sent_bytes, masks = self._sent
-        if words is sent or words.tobytes() == sent_bytes:  # every rank sent the same words: nothing to decode
+        sent, masks = self._sent
+        if words.tobytes() == sent:  # every rank sent the same words: nothing to decode
             all_hit, not_any_hit, not_any_invalid = masks
         else:
             n = self._words
@@ -183,12 +183,9 @@ class Agreement:
                 int.from_bytes(words[1 + i * n : 1 + (i + 1) * n].tobytes(), "little") for i in range(3)
             )
         any_hit, any_invalid = self._full ^ not_any_hit, self._full ^ not_any_invalid
-        if self._invalid:
-            self._invalid.clear()
-        evict = any_invalid | self.stalls.stale_partials(all_hit, any_hit)
-        if evict:
-            for bit in bits(evict):
-                self._evict(bit)
+        self._invalid.clear()
+        for bit in bits(any_invalid | self.stalls.stale_partials(all_hit, any_hit)):
+            self._evict(bit)
         ready_bits = list(bits(all_hit & ~any_invalid))
         responses = [self._cache.get(bit) for bit in ready_bits]
         for bit in ready_bits:

@@ -49,12 +49,15 @@ class Dispatcher:
     def run(self, responses: list[Response], timeline: Timeline | None) -> None:
         """Run this rank's part of `responses` (every rank got the same list, in the same order)."""
         runnable = [response for response in responses if self._rank in response.members]
-        if len(runnable) == 1 and timeline is None:  # a lone collective: nothing to fuse, no spans to write
-            self._run_alone(runnable[0])
-            return
+        # A lone response is a batch of its own: no fusion plan to make.
+        planned = (
+            [runnable]
+            if len(runnable) == 1
+            else plan_batches(runnable, self._tunables.fusion_threshold, self._engine.alone_bytes)
+        )
         batches: list[list[tuple[Response, Work | None]]] = []
         try:
-            for batch in plan_batches(runnable, self._tunables.fusion_threshold, self._engine.alone_bytes):
+            for batch in planned:
                 pairs: list[tuple[Response, Work | None]] = []
                 batches.append(pairs)
                 for response in batch:  # one by one: a failure puts back what was taken so far
@@ -84,16 +87,6 @@ class Dispatcher:
             raise
         finally:
             self._executor.trace(None, [])  # the timeline may be replaced before the next cycle
-
-    def _run_alone(self, response: Response) -> None:
-        """`run` for one response and no timeline: its batch of one, without planning batches."""
-        work = self._take_work(response)
-        try:
-            self._run_batch([(response, work)])
-        except BaseException:
-            if work is not None and not work.handle.done():
-                self._in_flight.put_back(work)  # in flight again, so that the failure reaches its handle
-            raise
 
     def _run_batch(self, pairs: list[tuple[Response, Work | None]]) -> None:
         head, work = pairs[0]
