@@ -18,6 +18,10 @@ from hvdplus.common.basics import ProcessSet, global_process_set, rank
 from hvdplus.common.handles import Completion
 from hvdplus.common.naming import group_size, member_names
 from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
+
+# HorovodAllreduce and HorovodGroupedAllreduce (autograd Functions) stay reachable here, as in horovod.torch.mpi_ops.
+from hvdplus.torch.allreduce_ops import HorovodAllreduce as HorovodAllreduce
+from hvdplus.torch.allreduce_ops import HorovodGroupedAllreduce as HorovodGroupedAllreduce
 from hvdplus.torch.allreduce_ops import (
     allreduce,
     allreduce_,
