@@ -11,7 +11,7 @@ the next write overwrites: the file is valid JSON after every flush, so a job th
 The coordinator's thread writes a timeline; `TimelineSlot` lets other threads (hvd.start_timeline,
 hvd.stop_timeline) replace it without ever closing it under that thread: the writer makes the swap itself,
 between its cycles. A closed timeline refuses events, so a write that came too late raises instead of vanishing.
-The planned path (torch/planned/planned_steps.py) also writes its collectives' spans, from the training threads: it
+The planned path (common/planned_steps.py) also writes its collectives' spans, from the training threads: it
 reads the slot's current timeline, and drops its events if that one is closed meanwhile.
 """
 

@@ -25,6 +25,7 @@ __all__ = [
     "plane_kind",
     "device_label",
     "as_numpy",
+    "planned_buffer_of",
     "from_numpy",
     "collective_input",
     "collective_result",
@@ -89,6 +90,16 @@ def as_numpy(host: torch.Tensor) -> np.ndarray:
     if host.dtype == torch.bfloat16:
         return host.view(torch.int16).numpy().view(np.uint16)
     return host.numpy()
+
+
+def _as_is(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def planned_buffer_of(host: bool) -> Callable[[torch.Tensor], Any]:
+    """What a frozen plan's group reduces (common/planned_steps.py): a numpy view of a CPU tensor for the host
+    engine's group (`host`), else the tensor itself, for a device plane's."""
+    return as_numpy if host else _as_is
 
 
 def from_numpy(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

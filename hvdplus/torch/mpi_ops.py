@@ -18,6 +18,7 @@ from hvdplus.common.basics import ProcessSet, global_process_set, rank
 from hvdplus.common.handles import Completion
 from hvdplus.common.naming import group_size, member_names
 from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
+from hvdplus.common.planned_steps import serve_joined
 
 # HorovodAllreduce and HorovodGroupedAllreduce (autograd Functions) stay reachable here, as in horovod.torch.mpi_ops.
 from hvdplus.torch.allreduce_ops import HorovodAllreduce as HorovodAllreduce
@@ -428,9 +429,7 @@ def join(device: int = -1) -> int:
 
     Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
     Returns the rank that joined last. Collective: every rank must call it once per epoch. DistributedOptimizers
-    on the planned path get their zeros from here too (torch/planned/planned_steps.py: serve_joined)."""
-    from hvdplus.torch.planned.planned_steps import serve_joined  # the planned steps build on this module
-
+    on the planned path get their zeros from here too (common/planned_steps.py: serve_joined)."""
     handle = core.submit_join()
     serve_joined()
     last_rank: int = handle.wait()

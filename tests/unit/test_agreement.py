@@ -12,7 +12,7 @@ import numpy as np
 
 from hvdplus.common.control.agreement import HAS_UNCACHED, Agreement
 from hvdplus.common.control.messages import Request
-from hvdplus.common.data.executor import Work
+from hvdplus.common.data.executor import Submission
 from hvdplus.common.engines.threads import ThreadWorld
 from hvdplus.common.handles import Handle
 from hvdplus.common.ops import OpKind
@@ -52,8 +52,8 @@ def ranks() -> tuple[list[Counting], list[Agreement]]:
     return engines, agreements
 
 
-def announce(agreement: Agreement, request: Request) -> Work:
-    work = Work(request, Handle(request.name))
+def announce(agreement: Agreement, request: Request) -> Submission:
+    work = Submission(request, Handle(request.name))
     agreement.announce(work)
     return work
 

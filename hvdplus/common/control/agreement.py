@@ -25,7 +25,7 @@ from hvdplus.common.control.messages import Key, Request, Response
 from hvdplus.common.control.negotiation import MessageTable, is_join, join_key
 from hvdplus.common.control.response_cache import Lookup, ResponseCache
 from hvdplus.common.control.stall import StallInspector
-from hvdplus.common.data.executor import Work
+from hvdplus.common.data.executor import Submission
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.ops import OpKind
 from hvdplus.common.settings import Settings
@@ -68,11 +68,11 @@ class Agreement:
         self._cache = ResponseCache(-(-settings.cache_capacity // 64) * 64)
         self._words = self._cache.capacity // 64
         self._full = (1 << self._cache.capacity) - 1
-        self._hits: dict[int, Work] = {}
+        self._hits: dict[int, Submission] = {}
         # Cache bits of responses on process sets this rank is not in: it raises them in the all-hit word every
         # round (it has nothing to announce there), or the members' cached collectives would never be ready.
         self._foreign = 0
-        self._to_send: list[Work] = []
+        self._to_send: list[Submission] = []
         self._shadows: list[Request] = []  # to send: collectives this rank holds on other sets' rounds (shadow_held)
         self._shadowed: dict[Key, Request] = {}  # entries here this rank sent a shadow for: its request elsewhere
         self._names = Names() if names is None else names
@@ -81,7 +81,7 @@ class Agreement:
         self._built: dict[tuple[int | None, ...], tuple[np.ndarray, bytes]] = {}
         self._sent: tuple[bytes, tuple[int, int, int]] = (b"", (0, 0, 0))
 
-    def announce(self, work: Work) -> None:
+    def announce(self, work: Submission) -> None:
         """Announce `work` in the next round: by its cache bit if cached as it is, else in full."""
         status, bit = self._cache.lookup(self._index_in(work.request.process_set), work.request)
         if status == Lookup.HIT:

@@ -11,7 +11,7 @@ from typing import Any
 from hvdplus.common.control.messages import Response
 from hvdplus.common.control.negotiation import device_kind
 from hvdplus.common.data.buffer_ops import DataPlane, DeviceKind
-from hvdplus.common.data.executor import Executor, Work
+from hvdplus.common.data.executor import Executor, Submission
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.ops import OpKind
 from hvdplus.common.set_table import ProcessSetTable
@@ -47,7 +47,7 @@ class ControlCollectives:
         self._channels: list[Any] = []  # point-to-point channels opened for the user (closed at shutdown)
         self._owned_elsewhere: weakref.WeakSet[Any] = weakref.WeakSet()  # planned groups, closed at shutdown
 
-    def run(self, response: Response, work: Work) -> Any:
+    def run(self, response: Response, work: Submission) -> Any:
         """A control collective's result (join, process sets, channels), or a data one the executor runs alone."""
         if response.kind == OpKind.JOIN:
             self.joined = False

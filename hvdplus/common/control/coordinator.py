@@ -28,7 +28,7 @@ from hvdplus.common.control.round_counters import RoundCounters
 from hvdplus.common.control.set_rounds import RoundsContext
 from hvdplus.common.control.world_rounds import WorldEvents, WorldRounds
 from hvdplus.common.data.buffer_ops import DataPlane, DeviceKind
-from hvdplus.common.data.executor import Work
+from hvdplus.common.data.executor import Submission
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.handles import Handle
@@ -129,7 +129,7 @@ class Coordinator:
         if rounds is None:  # removed since the check above
             raise ValueError(f"process set {request.process_set} does not exist (it was removed or never added)")
         self._names.reserve(request)
-        work = Work(request, rounds.new_handle(request.name), input, output)
+        work = Submission(request, rounds.new_handle(request.name), input, output)
         if on_device:
             work.ready = self._device_kinds[device_kind(request.device)].ops.ready(input)
         rounds.submit(work)

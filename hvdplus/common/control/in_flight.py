@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterable, Iterator
 
 from hvdplus.common.control.messages import Key, Request
-from hvdplus.common.data.executor import Work
+from hvdplus.common.data.executor import Submission
 from hvdplus.common.exceptions import HorovodInternalError
 
 __all__ = ["InFlight", "Names"]
@@ -69,16 +69,16 @@ class InFlight:
     failed by any thread (a failure in another set's rounds fails them all)."""
 
     def __init__(self, names: Names) -> None:
-        self._queue: queue.SimpleQueue[Work] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Submission] = queue.SimpleQueue()
         self.names = names
         self._lock = threading.Lock()  # guards _by_key: `fail_all` may come from another thread than the cycle's
-        self._by_key: dict[Key, Work] = {}
+        self._by_key: dict[Key, Submission] = {}
 
     def __len__(self) -> int:
         """Collectives taken by a cycle and not run yet."""
         return len(self._by_key)
 
-    def put(self, work: Work) -> None:
+    def put(self, work: Submission) -> None:
         """Queue `work` (its name reserved) for the next cycle."""
         self._queue.put(work)
 
@@ -87,7 +87,7 @@ class InFlight:
         """Whether work waits for the next cycle."""
         return not self._queue.empty()
 
-    def take_queued(self) -> Iterator[Work]:
+    def take_queued(self) -> Iterator[Submission]:
         """Take every work queued since the last call, recording it as in flight."""
         while not self._queue.empty():  # cheaper than get_nowait's Empty, which every cycle would raise
             try:
@@ -98,7 +98,7 @@ class InFlight:
                 self._by_key[work.request.key] = work
             yield work
 
-    def take(self, key: Key) -> Work | None:
+    def take(self, key: Key) -> Submission | None:
         """The work of an agreed response, if this rank submitted it; its name is free again."""
         with self._lock:
             work = self._by_key.pop(key, None)
@@ -106,8 +106,8 @@ class InFlight:
             self.names.release([work.request.name])
         return work
 
-    def put_back(self, work: Work) -> None:
-        """Work a failing cycle took and did not finish: in flight again, so that the failure reaches it."""
+    def put_back(self, work: Submission) -> None:
+        """A submission a failing cycle took and did not finish: in flight again, so that the failure reaches it."""
         with self._lock:
             self._by_key[work.request.key] = work
 

@@ -29,7 +29,7 @@ from hvdplus.common.control.messages import Request, Response
 from hvdplus.common.control.negotiation import join_key
 from hvdplus.common.data.buffer_ops import DataPlane
 from hvdplus.common.data.dispatch import Dispatcher
-from hvdplus.common.data.executor import Executor, Work
+from hvdplus.common.data.executor import Executor, Submission
 from hvdplus.common.engines.base import Doorbell, Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.handles import Handle
@@ -99,7 +99,7 @@ class SetRounds:
         self.thread = threading.Thread(target=self._loop, name=f"hvdplus-rounds-{set_id}", daemon=True)
 
     # ----------------------------------------------------------------- any thread
-    def submit(self, work: Work) -> Handle:
+    def submit(self, work: Submission) -> Handle:
         """Queue `work` (its name reserved) for these rounds."""
         self._in_flight.put(work)
         self.cycles.submitted()
@@ -121,7 +121,7 @@ class SetRounds:
         self.joined = True
         request = Request(join_key(self.set_id)[1], OpKind.JOIN, self.set_id)
         self._in_flight.names.reserve(request)
-        return self.submit(Work(request, self.new_handle(request.name)))
+        return self.submit(Submission(request, self.new_handle(request.name)))
 
     def stop(self, reason: str) -> None:
         """Stop after a final round with the other members (who stop in the same world round): queued and later
@@ -158,7 +158,7 @@ class SetRounds:
         """Whether device planes may run here (then waiting threads do not run the cycles)."""
         return False
 
-    def _control(self, response: Response, work: Work) -> Any:
+    def _control(self, response: Response, work: Submission) -> Any:
         """A control collective only the world's rounds run (ADD_PROCESS_SET and the like)."""
         raise AssertionError(f"{response.kind.name} reached process set {self.set_id}'s own rounds")
 
@@ -263,7 +263,7 @@ class SetRounds:
         self._agreement.stalls.warn()
         return bool(flags & BUSY)
 
-    def _run_control(self, response: Response, work: Work) -> Any:
+    def _run_control(self, response: Response, work: Submission) -> Any:
         """A control collective's result, or a data one the executor runs alone (alltoall, barrier)."""
         if response.kind == OpKind.JOIN and self.set_id != 0:  # this set's own join
             self.joined = False

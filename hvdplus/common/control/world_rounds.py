@@ -20,7 +20,7 @@ from hvdplus.common.control.frozen import ranks_that_shut_down
 from hvdplus.common.control.messages import Response
 from hvdplus.common.control.set_rounds import RoundsContext, SetRounds
 from hvdplus.common.data.buffer_ops import DataPlane, DeviceKind
-from hvdplus.common.data.executor import Work
+from hvdplus.common.data.executor import Submission
 from hvdplus.common.engines.base import Doorbell
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.timeline import Timeline
@@ -91,7 +91,7 @@ class WorldRounds(SetRounds):
     def _planes_possible(self) -> bool:
         return bool(self._device_kinds)
 
-    def _control(self, response: Response, work: Work) -> Any:
+    def _control(self, response: Response, work: Submission) -> Any:
         return self.control.run(response, work)
 
     def _joined(self) -> bool:

@@ -14,7 +14,7 @@ from hvdplus.common.control.in_flight import InFlight
 from hvdplus.common.control.messages import Response
 from hvdplus.common.control.negotiation import device_kind
 from hvdplus.common.data.buffer_ops import DataPlane
-from hvdplus.common.data.executor import Executor, Work
+from hvdplus.common.data.executor import Executor, Submission
 from hvdplus.common.data.fusion import plan_batches
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
@@ -37,7 +37,7 @@ class Dispatcher:
         planes: dict[str, DataPlane],
         tunables: Tunables,
         engine: Engine,
-        run_control: Callable[[Response, Work], Any],
+        run_control: Callable[[Response, Submission], Any],
         joined: Callable[[], bool],
     ) -> None:
         """`planes`: the coordinator's device planes, by kind (it adds them as it builds them); `run_control`: the
@@ -55,10 +55,10 @@ class Dispatcher:
             if len(runnable) == 1
             else plan_batches(runnable, self._tunables.fusion_threshold, self._engine.alone_bytes)
         )
-        batches: list[list[tuple[Response, Work | None]]] = []
+        batches: list[list[tuple[Response, Submission | None]]] = []
         try:
             for batch in planned:
-                pairs: list[tuple[Response, Work | None]] = []
+                pairs: list[tuple[Response, Submission | None]] = []
                 batches.append(pairs)
                 for response in batch:  # one by one: a failure puts back what was taken so far
                     pairs.append((response, self._take_work(response)))
@@ -88,11 +88,11 @@ class Dispatcher:
         finally:
             self._executor.trace(None, [])  # the timeline may be replaced before the next cycle
 
-    def _run_batch(self, pairs: list[tuple[Response, Work | None]]) -> None:
+    def _run_batch(self, pairs: list[tuple[Response, Submission | None]]) -> None:
         head, work = pairs[0]
         # No work is None in a batch that runs: a joined rank's allreduce gets zeros (_take_work), and the other
         # data collectives run only when every member announced (they fail while a rank has joined).
-        announced = cast("list[tuple[Response, Work]]", pairs)
+        announced = cast("list[tuple[Response, Submission]]", pairs)
         if head.error is not None:
             for response, work in pairs:
                 self._executor.fail(response, work)
@@ -108,7 +108,7 @@ class Dispatcher:
         elif work is not None:
             work.handle.set_result(self._run_control(head, work))
 
-    def _take_work(self, response: Response) -> Work | None:
+    def _take_work(self, response: Response) -> Submission | None:
         """This rank's work for a response; a joined rank contributes zeros to an allreduce. A rank that has not
         joined always has its work for a response that runs, unless a failure elsewhere failed it meanwhile: then it
         raises rather than send zeros for a collective it submitted."""
@@ -128,5 +128,5 @@ class Dispatcher:
                 if plane is not None
                 else np.zeros(request.shape, dtype=storage_dtype(request.dtype))
             )
-            return Work(request, Handle(request.name), zeros, zeros)
+            return Submission(request, Handle(request.name), zeros, zeros)
         return None

@@ -23,13 +23,13 @@ from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.timeline import Timeline
 from hvdplus.common.tunables import Tunables
 
-__all__ = ["Work", "Executor", "even_splits"]
+__all__ = ["Submission", "Executor", "even_splits"]
 
 _NO_SPAN = nullcontext()
 
 
 @dataclass
-class Work:
+class Submission:
     """One collective this rank submitted: its announcement, buffers and handle."""
 
     request: Request
@@ -133,7 +133,7 @@ class Executor:
         if len(batch) > self.largest_batch.get(kind, 0):
             self.largest_batch[kind] = len(batch)
 
-    def fail(self, response: Response, work: Work | None) -> None:
+    def fail(self, response: Response, work: Submission | None) -> None:
         if work is not None:
             work.handle.set_error(CollectiveMismatchError(response.error))
 
@@ -147,7 +147,7 @@ class Executor:
     def _group(plane: DataPlane, process_set: Any) -> Any:
         return process_set.group if plane.host else process_set.device_groups[plane.name]
 
-    def _engine_call(self, plane: DataPlane, works: Sequence[Work]) -> None:
+    def _engine_call(self, plane: DataPlane, works: Sequence[Submission]) -> None:
         """Before a device plane's work reads the inputs: count the call, and make the stream wait for the
         submitters' events."""
         if plane.host:
@@ -159,7 +159,7 @@ class Executor:
                 work.ready.wait()
                 work.ready.used_here(work.input)
 
-    def _complete(self, plane: DataPlane, works: Sequence[Work], results: Sequence[Any], last: Any) -> None:
+    def _complete(self, plane: DataPlane, works: Sequence[Submission], results: Sequence[Any], last: Any) -> None:
         """Hand out the results; on a device, with the event that marks the end of the work writing them."""
         event = None if plane.host else plane.ops.ready(last)
         for work, result in zip(works, results):
@@ -167,7 +167,7 @@ class Executor:
                 work.ready.hand_back(result)
             work.handle.set_result(result, event)
 
-    def run_allreduce(self, batch: list[tuple[Response, Work]]) -> None:
+    def run_allreduce(self, batch: list[tuple[Response, Submission]]) -> None:
         """Reduce a batch of agreed allreduces in one engine call (one buffer when fused)."""
         first = batch[0][0].first
         self._count(OpKind.ALLREDUCE, batch)
@@ -193,7 +193,7 @@ class Executor:
                 ops.unpack(buffer, [ops.flat(w.output) for w in works])
         self._complete(plane, works, [work.output for work in works], buffer)
 
-    def _run_adasum(self, batch: list[tuple[Response, Work]]) -> None:
+    def _run_adasum(self, batch: list[tuple[Response, Submission]]) -> None:
         """Adasum of the batch's tensors (hvdplus.common.data.adasum), each with its own dot product and norms."""
         response, works = batch[0][0], [work for _, work in batch]
         adasum_tensors(
@@ -271,7 +271,7 @@ class Executor:
             self._fusion_buffers[key] = buffer
         return buffer[:count]
 
-    def run_broadcast(self, response: Response, work: Work) -> None:
+    def run_broadcast(self, response: Response, work: Submission) -> None:
         """Copy the root's tensor to every member, on the plane of the tensor's device."""
         request = work.request
         plane = self._plane(request)
@@ -283,7 +283,7 @@ class Executor:
             plane.engine.broadcast(plane.ops.flat(work.output), root, self._group(plane, self._set_of(response.key[0])))
         self._complete(plane, [work], [work.output], work.output)
 
-    def run(self, response: Response, work: Work, set_rank: int) -> Any:
+    def run(self, response: Response, work: Submission, set_rank: int) -> Any:
         """Run one alltoall or barrier (host buffers); return the handle's result."""
         group = self._group_of(response.key[0])
         if response.kind == OpKind.ALLTOALL:
@@ -293,7 +293,7 @@ class Executor:
             return None
         raise RuntimeError(f"executor cannot run {response.kind.name}")
 
-    def _alltoall(self, requests: Sequence[Request], work: Work, set_rank: int, group: Any) -> Any:
+    def _alltoall(self, requests: Sequence[Request], work: Submission, set_rank: int, group: Any) -> Any:
         row = _row_elements(work.request.shape)
         splits = [r.splits or even_splits(r.shape[0], len(requests)) for r in requests]
         recv_rows = [splits[src][set_rank] for src in range(len(requests))]
@@ -307,7 +307,7 @@ class Executor:
         )
         return out, np.asarray(recv_rows, dtype=np.int32)
 
-    def run_allgather(self, batch: list[tuple[Response, Work]]) -> None:
+    def run_allgather(self, batch: list[tuple[Response, Submission]]) -> None:
         """Gather a batch of agreed allgathers in one engine call: each rank's parts of every tensor travel as one
         block (layout.py). A lone allgather writes straight into its output (the caller's, if given), in
         place when this rank's input already sits at its offset there."""
@@ -337,7 +337,7 @@ class Executor:
                 layout.unpack(buffer, [ops.flat(out) for out in outputs])
         self._complete(plane, works, outputs, buffer)
 
-    def run_reducescatter(self, batch: list[tuple[Response, Work]]) -> None:
+    def run_reducescatter(self, batch: list[tuple[Response, Submission]]) -> None:
         """Reduce-scatter a batch of agreed requests in one engine call: the inputs are packed rank-major
         (layout.py), so each rank receives its slices of every tensor as one block."""
         head = batch[0][0]
@@ -369,7 +369,7 @@ class Executor:
         self._complete(plane, works, outputs, outputs[-1])
 
     def _reducescatter_alone(
-        self, plane: DataPlane, work: Work, out: Any, counts: list[int], set_rank: int, op: ReduceOp, group: Any
+        self, plane: DataPlane, work: Submission, out: Any, counts: list[int], set_rank: int, op: ReduceOp, group: Any
     ) -> None:
         """One reduce-scatter, with no copy of its input unless it must be prescaled out of place: in place when
         the output is this rank's slice of the input itself."""
@@ -416,7 +416,7 @@ def _scatter_counts(response: Response) -> list[int]:
     return [rows * row for rows in balanced_counts(request.shape[0], len(response.members))]
 
 
-def _scatter_output(ops: BufferOps, response: Response, work: Work, set_rank: int) -> Any:
+def _scatter_output(ops: BufferOps, response: Response, work: Submission, set_rank: int) -> Any:
     """Where this rank's slice goes: the caller's output, or a new buffer of the slice's shape."""
     if work.output is not None:
         return work.output
@@ -427,7 +427,7 @@ def _scatter_output(ops: BufferOps, response: Response, work: Work, set_rank: in
     return ops.empty((rows,) + request.shape[1:], work.input)
 
 
-def _gather_output(ops: BufferOps, response: Response, work: Work) -> Any:
+def _gather_output(ops: BufferOps, response: Response, work: Submission) -> Any:
     """The caller's output, or a new buffer holding every rank's rows."""
     if work.output is not None:
         return work.output

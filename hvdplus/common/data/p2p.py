@@ -146,5 +146,5 @@ def recv_arrays(channel: Any, peer: int, tag: int, alive: Callable[[], None]) ->
 
 
 def wait_for(transfer: Any, alive: Callable[[], None]) -> None:
-    """Wait for a transfer of this module's messages until it completes (see `Transfer.wait`)."""
+    """Wait for a transfer of this module's messages until it completes (see `engines.base.Work.wait`)."""
     transfer.wait(alive)

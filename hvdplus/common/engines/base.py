@@ -24,10 +24,9 @@ __all__ = [
     "Pending",
     "Done",
     "Channel",
-    "Transfer",
+    "Work",
     "Doorbell",
     "PlannedGroup",
-    "PlannedRequest",
     "bell_targets",
 ]
 
@@ -77,12 +76,18 @@ def bell_targets(rank: int, size: int) -> range:
     return range(1, size) if rank == 0 else range(0, 1)
 
 
-class Transfer(Protocol):
-    """A point-to-point send or receive in flight (see `Channel`)."""
+class Work(Protocol):
+    """One data call in flight: a point-to-point transfer of a `Channel` or a collective of a `PlannedGroup`, both
+    started from the caller's thread. The engine's one completion protocol below the core's handles."""
+
+    def test(self) -> bool:
+        """Without blocking: whether it has completed (raise the engine's error if it failed). Testing also moves
+        it along: MPI progresses a non-blocking call only inside its calls."""
 
     def wait(self, alive: Callable[[], None]) -> None:
-        """Return once the transfer has completed (raise the engine's error if it failed). Engines that poll call
-        `alive()` between polls, which may raise to give up; the others block without using a core."""
+        """Return once it has completed (raise the engine's error if it failed). Engines that poll call `alive()`
+        between polls, which may raise to give up; the others block without using a core, up to the engine's
+        timeout."""
 
 
 class Channel(Protocol):
@@ -92,26 +97,14 @@ class Channel(Protocol):
 
     max_tag: int
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Transfer:
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> Work:
         """Start sending `buf` (kept alive and unchanged until the transfer completes) to rank `peer`."""
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Transfer:
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> Work:
         """Start receiving a message of exactly `buf`'s size from rank `peer` into `buf`."""
 
     def close(self) -> None:
         """Release the channel's communicator."""
-
-
-class PlannedRequest(Protocol):
-    """A non-blocking collective of a `PlannedGroup`, started from the caller's thread."""
-
-    def test(self) -> bool:
-        """Without blocking: whether it has completed (raise the engine's error if it failed). Testing also moves
-        it along: MPI progresses a non-blocking collective only inside its calls."""
-
-    def wait(self, alive: Callable[[], None]) -> None:
-        """Return once it has completed. Engines that poll call `alive()` between polls, which may raise to give
-        up; the others block without using a core, up to the engine's timeout."""
 
 
 class PlannedGroup(Protocol):
@@ -121,14 +114,14 @@ class PlannedGroup(Protocol):
 
     size: int
 
-    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> PlannedRequest:
+    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> Work:
         """Start reducing `buf` in place across the group; `buf` stays alive and untouched until it completes."""
 
-    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> PlannedRequest:
+    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> Work:
         """Start summing `buf` across the group, of which member r keeps counts[r] elements, the r-th run of
         `buf`: once complete, this member's run of `buf` holds its slice of the sum (the rest is undefined)."""
 
-    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> PlannedRequest:
+    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> Work:
         """Start gathering in place: member r's run of `buf` (counts[r] elements, the r-th run) is its part, and
         once complete every run holds its member's part on every member."""
 

@@ -102,11 +102,17 @@ class GlooChannel:
 
 
 class _GlooTransfer:
-    """A Gloo send or receive and the tensor it reads or writes. Gloo's send/recv works report completion only
-    through `wait`, which sleeps on a condition (no core spent) up to the engine's timeout."""
+    """A Gloo send or receive and the tensor it reads or writes (an engines.base.Work). `wait` sleeps on a
+    condition (no core spent) up to the engine's timeout."""
 
     def __init__(self, work: Any, tensor: Any) -> None:
         self._work, self._tensor = work, tensor
+
+    def test(self) -> bool:
+        if not self._work.is_completed():
+            return False
+        self._work.wait()  # raises the transfer's error, if it failed
+        return True
 
     def wait(self, alive: Callable[[], None]) -> None:
         self._work.wait()  # a timed wait would close the connection to the peer when the time is up

@@ -197,18 +197,29 @@ class TensorChannel:
 
 
 class TensorTransfer:
-    """A send or receive of a `TensorChannel` and the tensor it reads or writes. `wait` returns once it completed
-    (Gloo: the host sleeps until then) or, on NCCL, once the caller's current stream waits for it."""
+    """A send or receive of a `TensorChannel` and the tensor it reads or writes (an engines.base.Work). `wait`
+    returns once it completed (Gloo: the host sleeps until then) or, on NCCL, once the caller's current stream
+    waits for it."""
 
     def __init__(self, work: Any, wire: Any, into: Any | None = None) -> None:
         """`into`: the device tensor a staged receive lands in, copied from `wire` once it has arrived."""
         self._work, self._wire, self._into = work, wire, into
+
+    def test(self) -> bool:
+        if not self._work.is_completed():
+            return False
+        self.wait(_no_check)
+        return True
 
     def wait(self, alive: Callable[[], None]) -> None:
         self._work.wait()  # Gloo's timed wait would close the connection to the peer when the time is up
         if self._into is not None:
             into, self._into = self._into, None
             into.copy_(self._wire, non_blocking=True)  # the pinned block is kept until the copy ran
+
+
+def _no_check() -> None:
+    """The `alive` of a wait that cannot block: its work has completed."""
 
 
 def _as_is(tensor: Any, dtype: str) -> Any:

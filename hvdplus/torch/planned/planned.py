@@ -18,11 +18,11 @@ from hvdplus.common.basics import ProcessSet, runtime
 from hvdplus.common.compression import CastCompressor, NoneCompressor
 from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.ops import Average, Min, ReduceOp, Sum
+from hvdplus.common.planned_steps import Alive
 from hvdplus.common.plans.grouping import bucket_indices
 from hvdplus.common.plans.step_plan import Decision, agreement_words, decide, plan_digest
 from hvdplus.torch.buffers import DTYPE_NAMES, plane_kind
 from hvdplus.torch.mpi_ops import allreduce
-from hvdplus.torch.planned.planned_steps import Alive
 from hvdplus.torch.planned.reducer import Reducer
 
 __all__ = [

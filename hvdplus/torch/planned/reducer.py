@@ -31,13 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
+from hvdplus.common.engines.base import PlannedGroup, Work
 from hvdplus.common.exceptions import PlanMismatchError
 from hvdplus.common.ops import ReduceOp
+from hvdplus.common.planned_steps import PlannedStep
 from hvdplus.common.plans.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
 from hvdplus.common.timeline import Timeline
-from hvdplus.torch.buffers import dtype_name
-from hvdplus.torch.planned.planned_steps import PlannedStep
+from hvdplus.torch.buffers import dtype_name, planned_buffer_of
 
 __all__ = ["Reducer"]
 
@@ -50,7 +50,7 @@ class _Bucket:
     addresses: list[int]  # where each view starts: a view whose data was swapped (module.double()) is no view
     wire: torch.Tensor | None  # the compressed copy that travels, when compression casts
     missing: int = 0  # gradients still to come this step
-    request: PlannedRequest | None = None
+    request: Work | None = None
     zeros: torch.Tensor | None = field(default=None, repr=False)  # what a joined rank sends, made at its first join
     row: str = ""  # its timeline row: its first gradient's name, as a negotiated bucket's grouped allreduce
     traced: Timeline | None = None  # the timeline its step's spans went to
@@ -82,8 +82,9 @@ class Reducer(PlannedStep):
         """`plan`: positions in `params` of each bucket's gradients, in launch order, covering every parameter.
         `scales`: (before, after) the sum. `guard_group`: the host engine's group that sums the step's guard, for a
         device plane's buckets (None: the guard rides in the last bucket). The other arguments: PlannedStep's."""
-        super().__init__(group, ranks, digest, host, params[0].device, guard_group)
-        self._guard_request: PlannedRequest | None = None
+        super().__init__(group, ranks, digest, host, planned_buffer_of(host), guard_group)
+        self._device = params[0].device
+        self._guard_request: Work | None = None
         self._names = names
         self._prescale, self._postscale = scales
         self._buckets: list[_Bucket] = []

@@ -19,13 +19,13 @@ from collections.abc import Sequence
 import torch
 
 from hvdplus.common.control.negotiation import NOT_WITH_JOIN
-from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
+from hvdplus.common.engines.base import PlannedGroup, Work
 from hvdplus.common.exceptions import PlanMismatchError
 from hvdplus.common.ops import OpKind, ReduceOp
+from hvdplus.common.planned_steps import PlannedStep
 from hvdplus.common.plans.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
 from hvdplus.common.timeline import Timeline
-from hvdplus.torch.buffers import dtype_name
-from hvdplus.torch.planned.planned_steps import PlannedStep
+from hvdplus.torch.buffers import dtype_name, planned_buffer_of
 
 __all__ = ["ShardPlan"]
 
@@ -49,16 +49,17 @@ class ShardPlan(PlannedStep):
         """`buckets`: in plan order, each bucket's (elements, dtype on the wire, elements each rank keeps).
         `device`: the buckets' (a joined rank's zeros live there too). `guard_group`: the host engine's group that
         sums the guard, for a device plane's plan (None: the guard is an element on the plan's own group)."""
-        super().__init__(group, ranks, digest, host, device, guard_group)
+        super().__init__(group, ranks, digest, host, planned_buffer_of(host), guard_group)
+        self._device = device
         self._buckets = list(buckets)
         self._guard = torch.zeros(1, dtype=torch.float32, device=device) if guard_group is None else None
-        self._guard_request: PlannedRequest | None = None
-        self._joined: list[PlannedRequest] = []
+        self._guard_request: Work | None = None
+        self._joined: list[Work] = []
         self._zeros: list[torch.Tensor] = []
         self._traced: dict[int, tuple[Timeline | None, str]] = {}  # requests in flight: their timeline and row
         self.steps = 0  # planned steps completed
 
-    def reducescatter(self, sent: torch.Tensor, counts: Sequence[int], name: str) -> PlannedRequest:
+    def reducescatter(self, sent: torch.Tensor, counts: Sequence[int], name: str) -> Work:
         """Start summing `sent` (a bucket, in plan order) across the set; this rank's run of it gets its slice.
         `name`: the bucket's row in the timeline."""
         traced = self._trace_start([name], "REDUCESCATTER")
@@ -67,7 +68,7 @@ class ShardPlan(PlannedStep):
         self._traced[id(request)] = (traced, name)
         return request
 
-    def allgather(self, full: torch.Tensor, counts: Sequence[int], name: str) -> PlannedRequest:
+    def allgather(self, full: torch.Tensor, counts: Sequence[int], name: str) -> Work:
         """Start gathering every rank's run of `full` (its updated shard) into every rank's `full`, in place."""
         traced = self._trace_start([name], "ALLGATHER")
         with self._engine_errors():
@@ -75,12 +76,12 @@ class ShardPlan(PlannedStep):
         self._traced[id(request)] = (traced, name)
         return request
 
-    def poke(self, request: PlannedRequest) -> None:
+    def poke(self, request: Work) -> None:
         """Test `request` without waiting, which moves it along (MPI progresses only inside its calls)."""
         with self._engine_errors():
             request.test()
 
-    def wait(self, request: PlannedRequest) -> None:
+    def wait(self, request: Work) -> None:
         with self._engine_errors():
             request.wait(self._alive())
         traced = self._traced.pop(id(request), None)
@@ -91,7 +92,7 @@ class ShardPlan(PlannedStep):
         """After the step's last bucket: this rank's guard (NaN if its step `differs` from the plan)."""
         self._guard_request = self._send_guard(GUARD_DIFFERS if differs else GUARD_TRAINING)
 
-    def _send_guard(self, value: float) -> PlannedRequest:
+    def _send_guard(self, value: float) -> Work:
         """Start summing this rank's guard `value` across the set (common/plans/step_plan.py says what sums mean)."""
         with self._engine_errors():
             if self._guard is None:

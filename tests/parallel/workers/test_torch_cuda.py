@@ -163,7 +163,7 @@ def test_planned_path_on_the_gpu(hvd, cuda, fp16):
         assert reducer is None
     else:
         assert reducer is not None, "the plan did not freeze on the GPU"
-        assert not reducer._host and reducer.steps == 5 and reducer.copies == 0
+        assert not reducer.host and reducer.steps == 5 and reducer.copies == 0
         assert {bucket.flat.device for bucket in reducer._buckets} == {cuda}
         wires = [bucket.wire for bucket in reducer._buckets]
         if fp16:

@@ -122,7 +122,7 @@ def test_planned_steps_match_negotiated_with_no_copies_and_no_rounds(hvd):
     assert reducer.steps == STEPS - 1 and reducer.copies == 0
     # On the plane the gradients travel on: the host engine, or (HVDPLUS_DEVICE_PATH_ON_CPU=1, the CUDA code
     # path on CPU tensors) the device plane's torch.distributed engine, whose group takes the tensors themselves.
-    assert reducer._host is not runtime().settings.device_path_on_cpu
+    assert reducer.host is not runtime().settings.device_path_on_cpu
     # Steps 3 to 5 ran no control round: no negotiation, no hand-off to the background thread. (Not step 6: a
     # faster peer that finished it may already negotiate the next training's first step, whose doorbell round
     # this rank joins before its last count; a peer cannot finish step 6 before this rank counted step 5.)
@@ -198,7 +198,7 @@ def test_a_device_planes_guard_is_summed_in_host_memory(hvd):
     reducer = optimizer._reducer
     last = reducer._buckets[-1]
     gradients = sum(p.numel() for p in last.params)
-    if reducer._host:
+    if reducer.host:
         assert reducer._guard_group is None and last.flat.numel() == gradients + 1
     else:
         assert reducer._guard_group is not None and last.flat.numel() == gradients
@@ -297,7 +297,7 @@ def test_a_dropped_optimizer_releases_its_plan(hvd):
     import gc
     import weakref
 
-    from hvdplus.torch.planned import planned_steps
+    from hvdplus.common.planned_steps import frozen_plans
 
     with planned(True):
         model, optimizer = train(hvd, "plan.dropped", steps=2)
@@ -306,7 +306,7 @@ def test_a_dropped_optimizer_releases_its_plan(hvd):
     del model, optimizer
     gc.collect()  # the hooks hold the optimizer in a cycle with the parameters
     assert reducer() is None and group() is None, "the plan's buffers and communicator outlived its optimizer"
-    assert all(r().runtime is not None for r in map(weakref.ref, planned_steps._FROZEN))
+    assert all(plan.runtime is not None for plan in frozen_plans())
     hvd.join()  # serves only the plans still held, the same on every rank
 
 
@@ -347,6 +347,6 @@ def test_hierarchical_allreduce_keeps_the_plan_of_device_plane_tensors(hvd):
         want, _ = train(hvd, "plan.hierarchical.negotiated")
     assert (optimizer._reducer is not None) == on_device
     if on_device:
-        assert not optimizer._reducer._host and optimizer._reducer.steps == STEPS - 1
+        assert not optimizer._reducer.host and optimizer._reducer.steps == STEPS - 1
     for g, w in zip(parameters(got), parameters(want)):
         torch.testing.assert_close(g, w, **SAME)

@@ -1,10 +1,11 @@
-"""What every frozen step plan shares (reducer.py for DistributedOptimizer, zero/shard_plan.py for
-ZeroOptimizer): the plan's own communicator, the registry that join() serves, the failure rules, and the
-consistency exchange that names the ranks whose step differs.
+"""What every frozen step plan shares, whatever its framework (torch/planned/reducer.py for DistributedOptimizer,
+torch/zero/shard_plan.py for ZeroOptimizer): the plan's own communicator, the registry that join() serves, the
+liveness of its waits, its timeline spans, the failure rule it shares with the negotiated path, and the consistency
+exchange that names the ranks whose step differs.
 
-A plan is frozen on every member of its process set together (planned.py). From then on its collectives
-start from the caller's thread in plan order, with no negotiation; a guard in each step (1 from a rank that
-trains, 0 from a rank in join(), NaN from a rank whose step differs) keeps every member's view of the step the
+A plan is frozen on every member of its process set together (torch/planned/planned.py). From then on its
+collectives start from the caller's thread in plan order, with no negotiation; a guard in each step (1 from a rank
+that trains, 0 from a rank in join(), NaN from a rank whose step differs) keeps every member's view of the step the
 same, and a NaN makes them exchange one consistency word and raise PlanMismatchError together.
 """
 
@@ -14,22 +15,21 @@ import gc
 import logging
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-import torch
 
 from hvdplus.common import basics
-from hvdplus.common.engines.base import PlannedGroup, PlannedRequest
+from hvdplus.common.control.frozen import failure_of
+from hvdplus.common.engines.base import PlannedGroup, Work
 from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.plans.step_plan import consistency_words, read_consistency
 from hvdplus.common.timeline import Timeline
-from hvdplus.torch.buffers import as_numpy
 
-__all__ = ["PlannedStep", "Alive", "serve_joined"]
+__all__ = ["PlannedStep", "Alive", "serve_joined", "frozen_plans"]
 
 log = logging.getLogger("hvdplus")
 
@@ -41,8 +41,14 @@ _FROZEN: weakref.WeakSet[PlannedStep] = weakref.WeakSet()
 _JOIN_POLL_S = 1e-3
 
 
+def frozen_plans() -> list[PlannedStep]:
+    """The plans frozen on this rank and not dropped yet (any job's)."""
+    return list(_FROZEN)
+
+
 class PlannedStep:
-    """A frozen step plan of one optimizer on one process set, and the communicator its collectives use."""
+    """A frozen step plan of one optimizer on one process set, and the communicator its collectives use. A
+    framework's plan adds its buffers; `buffer_of` turns one of them into what `group` reduces."""
 
     what = "a planned step"  # how messages name one of the plan's collectives
     title = "the planned step"  # and the plan's step, with its optimizer
@@ -53,17 +59,18 @@ class PlannedStep:
         ranks: Sequence[int],
         digest: int,
         host: bool,
-        device: torch.device,
+        buffer_of: Callable[[Any], Any],
         guard_group: PlannedGroup | None = None,
     ) -> None:
-        """`ranks`: the process set's global ranks. `host`: whether `group` is the host engine's, which takes
-        numpy views of CPU buffers (else a device plane's, which takes the tensors). `guard_group`: a planned
-        group of the host engine that sums the step's guard as a host word, for a device plane's plan (reading a
-        reduced device element would hold the training thread until the GPU drained: reducer.py)."""
+        """`ranks`: the process set's global ranks. `host`: whether `group` is the host engine's (else a device
+        plane's). `buffer_of`: the framework's buffer as `group` takes it (a numpy view of a host tensor for the
+        host engine; a device plane's tensor as it is). `guard_group`: a
+        planned group of the host engine that sums the step's guard as a host word, for a device plane's plan
+        (reading a reduced device element would hold the training thread until the GPU drained: reducer.py)."""
         self.runtime = basics.runtime()
         self._group, self._ranks, self._digest = group, tuple(ranks), digest
         self._set_rank = self._ranks.index(self.runtime.rank)
-        self._host, self._device = host, device
+        self.host, self._buffer = host, buffer_of
         _FROZEN.add(self)
         self._release = weakref.finalize(self, group.close)  # at close(), or when the optimizer is collected
         self._guard_group = guard_group
@@ -80,7 +87,7 @@ class PlannedStep:
     def stale(self) -> bool:
         """Closed, or frozen in an earlier job (an elastic reset, or shutdown() and init()), whose ranks agree
         afresh: the optimizer negotiates."""
-        return self.closed or self.runtime is not basics._runtime
+        return self.closed or not basics.is_initialized() or self.runtime is not basics.runtime()
 
     def close(self) -> None:
         """Drop the plan: release its communicator (once; later calls do nothing) and the collectives in flight
@@ -91,18 +98,14 @@ class PlannedStep:
         if self._guard_group is not None:
             self._release_guard_group()
 
-    def _start_guard_word(self, value: float) -> PlannedRequest:
+    def _start_guard_word(self, value: float) -> Work:
         """Start summing this rank's guard `value` as a host word on the guard group (there must be one)."""
         assert self._guard_group is not None
         self._guard_word[0] = value
         return self._guard_group.start_allreduce(self._guard_word, "float32", ReduceOp.SUM)
 
     def _abandon(self) -> None:
-        """Forget the requests in flight (each kind of plan keeps its own)."""
-
-    def _buffer(self, tensor: torch.Tensor) -> Any:
-        """What the plan's group reduces: a numpy view of a CPU tensor for the host engine, else the tensor."""
-        return as_numpy(tensor) if self._host else tensor
+        """Forget the work in flight (each kind of plan keeps its own)."""
 
     def _trace_start(self, names: Sequence[str], kind: str) -> Timeline | None:
         """Open the timeline spans of a planned collective on its tensors' rows (`kind`, and PLANNED_`kind`
@@ -133,8 +136,9 @@ class PlannedStep:
 
     @contextmanager
     def _engine_errors(self) -> Iterator[None]:
-        """An engine's error (a peer died: Gloo's connection closed) becomes the HorovodInternalError the
-        negotiated path raises, which elastic training recovers from; the plan is dropped."""
+        """An engine's error (a peer died: Gloo's connection closed) ends the plan and becomes the error the
+        negotiated path raises for a failed collective (control/frozen.py `failure_of`: it names a peer that
+        announced its failure, or announces this rank's), which elastic training recovers from."""
         try:
             yield
         except HorovodInternalError:
@@ -142,17 +146,18 @@ class PlannedStep:
             raise
         except Exception as exc:
             self.close()
-            raise HorovodInternalError(
-                f"{self.what} failed on rank {self.runtime.rank}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise failure_of(self.runtime.engine, exc) from exc
 
     def _fail(self, differs: list[str], training: bool) -> None:
-        """A rank's step differed: every rank exchanges one consistency word to learn which, and raises."""
+        """A rank's step differed: every rank exchanges one consistency word to learn which, and raises. The word
+        travels on a host engine's group: the plan's own, or the guard group of a device plane's plan (which has
+        one wherever it has peers)."""
         words = consistency_words(self._set_rank, self._group.size, self._digest, training, bool(differs))
-        sent = torch.from_numpy(words).to(self._device)  # on the host: the same memory
-        with self._engine_errors():
-            self._group.start_allreduce(self._buffer(sent), "int64", ReduceOp.SUM).wait(self._alive())
-        consistency = read_consistency(sent.cpu().numpy(), self._group.size, self._digest)
+        if self._group.size > 1:
+            host_group = self._group if self._guard_group is None else self._guard_group
+            with self._engine_errors():
+                host_group.start_allreduce(words, "int64", ReduceOp.SUM).wait(self._alive())
+        consistency = read_consistency(words, self._group.size, self._digest)
         who = [self._ranks[i] for i in consistency.differing]
         text = (
             f"{self.title} cannot complete this step: the step of rank(s) {who} differs from the plan frozen on "
