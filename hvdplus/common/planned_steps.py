@@ -21,15 +21,30 @@ from typing import Any
 
 import numpy as np
 
-from hvdplus.common import basics
+from hvdplus.common import basics, collectives
 from hvdplus.common.control.frozen import failure_of
 from hvdplus.common.engines.base import PlannedGroup, Work
 from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
 from hvdplus.common.ops import ReduceOp
-from hvdplus.common.plans.step_plan import consistency_words, read_consistency
+from hvdplus.common.plans.step_plan import (
+    Decision,
+    agreement_words,
+    consistency_words,
+    decide,
+    plan_digest,
+    read_consistency,
+)
 from hvdplus.common.timeline import Timeline
 
-__all__ = ["PlannedStep", "Alive", "serve_joined", "frozen_plans"]
+__all__ = [
+    "PlannedStep",
+    "Alive",
+    "serve_joined",
+    "frozen_plans",
+    "settings_allow",
+    "agree_to_freeze",
+    "open_planned_group",
+]
 
 log = logging.getLogger("hvdplus")
 
@@ -39,6 +54,46 @@ log = logging.getLogger("hvdplus")
 # those the program still holds, the same on every rank.
 _FROZEN: weakref.WeakSet[PlannedStep] = weakref.WeakSet()
 _JOIN_POLL_S = 1e-3
+
+
+def settings_allow(on_device: bool = False) -> bool:
+    """Whether the job's settings let an optimizer's plan freeze: not when the user asked for negotiation
+    (HVDPLUS_PLANNED_PATH=0), or for what only the executor does: autotune, and for tensors on the host engine
+    hierarchical allreduce (the executor runs it on host buffers only: a device plane's tensors, `on_device`, take
+    the plane's own allreduce on the negotiated path too)."""
+    settings = basics.runtime().settings
+    hierarchical = settings.hierarchical_allreduce and not on_device
+    return settings.planned_path and not hierarchical and not settings.autotune
+
+
+def agree_to_freeze(
+    carrier: str | None, items: list[Any], name: str, process_set: basics.ProcessSet
+) -> tuple[list[int], int] | Decision:
+    """Collective over the process set: agree, under `name`, on freezing the plan that `items` describe, carried on
+    the plane named `carrier` ('host', or a device plane's kind; None: this rank cannot take the planned path).
+    (The set's global ranks, the plan's digest), or the decision not to freeze (yet). One negotiated MIN allreduce
+    decides, by a name that depends on nothing a rank counts (ranks in join() or in a new elastic generation have
+    counted different steps)."""
+    rt = basics.runtime()
+    set_id = process_set.process_set_id or 0
+    ranks = list(range(rt.size)) if set_id == 0 else list(process_set.ranks)
+    digest = plan_digest([ranks, "" if carrier is None else carrier, *items])
+    words = agreement_words(carrier is not None, digest)
+    collectives.submit_allreduce(words, words, "int64", name, ReduceOp.MIN, process_set=process_set).wait()
+    decision = decide(words, digest)
+    return (ranks, digest) if decision == Decision.FREEZE else decision
+
+
+def open_planned_group(engine: Any, ranks: list[int], process_set: basics.ProcessSet) -> PlannedGroup:
+    """Collective over the set's `ranks`: a new planned group of `engine`, closed at shutdown at the latest."""
+    rt = basics.runtime()
+    set_id = process_set.process_set_id or 0
+    # Freezes happen on every member together, so each member counts the same groups (per job and set).
+    key = set_id * 65536 + int(rt.auto_name("planned_group", set_id).rsplit(".", 1)[1])
+    alive = Alive(rt, len(ranks), "the opening of a planned group")  # a member that died before arriving ends the wait
+    group: PlannedGroup = engine.open_planned(ranks, key, rt.settings.stall_shutdown_time_seconds or None, alive)
+    rt.coordinator.close_at_shutdown(group)
+    return group
 
 
 def frozen_plans() -> list[PlannedStep]:

@@ -1,8 +1,8 @@
 """When a DistributedOptimizer leaves negotiation for the planned path (common/plans/step_plan.py, reducer.py).
 
 After each negotiated step, every rank of the optimizer's process set checks that the planned path can carry its
-step and digests the plan; one MIN allreduce decides, by a name that depends on nothing a rank counts (ranks in
-join() or in a new elastic generation have counted different steps). The plan freezes only if every rank is
+step (here: the torch side) and digests the plan; one MIN allreduce decides (common/planned_steps.py
+`agree_to_freeze`, the same for every framework). The plan freezes only if every rank is
 eligible and has the same digest; a rank that cannot, or plans that differ, keep the optimizer on negotiation for
 good (whose errors name any mismatch). A rank in join() contributes zeros: the ranks agree again next step.
 """
@@ -17,20 +17,17 @@ import torch
 from hvdplus.common.basics import ProcessSet, runtime
 from hvdplus.common.compression import CastCompressor, NoneCompressor
 from hvdplus.common.engines.base import PlannedGroup
-from hvdplus.common.ops import Average, Min, ReduceOp, Sum
-from hvdplus.common.planned_steps import Alive
+from hvdplus.common.ops import Average, ReduceOp, Sum
+from hvdplus.common.planned_steps import agree_to_freeze, open_planned_group, settings_allow
 from hvdplus.common.plans.grouping import bucket_indices
-from hvdplus.common.plans.step_plan import Decision, agreement_words, decide, plan_digest
+from hvdplus.common.plans.step_plan import Decision
 from hvdplus.torch.buffers import DTYPE_NAMES, plane_kind
-from hvdplus.torch.mpi_ops import allreduce
 from hvdplus.torch.planned.reducer import Reducer
 
 __all__ = [
     "DEVICE_BUCKET_BYTES",
     "bucket_sizes",
     "freeze_plan",
-    "open_planned_group",
-    "settings_allow",
     "try_freeze",
     "wire_dtype",
 ]
@@ -74,16 +71,6 @@ def _carrier(params: Sequence[torch.Tensor]) -> tuple[Any, str] | None:
         return (rt.engine, "host") if params[0].device.type == "cpu" else None
     engine = rt.coordinator.plane_engine(kind)
     return None if engine is None else (engine, kind)
-
-
-def settings_allow(on_device: bool = False) -> bool:
-    """Whether the job's settings let an optimizer's plan freeze: not when the user asked for negotiation
-    (HVDPLUS_PLANNED_PATH=0), or for what only the executor does: autotune, and for tensors on the host engine
-    hierarchical allreduce (the executor runs it on host buffers only: a device plane's tensors, `on_device`, take
-    the plane's own allreduce on the negotiated path too)."""
-    settings = runtime().settings
-    hierarchical = settings.hierarchical_allreduce and not on_device
-    return settings.planned_path and not hierarchical and not settings.autotune
 
 
 def _eligible(params: Sequence[torch.Tensor], op: ReduceOp, groups_given: bool, compression: Any) -> bool:
@@ -141,29 +128,11 @@ def freeze_plan(
     """Collective over the process set: agree, under `name`, on freezing the plan that `items` describe (the
     set's ranks and the plane `params` travel on join them); (the plan's new group, the set's global ranks, the
     digest, whether the group is the host engine's), or the decision not to freeze (yet)."""
-    rt = runtime()
-    set_id = process_set.process_set_id or 0
-    ranks = list(range(rt.size)) if set_id == 0 else list(process_set.ranks)
     carrier = _carrier(params) if eligible else None  # none yet: a device plane no negotiated step has built
-    digest = plan_digest([ranks, "" if carrier is None else carrier[1], *items])
-    words = allreduce(
-        torch.from_numpy(agreement_words(carrier is not None, digest)), op=Min, name=name, process_set=process_set
-    )
-    decision = decide(words.numpy(), digest)
-    if decision != Decision.FREEZE:
-        return decision
+    agreed = agree_to_freeze(None if carrier is None else carrier[1], items, name, process_set)
+    if isinstance(agreed, Decision):
+        return agreed
     assert carrier is not None  # a freeze needs every rank eligible
+    ranks, digest = agreed
     engine, plane = carrier
     return open_planned_group(engine, ranks, process_set), ranks, digest, plane == "host"
-
-
-def open_planned_group(engine: Any, ranks: list[int], process_set: ProcessSet) -> PlannedGroup:
-    """Collective over the set's `ranks`: a new planned group of `engine`, closed at shutdown at the latest."""
-    rt = runtime()
-    set_id = process_set.process_set_id or 0
-    # Freezes happen on every member together, so each member counts the same groups (per job and set).
-    key = set_id * 65536 + int(rt.auto_name("planned_group", set_id).rsplit(".", 1)[1])
-    alive = Alive(rt, len(ranks), "the opening of a planned group")  # a member that died before arriving ends the wait
-    group: PlannedGroup = engine.open_planned(ranks, key, rt.settings.stall_shutdown_time_seconds or None, alive)
-    rt.coordinator.close_at_shutdown(group)
-    return group

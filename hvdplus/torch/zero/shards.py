@@ -14,6 +14,7 @@ import torch
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, runtime
 from hvdplus.common.ops import ReduceOp
+from hvdplus.common.planned_steps import open_planned_group, settings_allow
 from hvdplus.common.plans.sharding import DtypePartition, bucket_ranges, counts_within, partition
 from hvdplus.common.plans.step_plan import Decision
 from hvdplus.torch._optimizer import (
@@ -22,7 +23,7 @@ from hvdplus.torch._optimizer import (
 )
 from hvdplus.torch.buffers import as_numpy, collective_input, dtype_name, plane_kind
 from hvdplus.torch.compression import Compressor
-from hvdplus.torch.planned.planned import freeze_plan, open_planned_group, settings_allow, wire_dtype
+from hvdplus.torch.planned.planned import freeze_plan, wire_dtype
 from hvdplus.torch.streams import SideStream, host_empty, wait_for
 from hvdplus.torch.zero.shard_plan import ShardPlan
 

@@ -218,8 +218,9 @@ def test_zero_optimizer_reduces_and_gathers_on_the_plane(hvd, without_rank_0, of
             zero.zero_grad()
             sharded(batch).square().mean().backward()
             zero.step()
-            if step == 0:  # the negotiated step: a reduce-scatter (one bucket) and an allgather, at least
-                assert plane_runs() - before >= 2
+            if step == 0:  # the negotiated step's reduce-scatter (one bucket); the plan then freezes (its agreement
+                # is a host word) and the step's allgather already runs on the frozen plan's group
+                assert plane_runs() - before >= 1
             dist.zero_grad()
             replicated(batch).square().mean().backward()
             dist.step()
