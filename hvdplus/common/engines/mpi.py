@@ -12,6 +12,7 @@ import numpy as np
 
 from hvdplus.common.data import halfops
 from hvdplus.common.engines.base import bell_targets
+from hvdplus.common.engines.ordered_calls import CallWork, OrderedCalls
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["MPIEngine", "check_launcher_size", "check_thread_levels"]
@@ -316,34 +317,26 @@ class MPIChannel:
 
 
 class MPIPlannedGroup:
-    """The planned path's communicator: `Iallreduce` in place, started from the caller's thread."""
+    """The planned path's communicator: its collectives run as MPI's blocking ones, in the order started, on a
+    thread of its own (engines/ordered_calls.py says why not MPI's non-blocking ones)."""
 
     def __init__(self, comm: Any, engine: MPIEngine) -> None:
         self._comm, self._engine = comm, engine
         self.size = comm.Get_size()
+        self.calls = OrderedCalls(f"hvdplus-planned-mpi-{comm.Get_rank()}")
 
-    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> _MPITransfer:
-        engine = self._engine
-        return _MPITransfer(self._comm.Iallreduce(engine._MPI.IN_PLACE, buf, op=engine._op(dtype, op)), buf)
+    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> CallWork:
+        return self.calls.start(lambda: self._engine.allreduce(buf, dtype, op, self._comm))
 
-    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> _MPITransfer:
-        engine, index = self._engine, self._comm.Get_rank()
-        request = self._comm.Ireduce_scatter(
-            engine._MPI.IN_PLACE,
-            [buf, _mpi_type(engine._MPI, buf)],
-            recvcounts=list(counts),
-            op=engine._op(dtype, ReduceOp.SUM),
-        )
-        return _MPIMovedTransfer(request, buf, counts, index)
+    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> CallWork:
+        return self.calls.start(lambda: self._engine.reducescatter(None, buf, counts, dtype, ReduceOp.SUM, self._comm))
 
-    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> _MPITransfer:
-        MPI = self._engine._MPI
-        request = self._comm.Iallgatherv(MPI.IN_PLACE, [buf, list(counts), _displacements(counts), _mpi_type(MPI, buf)])
-        return _MPITransfer(request, buf)
+    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> CallWork:
+        return self.calls.start(lambda: self._engine.allgather(None, buf, counts, self._comm))
 
     def close(self) -> None:
-        if self._comm != self._engine._MPI.COMM_NULL:  # closed once, by its reducer or at shutdown
-            self._comm.Free()
+        if self._comm != self._engine._MPI.COMM_NULL and self.calls.close():  # closed once, by its plan or at
+            self._comm.Free()  # shutdown; a call still blocked keeps it (freeing it under the call would crash)
 
 
 class _MPITransfer:
@@ -366,29 +359,6 @@ class _MPITransfer:
                 alive()
                 delay = min(max(2 * delay, self._FIRST_SLEEP_S), self._MAX_SLEEP_S)
                 time.sleep(delay)
-
-
-class _MPIMovedTransfer(_MPITransfer):
-    """An in-place reduce-scatter: once complete, its result moves to this rank's run (`_to_own_run`), once."""
-
-    def __init__(self, request: Any, buf: np.ndarray, counts: Sequence[int], index: int) -> None:
-        super().__init__(request, buf)
-        self._move: tuple[Sequence[int], int] | None = (counts, index)
-
-    def test(self) -> bool:
-        done = super().test()
-        if done:
-            self._moved()
-        return done
-
-    def wait(self, alive: Callable[[], None]) -> None:
-        super().wait(alive)
-        self._moved()
-
-    def _moved(self) -> None:
-        if self._move is not None:
-            _to_own_run(self._buf, *self._move)
-            self._move = None
 
 
 def _to_own_run(buf: np.ndarray, counts: Sequence[int], index: int) -> None:

@@ -77,7 +77,8 @@ class ShardPlan(PlannedStep):
         return request
 
     def poke(self, request: Work) -> None:
-        """Test `request` without waiting, which moves it along (MPI progresses only inside its calls)."""
+        """Test `request` without waiting, which moves it along on an engine whose collectives progress only inside
+        its calls, and raises its error early if it failed."""
         with self._engine_errors():
             request.test()
 

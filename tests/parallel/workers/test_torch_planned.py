@@ -123,6 +123,8 @@ def test_planned_steps_match_negotiated_with_no_copies_and_no_rounds(hvd):
     # On the plane the gradients travel on: the host engine, or (HVDPLUS_DEVICE_PATH_ON_CPU=1, the CUDA code
     # path on CPU tensors) the device plane's torch.distributed engine, whose group takes the tensors themselves.
     assert reducer.host is not runtime().settings.device_path_on_cpu
+    if reducer.host and runtime().engine.name == "mpi":  # MPI's blocking calls on the group's own thread
+        assert reducer._group.calls.calls_run >= (STEPS - 1) * len(reducer._buckets)
     # Steps 3 to 5 ran no control round: no negotiation, no hand-off to the background thread. (Not step 6: a
     # faster peer that finished it may already negotiate the next training's first step, whose doorbell round
     # this rank joins before its last count; a peer cannot finish step 6 before this rank counted step 5.)

@@ -221,8 +221,8 @@ def test_sharded_state_round_trip_resumes_bit_for_bit(hvd):
 def assert_resumes_bit_for_bit(hvd, model, load, first_step: int, uninterrupted) -> None:
     """A fresh model with `model`'s weights and a fresh ZeroOptimizer given the saved state by `load` trains the
     remaining steps to the parameters of the uninterrupted run: exactly at 2 ranks; at 3 and more, to an ulp or
-    two, because a fresh optimizer negotiates its first step, whose reduce-scatter (MPI's blocking one) may sum
-    in another order than the planned step it replaces (MPI's non-blocking one)."""
+    two, because a fresh optimizer negotiates its first step, whose reduce-scatter (the executor's, on the world's
+    communicator) may sum in another order than the planned step it replaces (on the plan's own)."""
     fresh_model = make_model()
     fresh_model.load_state_dict(model.state_dict())
     fresh = hvd.ZeroOptimizer(make_optimizer(fresh_model, False), named_parameters=fresh_model.named_parameters())
