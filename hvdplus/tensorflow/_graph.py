@@ -1,7 +1,8 @@
 """Running a core collective from TensorFlow: numpy buffers in eager mode, a submit op and a wait op in graphs.
 
-A collective is started by `start(*numpy inputs)`, which submits it to the core without blocking and returns
-`finish()`, which waits and returns the numpy outputs. Eagerly both run at once. In a graph (tf.function, or a
+A collective is started by `start(*numpy inputs)`, which submits it to the core without blocking and returns its
+`Completion` (common/handles.py, the handle the torch adapter returns too), whose `result()` waits and returns the
+numpy outputs. Eagerly both run at once. In a graph (tf.function, or a
 tf.compat.v1 graph run by a Session) they are two stateful ops: a *submit* op returning an int64 token and a
 *wait* op that takes the token and returns the outputs, then a *check* op that fails the step with Horovod's
 FailedPrecondition when the ranks disagreed (see `_fail_on_mismatch`); the outputs depend on the check. Each wait
@@ -52,7 +53,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdplus.common.exceptions import CollectiveMismatchError, HorovodInternalError
-from hvdplus.common.handles import Handle
+from hvdplus.common.handles import Completion
 from hvdplus.common.naming import member_names
 
 __all__ = [
@@ -60,7 +61,6 @@ __all__ = [
     "storage",
     "values",
     "Finish",
-    "finishing",
     "execute",
     "graph_name",
     "collective_names",
@@ -84,12 +84,12 @@ _DTYPE_NAMES = {
 }
 _BFLOAT16 = tf.bfloat16.as_numpy_dtype
 
-Finish = Callable[[], Sequence[np.ndarray]]
+Finish = Completion[Sequence[np.ndarray]]  # the core's handle shape, as in the torch adapter
 Start = Callable[..., Finish]
 
 VARIABLES_CHAIN = "variables"  # the chain of variable broadcasts (see the module docstring)
 
-_pending: dict[int, Finish] = {}  # token -> finish() of a collective submitted by a graph's submit op
+_pending: dict[int, Finish] = {}  # token -> the completion of a collective submitted by a graph's submit op
 _tokens = itertools.count(1)
 _last_wait: weakref.WeakKeyDictionary[Any, dict[Any, tf.Operation]] = weakref.WeakKeyDictionary()
 
@@ -115,11 +115,6 @@ def values(array: np.ndarray, dtype: str) -> np.ndarray:
     return array.view(_BFLOAT16) if dtype == "bfloat16" else array
 
 
-def finishing(handles: Sequence[Handle], convert: Callable[[list[Any]], Sequence[np.ndarray]]) -> Finish:
-    """The `finish()` of submitted `handles`: wait for all of them, then `convert(results)` to the outputs."""
-    return lambda: convert([h.wait() for h in handles])
-
-
 def execute(
     start: Start,
     inputs: Sequence[tf.Tensor],
@@ -131,7 +126,7 @@ def execute(
     `chain` names the chain its wait joins (the default one, or VARIABLES_CHAIN)."""
     if tf.executing_eagerly():
         try:
-            results = start(*(t.numpy() for t in inputs))()
+            results = start(*(t.numpy() for t in inputs)).result()
         except HorovodInternalError as exc:
             raise as_tf_error(exc) from exc
         return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, dtypes)]
@@ -156,7 +151,7 @@ def execute(
 
 
 def _submit(start: Start, *arrays: np.ndarray) -> np.int64:
-    """The submit op: start the collective, keep its finish() under a new token."""
+    """The submit op: start the collective, keep its completion under a new token."""
     finish = start(*arrays)
     token = next(_tokens)
     _pending[token] = finish
@@ -168,7 +163,7 @@ def _wait(dtypes: Sequence[tf.DType], token: np.ndarray) -> list[np.ndarray]:
     for `_fail_on_mismatch`: the error's message twice with values 0 and 1 (and empty outputs) when the ranks
     disagreed, else two empty keys with values 0 and 0. Other errors raise."""
     try:
-        return [*_pending.pop(int(token))(), np.array([b"", b""]), np.zeros(2, np.int64)]
+        return [*_pending.pop(int(token)).result(), np.array([b"", b""]), np.zeros(2, np.int64)]
     except CollectiveMismatchError as exc:
         message = f"\n{exc}\n".encode()
         empty = (np.zeros(0, d.as_numpy_dtype) for d in dtypes)

@@ -19,8 +19,9 @@ import tensorflow as tf
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set
+from hvdplus.common.handles import Completion
 from hvdplus.common.ops import ReduceOp
-from hvdplus.tensorflow._graph import Finish, dtype_name, execute, finishing, storage, values
+from hvdplus.tensorflow._graph import Finish, dtype_name, execute, storage, values
 
 __all__ = ["reducescatter_flat", "allgather_flat"]
 
@@ -57,7 +58,7 @@ def reducescatter_flat(
         handle = core.submit_reducescatter(
             storage(array), dtype, name, op, prescale_factor, postscale_factor, process_set, counts=counts
         )
-        return finishing([handle], lambda results: [values(np.asarray(results[0]).reshape(-1), dtype)])
+        return Completion([handle], lambda results: [values(np.asarray(results[0]).reshape(-1), dtype)])
 
     return execute(start, [tensor], [tensor.dtype], [tf.TensorShape([mine])])[0]
 
@@ -77,6 +78,6 @@ def allgather_flat(
 
     def start(array: np.ndarray) -> Finish:
         handle = core.submit_allgather(storage(array), dtype, name, process_set, counts=counts)
-        return finishing([handle], lambda results: [values(np.asarray(results[0]).reshape(-1), dtype)])
+        return Completion([handle], lambda results: [values(np.asarray(results[0]).reshape(-1), dtype)])
 
     return execute(start, [tensor], [tensor.dtype], [tf.TensorShape([sum(counts)])])[0]

@@ -15,6 +15,7 @@ import tensorflow as tf
 
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, global_process_set, rank
+from hvdplus.common.handles import Completion
 from hvdplus.common.naming import group_size
 from hvdplus.common.ops import ReduceOp, reducescatter_grad_scale
 from hvdplus.tensorflow._graph import (
@@ -23,7 +24,6 @@ from hvdplus.tensorflow._graph import (
     collective_names,
     dtype_name,
     execute,
-    finishing,
     storage,
     values,
 )
@@ -69,7 +69,7 @@ def _same_shape_op(
         sources = [storage(a) for a in arrays]
         outputs = [np.empty_like(s) for s in sources]
         handles = [submit(s, o, d, n, group) for s, o, d, n in zip(sources, outputs, dtypes, names)]
-        return finishing(handles, lambda _: [values(o, d) for o, d in zip(outputs, dtypes)])
+        return Completion(handles, lambda _: [values(o, d) for o, d in zip(outputs, dtypes)])
 
     @tf.custom_gradient
     def forward(*xs: tf.Tensor) -> Any:
@@ -212,7 +212,7 @@ def _resizing_op(
 
     def start(*arrays: np.ndarray) -> Finish:
         handles = [submit(storage(a), d, n, group) for a, d, n in zip(arrays, dtypes, names)]
-        return finishing(handles, lambda results: [values(r, d) for r, d in zip(results, dtypes)])
+        return Completion(handles, lambda results: [values(r, d) for r, d in zip(results, dtypes)])
 
     @tf.custom_gradient
     def forward(*xs: tf.Tensor) -> Any:
@@ -380,7 +380,7 @@ def _alltoall_op(
         split_list = None if even else split_array.tolist()
         sent = array[: _rows_to_send(array.shape[0], split_list, process_set.size())]
         handle = core.submit_alltoall(storage(sent), dtype, split_list, name, process_set)
-        return finishing([handle], lambda results: [values(results[0][0], dtype), results[0][1].astype(np.int32)])
+        return Completion([handle], lambda results: [values(results[0][0], dtype), results[0][1].astype(np.int32)])
 
     @tf.custom_gradient
     def forward(value: tf.Tensor) -> Any:
@@ -486,7 +486,7 @@ def join() -> tf.Tensor:
     Meanwhile this rank contributes zeros to the allreduces of the ranks still training.
     Returns the rank that joined last. Collective: every rank must call it once per epoch."""
     return execute(
-        lambda: finishing([core.submit_join()], lambda results: [np.int32(results[0])]),
+        lambda: Completion([core.submit_join()], lambda results: [np.int32(results[0])]),
         [],
         [tf.int32],
         [tf.TensorShape([])],
@@ -496,7 +496,7 @@ def join() -> tf.Tensor:
 def barrier(process_set: ProcessSet = global_process_set) -> tf.Operation | None:
     """Block until every rank of the process set reaches the barrier (in a graph: return the op that does)."""
     [done] = execute(
-        lambda: finishing([core.submit_barrier(process_set)], lambda _: [np.int32(0)]),
+        lambda: Completion([core.submit_barrier(process_set)], lambda _: [np.int32(0)]),
         [],
         [tf.int32],
         [tf.TensorShape([])],
