@@ -128,6 +128,9 @@ class Runtime:
         self.coordinator = Coordinator(self.engine, settings, self.topology, agreed_device_kinds(self.engine, settings))
         self._counters: dict[str, int] = {}
         self._counter_lock = threading.Lock()
+        # Named allreduce requests already checked, by their arguments (collectives.submit_allreduce): the same call
+        # again skips the checks and the request's construction.
+        self.checked_requests: dict[tuple[Any, ...], Any] = {}
 
     @property
     def rank(self) -> int:

@@ -41,6 +41,11 @@ __all__ = [
 ]
 
 
+# How many checked named allreduce requests a runtime keeps (each a few hundred bytes; a training step has one per
+# gradient or bucket).
+CHECKED_REQUESTS_KEPT = 4096
+
+
 def resolve_op(average: bool | None, op: ReduceOp | None, default: ReduceOp = ReduceOp.AVERAGE) -> ReduceOp:
     """Horovod's deprecated `average=` flag and `op=` cannot both be given."""
     if average is not None and op is not None:
@@ -109,6 +114,13 @@ def submit_allreduce(
     get an error instead of waiting for members that never come (0: not part of a group of several).
 
     Collective: every rank in the process set must call this, in the same order."""
+    rt = runtime()
+    key = None
+    if name is not None:  # a named request checked once before is not checked again (the dynamic API's fast path)
+        key = (name, dtype, op, prescale, postscale, process_set.process_set_id, array.shape, device, parts, group)
+        checked = rt.checked_requests.get(key)
+        if checked is not None and (process_set.registered_in is rt or process_set.process_set_id == 0):
+            return rt.coordinator.submit(checked, array, output)
     check_reducible(dtype, op, "allreduce")
     if op == ReduceOp.ADASUM:
         if parts is not None:
@@ -127,7 +139,11 @@ def submit_allreduce(
         parts=parts,
         group=group,
     )
-    return runtime().coordinator.submit(request, array, output)
+    if key is not None:
+        if len(rt.checked_requests) >= CHECKED_REQUESTS_KEPT:  # names made afresh at every call: start over
+            rt.checked_requests.clear()
+        rt.checked_requests[key] = request
+    return rt.coordinator.submit(request, array, output)
 
 
 def _need_dims(array: np.ndarray, what: str) -> None:

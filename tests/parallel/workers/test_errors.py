@@ -138,3 +138,34 @@ def test_alltoall_splits_of_a_non_integer_dtype_raise_on_every_rank_whatever_the
     output, received = hvd.alltoall(torch.ones(n), splits=torch.ones(n, dtype=torch.int64))
     assert output.tolist() == [1.0] * n and received.tolist() == [1] * n
     _after_error_job_still_works(hvd)
+
+
+def test_a_request_checked_before_skips_the_checks_and_still_meets_mismatches(hvd):
+    """The dynamic API's fast path: a named allreduce whose arguments were checked before reuses its request (no
+    checks, no new request), and the negotiation still turns a mismatch into an error on every rank."""
+    from hvdplus.common.basics import runtime
+
+    checked = runtime().checked_requests
+    for _ in range(3):
+        assert hvd.allreduce(torch.ones(4), op=hvd.Sum, name="checked.once").tolist() == [float(hvd.size())] * 4
+    keys = [key for key in checked if key[0] == "checked.once"]
+    assert len(keys) == 1, keys
+    first = checked[keys[0]]
+    hvd.allreduce(torch.ones(4), op=hvd.Sum, name="checked.once")
+    assert checked[keys[0]] is first  # reused, not built again
+    # Rank 0 sends the shape it sent before (a request it finds checked); the others a new one.
+    with pytest.raises(CollectiveMismatchError, match=r"Mismatched shapes.*rank 0 has \(4,\)"):
+        hvd.allreduce(torch.ones(4 + min(hvd.rank(), 1)), op=hvd.Sum, name="checked.once")
+    _after_error_job_still_works(hvd)
+
+
+def test_a_removed_process_set_is_refused_after_its_requests_were_checked(hvd):
+    process_set = hvd.add_process_set(list(range(hvd.size())))
+    assert (
+        hvd.allreduce(torch.ones(2), op=hvd.Sum, name="checked.set", process_set=process_set).tolist()
+        == [float(hvd.size())] * 2
+    )
+    hvd.remove_process_set(process_set)
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allreduce(torch.ones(2), op=hvd.Sum, name="checked.set", process_set=process_set)
+    _after_error_job_still_works(hvd)
