@@ -119,9 +119,9 @@ class PlannedStep:
     ) -> None:
         """`ranks`: the process set's global ranks. `host`: whether `group` is the host engine's (else a device
         plane's). `buffer_of`: the framework's buffer as `group` takes it (a numpy view of a host tensor for the
-        host engine; a device plane's tensor as it is). `guard_group`: a
-        planned group of the host engine that sums the step's guard as a host word, for a device plane's plan
-        (reading a reduced device element would hold the training thread until the GPU drained: reducer.py)."""
+        host engine; a device plane's tensor as it is). `guard_group`: a planned group of the host engine that sums
+        the step's guard as a host word, for a device plane's plan (reading a reduced device element would hold the
+        training thread until the GPU drained: reducer.py)."""
         self.runtime = basics.runtime()
         self._group, self._ranks, self._digest = group, tuple(ranks), digest
         self._set_rank = self._ranks.index(self.runtime.rank)

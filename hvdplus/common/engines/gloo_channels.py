@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from hvdplus.common.engines.base import bell_targets
+from hvdplus.common.engines.torch_collectives import TensorTransfer
 
 __all__ = ["GlooChannel", "GlooDoorbell", "GlooPending"]
 
@@ -89,33 +90,16 @@ class GlooChannel:
     def __init__(self, dist: Any, torch: Any, group: Any) -> None:
         self._dist, self._torch, self._group = dist, torch, group
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> _GlooTransfer:
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> TensorTransfer:
         tensor = self._torch.from_numpy(buf.reshape(-1).view(np.uint8))
-        return _GlooTransfer(self._dist.isend(tensor, dst=peer, group=self._group, tag=tag), tensor)
+        return TensorTransfer(self._dist.isend(tensor, dst=peer, group=self._group, tag=tag), tensor)
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> _GlooTransfer:
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> TensorTransfer:
         tensor = self._torch.from_numpy(buf.reshape(-1).view(np.uint8))
-        return _GlooTransfer(self._dist.irecv(tensor, src=peer, group=self._group, tag=tag), tensor)
+        return TensorTransfer(self._dist.irecv(tensor, src=peer, group=self._group, tag=tag), tensor)
 
     def close(self) -> None:
         self._dist.destroy_process_group(self._group)
-
-
-class _GlooTransfer:
-    """A Gloo send or receive and the tensor it reads or writes (an engines.base.Work). `wait` sleeps on a
-    condition (no core spent) up to the engine's timeout."""
-
-    def __init__(self, work: Any, tensor: Any) -> None:
-        self._work, self._tensor = work, tensor
-
-    def test(self) -> bool:
-        if not self._work.is_completed():
-            return False
-        self._work.wait()  # raises the transfer's error, if it failed
-        return True
-
-    def wait(self, alive: Callable[[], None]) -> None:
-        self._work.wait()  # a timed wait would close the connection to the peer when the time is up
 
 
 class GlooPending:

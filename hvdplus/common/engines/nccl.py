@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hvdplus.common.engines.base import Engine
-from hvdplus.common.engines.torch_collectives import gather_bytes, reduce_scatter_single
+from hvdplus.common.engines.torch_collectives import TensorTransfer, gather_bytes, reduce_scatter_single
 from hvdplus.common.engines.torch_planned import PlannedMeeting, TorchPlannedGroup, meet_in_store, store_incarnation
 from hvdplus.common.ops import ReduceOp
 
@@ -194,32 +194,6 @@ class TensorChannel:
 
     def close(self) -> None:
         self._group = None  # the group's threads and connections go with its last reference
-
-
-class TensorTransfer:
-    """A send or receive of a `TensorChannel` and the tensor it reads or writes (an engines.base.Work). `wait`
-    returns once it completed (Gloo: the host sleeps until then) or, on NCCL, once the caller's current stream
-    waits for it."""
-
-    def __init__(self, work: Any, wire: Any, into: Any | None = None) -> None:
-        """`into`: the device tensor a staged receive lands in, copied from `wire` once it has arrived."""
-        self._work, self._wire, self._into = work, wire, into
-
-    def test(self) -> bool:
-        if not self._work.is_completed():
-            return False
-        self.wait(_no_check)
-        return True
-
-    def wait(self, alive: Callable[[], None]) -> None:
-        self._work.wait()  # Gloo's timed wait would close the connection to the peer when the time is up
-        if self._into is not None:
-            into, self._into = self._into, None
-            into.copy_(self._wire, non_blocking=True)  # the pinned block is kept until the copy ran
-
-
-def _no_check() -> None:
-    """The `alive` of a wait that cannot block: its work has completed."""
 
 
 def _as_is(tensor: Any, dtype: str) -> Any:

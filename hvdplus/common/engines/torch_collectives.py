@@ -1,6 +1,6 @@
 """torch.distributed collective helpers that the Gloo engine, the NCCL engine and the planned groups share: the
-single-tensor allgather and reduce-scatter under their names in each torch release, and uneven allgathers, which
-Gloo runs only padded to equal parts."""
+single-tensor allgather and reduce-scatter under their names in each torch release, uneven allgathers, which
+Gloo runs only padded to equal parts, and a point-to-point transfer in flight as an engines.base.Work."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["WIDENED", "all_gather_single", "gather_bytes", "padded_parts", "reduce_scatter_single"]
+__all__ = ["WIDENED", "TensorTransfer", "all_gather_single", "gather_bytes", "padded_parts", "reduce_scatter_single"]
 
 # Gloo cannot reduce these; they are widened for the reduction and narrowed back.
 WIDENED = {"int16": np.int32, "uint16": np.int32}
@@ -52,3 +52,29 @@ def padded_parts(send: Any, recv: Any, counts: Sequence[int]) -> tuple[Any, Any,
             offset += count
 
     return padded, gathered, unpad
+
+
+class TensorTransfer:
+    """A torch.distributed send or receive and the tensor it reads or writes (an engines.base.Work). `wait` returns
+    once it completed (Gloo: the host sleeps on a condition, no core spent, up to the engine's timeout) or, on NCCL,
+    once the caller's current stream waits for it."""
+
+    def __init__(self, work: Any, wire: Any, into: Any | None = None) -> None:
+        """`into`: the device tensor a receive staged through host memory lands in, copied from `wire` once it has
+        arrived."""
+        self._work, self._wire, self._into = work, wire, into
+
+    def test(self) -> bool:
+        if not self._work.is_completed():
+            return False
+        self._finish()
+        return True
+
+    def wait(self, alive: Callable[[], None]) -> None:
+        self._finish()
+
+    def _finish(self) -> None:
+        self._work.wait()  # raises the transfer's error; Gloo's timed wait would close the connection at its time
+        if self._into is not None:
+            into, self._into = self._into, None
+            into.copy_(self._wire, non_blocking=True)  # the pinned block is kept until the copy ran
