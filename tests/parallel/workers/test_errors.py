@@ -6,10 +6,13 @@ import pytest
 import torch
 
 from hvdplus.common.exceptions import CollectiveMismatchError
+from tests.parallel.process_sets import global_ranks, pset, rest  # noqa: F401 (fixtures)
 
 
-def _after_error_job_still_works(hvd):
-    assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [float(hvd.size())] * 2
+def _after_error_job_still_works(hvd, process_set=None):
+    process_set = hvd.global_process_set if process_set is None else process_set
+    got = hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=process_set)
+    assert got.tolist() == [float(len(global_ranks(hvd, process_set)))] * 2
 
 
 def test_mismatched_shapes_raise_on_every_rank(hvd):
@@ -140,23 +143,31 @@ def test_alltoall_splits_of_a_non_integer_dtype_raise_on_every_rank_whatever_the
     _after_error_job_still_works(hvd)
 
 
-def test_a_request_checked_before_skips_the_checks_and_still_meets_mismatches(hvd):
+def test_a_request_checked_before_skips_the_checks_and_still_meets_mismatches(hvd, pset):
     """The dynamic API's fast path: a named allreduce whose arguments were checked before reuses its request (no
-    checks, no new request), and the negotiation still turns a mismatch into an error on every rank."""
+    checks, no new request), and the negotiation still turns a mismatch into an error on every member. On the
+    global set and on one without rank 0 (at 2 ranks, the one-member set {1})."""
     from hvdplus.common.basics import runtime
 
+    ranks = global_ranks(hvd, pset)
+    if hvd.rank() not in ranks:
+        return
+    size, first = len(ranks), ranks[0]
+    name = f"checked.once.{pset.process_set_id}"
     checked = runtime().checked_requests
     for _ in range(3):
-        assert hvd.allreduce(torch.ones(4), op=hvd.Sum, name="checked.once").tolist() == [float(hvd.size())] * 4
-    keys = [key for key in checked if key[0] == "checked.once"]
+        got = hvd.allreduce(torch.ones(4), op=hvd.Sum, name=name, process_set=pset)
+        assert got.tolist() == [float(size)] * 4
+    keys = [key for key in checked if key[0] == name]
     assert len(keys) == 1, keys
-    first = checked[keys[0]]
-    hvd.allreduce(torch.ones(4), op=hvd.Sum, name="checked.once")
-    assert checked[keys[0]] is first  # reused, not built again
-    # Rank 0 sends the shape it sent before (a request it finds checked); the others a new one.
-    with pytest.raises(CollectiveMismatchError, match=r"Mismatched shapes.*rank 0 has \(4,\)"):
-        hvd.allreduce(torch.ones(4 + min(hvd.rank(), 1)), op=hvd.Sum, name="checked.once")
-    _after_error_job_still_works(hvd)
+    reused = checked[keys[0]]
+    hvd.allreduce(torch.ones(4), op=hvd.Sum, name=name, process_set=pset)
+    assert checked[keys[0]] is reused  # reused, not built again
+    if size > 1:
+        # The set's first rank sends the shape it sent before (a request it finds checked); the others a new one.
+        with pytest.raises(CollectiveMismatchError, match=rf"Mismatched shapes.*rank {first} has \(4,\)"):
+            hvd.allreduce(torch.ones(4 + (hvd.rank() != first)), op=hvd.Sum, name=name, process_set=pset)
+    _after_error_job_still_works(hvd, pset)
 
 
 def test_a_removed_process_set_is_refused_after_its_requests_were_checked(hvd):
