@@ -1,15 +1,48 @@
-"""Handles: the unit of asynchrony. A collective returns one at once and completes it later."""
+"""The unit of asynchrony: `Work`, what every layer returns at once and completes later, and the core's two kinds
+of it: a collective's `Handle`, and an adapter's `Completion` of several."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
-__all__ = ["Handle", "Completion"]
+__all__ = ["Work", "Completed", "Handle", "Completion", "ALIVE_EVERY_S"]
+
+ALIVE_EVERY_S = 1.0  # how often a wait given `alive` calls it
 
 _Result = TypeVar("_Result", covariant=True)
 _Next = TypeVar("_Next")
+
+
+class Work(Protocol):
+    """One completion protocol from the engines to the adapters: an engine's data call, transfer or control round
+    (engines/base.py), the core's `Handle` of a collective, an adapter's `Completion` of several."""
+
+    def done(self) -> bool:
+        """Without blocking: whether it has completed. Testing also moves an engine's call along (MPI progresses a
+        non-blocking call only inside its calls), and an engine's call may raise its error here already; a
+        `Handle` or `Completion` keeps it for `wait`, as Horovod's poll() does."""
+
+    def wait(self, alive: Callable[[], None] | None = None) -> Any:
+        """Return its result once it has completed (None for a call whose result is in its buffers), or raise its
+        error. `alive`, if given, is called about every `ALIVE_EVERY_S` while this waits and may raise to give up
+        (a failed job, a stall); engines whose waits poll also spin briefly first, then sleep between tests."""
+
+
+class Completed:
+    """A `Work` complete from the start, with its result (a job of one rank, whose collectives are local)."""
+
+    __slots__ = ("_result",)
+
+    def __init__(self, result: Any = None) -> None:
+        self._result = result
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, alive: Callable[[], None] | None = None) -> Any:
+        return self._result
 
 
 class Handle:
@@ -33,15 +66,19 @@ class Handle:
         """True once the collective finished (successfully or not); never blocks."""
         return self._done
 
-    def wait(self, timeout: float | None = None) -> Any:
-        """Block until done, then return the result or raise the collective's error."""
-        if not self._done and timeout is None and self._drive is not None:
+    def wait(self, alive: Callable[[], None] | None = None) -> Any:
+        """Block until done (running cycles on this thread while it can), then return the result or raise the
+        collective's error."""
+        if not self._done and self._drive is not None:
             again = False
             while not self._done and self._drive(self, again):
                 again = True
         if not self._done:
-            if not self._pending.acquire(timeout=-1 if timeout is None else timeout):
-                raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s")
+            if alive is None:
+                self._pending.acquire()
+            else:
+                while not self._pending.acquire(timeout=ALIVE_EVERY_S):
+                    alive()
             self._pending.release()  # let any other waiter through
         if self._error is not None:
             raise self._error
@@ -75,7 +112,7 @@ class Completion(Generic[_Result]):
     """What an adapter's asynchronous call returns, and the only handle adapters and optimizers hold: the core
     handles of its collectives, and how to turn their results into the user's (a tensor, a group's list).
 
-    `result()` waits once and remembers, so a group shared by several gradients is finished once; Horovod's
+    `wait()` waits once and remembers, so a group shared by several gradients is finished once; Horovod's
     one-shot `synchronize(handle)` is the adapter's rule on top (`synchronized`)."""
 
     __slots__ = ("_handles", "_finish", "_result", "_finished", "synchronized")
@@ -95,10 +132,10 @@ class Completion(Generic[_Result]):
         """True once every collective behind it finished; never blocks."""
         return all(handle.done() for handle in self._handles)
 
-    def result(self) -> _Result:
+    def wait(self, alive: Callable[[], None] | None = None) -> _Result:
         """Wait for the collectives, then return the finished result (the same object on every call)."""
         if not self._finished:
-            self._result = self._finish([handle.wait() for handle in self._handles])
+            self._result = self._finish([handle.wait(alive) for handle in self._handles])
             self._finished = True
         result: _Result = self._result  # what `finish` returned
         return result

@@ -23,8 +23,9 @@ import numpy as np
 
 from hvdplus.common import basics, collectives
 from hvdplus.common.control.frozen import failure_of
-from hvdplus.common.engines.base import PlannedGroup, Work
+from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
+from hvdplus.common.handles import Work
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.plans.step_plan import (
     Decision,

@@ -1,7 +1,7 @@
 """Running a core collective from TensorFlow: numpy buffers in eager mode, a submit op and a wait op in graphs.
 
 A collective is started by `start(*numpy inputs)`, which submits it to the core without blocking and returns its
-`Completion` (common/handles.py, the handle the torch adapter returns too), whose `result()` waits and returns the
+`Completion` (common/handles.py, the handle the torch adapter returns too), whose `wait()` waits and returns the
 numpy outputs. Eagerly both run at once. In a graph (tf.function, or a
 tf.compat.v1 graph run by a Session) they are two stateful ops: a *submit* op returning an int64 token and a
 *wait* op that takes the token and returns the outputs, then a *check* op that fails the step with Horovod's
@@ -126,7 +126,7 @@ def execute(
     `chain` names the chain its wait joins (the default one, or VARIABLES_CHAIN)."""
     if tf.executing_eagerly():
         try:
-            results = start(*(t.numpy() for t in inputs)).result()
+            results = start(*(t.numpy() for t in inputs)).wait()
         except HorovodInternalError as exc:
             raise as_tf_error(exc) from exc
         return [tf.convert_to_tensor(r, dtype=d) for r, d in zip(results, dtypes)]
@@ -163,7 +163,7 @@ def _wait(dtypes: Sequence[tf.DType], token: np.ndarray) -> list[np.ndarray]:
     for `_fail_on_mismatch`: the error's message twice with values 0 and 1 (and empty outputs) when the ranks
     disagreed, else two empty keys with values 0 and 0. Other errors raise."""
     try:
-        return [*_pending.pop(int(token)).result(), np.array([b"", b""]), np.zeros(2, np.int64)]
+        return [*_pending.pop(int(token)).wait(), np.array([b"", b""]), np.zeros(2, np.int64)]
     except CollectiveMismatchError as exc:
         message = f"\n{exc}\n".encode()
         empty = (np.zeros(0, d.as_numpy_dtype) for d in dtypes)

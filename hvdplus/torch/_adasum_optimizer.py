@@ -61,7 +61,7 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
                     self._handles[p] = self._allreduce_grad_async(p)
             for p, (handle, ctx) in self._handles.items():
                 start = self._starting_models[p]
-                start.add_(self._compression.decompress(handle.result(), ctx))
+                start.add_(self._compression.decompress(handle.wait(), ctx))
                 with torch.no_grad():
                     p.copy_(start)
         finally:

@@ -269,7 +269,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         try:
             self._start_missing()
             for p, (handle, ctx) in self._handles.items():
-                output = handle[0].result()[handle[1]] if isinstance(handle, tuple) else handle.result()
+                output = handle[0].wait()[handle[1]] if isinstance(handle, tuple) else handle.wait()
                 result = self._compression.decompress(output, ctx)
                 grad = p.grad
                 assert grad is not None  # an allreduced parameter has a gradient (zeros if backward gave none)

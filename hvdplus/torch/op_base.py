@@ -23,7 +23,7 @@ def synchronize(handle: Completion[_T]) -> _T:
     """Wait for the asynchronous operation behind `handle` and return its output (once: as in Horovod, a
     handle is released by its synchronize)."""
     _check(handle).synchronized = True
-    return handle.result()
+    return handle.wait()
 
 
 def _check(handle: object) -> Completion[Any]:

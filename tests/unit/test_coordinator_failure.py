@@ -6,6 +6,9 @@ allreduce made to fail, as a real engine's would."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 
@@ -23,6 +26,17 @@ class RefusingEngine(LocalEngine):
         raise RuntimeError("Invalid scalar type")
 
 
+def _give_up_after(seconds: float) -> Callable[[], None]:
+    """An `alive` for Handle.wait that ends a wait longer than `seconds` (instead of hanging the suite)."""
+    deadline = time.monotonic() + seconds
+
+    def alive() -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the handle did not complete within {seconds} s")
+
+    return alive
+
+
 def test_a_failing_engine_call_fails_its_handles_instead_of_hanging():
     engine = RefusingEngine()
     coordinator = Coordinator(engine, Settings(), Topology(0, ("host",)))
@@ -35,6 +49,6 @@ def test_a_failing_engine_call_fails_its_handles_instead_of_hanging():
             )
         for handle in handles:
             with pytest.raises(HorovodInternalError, match="Invalid scalar type"):
-                handle.wait(timeout=10)
+                handle.wait(_give_up_after(10.0))
     finally:
         coordinator.shutdown()

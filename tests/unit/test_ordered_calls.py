@@ -21,13 +21,13 @@ def test_calls_run_in_order_on_one_other_thread():
         ran.append((i, threading.get_ident()))
 
     works = [calls.start(lambda i=i: call(i)) for i in range(5)]
-    assert not any(work.test() for work in works)
+    assert not any(work.done() for work in works)
     release.set()
     for work in works:
         work.wait(lambda: None)
     assert [i for i, _ in ran] == list(range(5))
     assert {thread for _, thread in ran} != {threading.get_ident()} and len({t for _, t in ran}) == 1
-    assert calls.calls_run == 5 and all(work.test() for work in works)
+    assert calls.calls_run == 5 and all(work.done() for work in works)
     assert calls.close()
 
 
@@ -45,7 +45,7 @@ def test_a_failed_call_fails_it_and_every_later_one():
         with pytest.raises(RuntimeError, match="peer gone"):
             work.wait(lambda: None)
         with pytest.raises(RuntimeError, match="peer gone"):
-            work.test()
+            work.done()
     assert calls.calls_run == 1
     assert calls.close()
 

@@ -33,7 +33,6 @@ from hvdplus.common.settings import Settings
 __all__ = ["Agreement", "HAS_UNCACHED", "SHUTDOWN", "STALL_ABORT", "BUSY"]
 
 HAS_UNCACHED, SHUTDOWN, STALL_ABORT, BUSY = 1, 2, 4, 8
-_SLEEP_S = 1e-3  # the longest sleep between tests of a round once a rank stops spinning for it
 # How long an entry waits for this rank before it tells the entry's rounds of the same name held on another set: a
 # name that another set's rounds have just finished with is released a moment later, and a shadow sent in that
 # moment would name two sets that do not wait on each other.
@@ -150,15 +149,14 @@ class Agreement:
         return built[0]
 
     def exchange(self, words: np.ndarray, spin_s: float, frozen: FrozenPeerInspector, round_number: int) -> np.ndarray:
-        """Control round `round_number`: the AND of every rank's `words`. Spins for `spin_s` (while work is in flight
-        the peers usually join within microseconds, and a sleep would add its length to every collective), then
-        sleeps between tests, up to 1 ms. A wait longer than a second is inspected for frozen peers (`frozen`
-        raises once one has been silent too long)."""
-        pending = self._engine.start_bitwise_and(words, self._group())
+        """Control round `round_number`: the AND of every rank's `words`. An engine whose waits poll spins for
+        `spin_s` (while work is in flight the peers usually join within microseconds, and a sleep would add its
+        length to every collective), then sleeps between tests. A wait is inspected for frozen peers every second
+        (`frozen` raises once one has been silent too long)."""
         started = time.monotonic()
-        while (result := pending.wait(spin_s, _SLEEP_S, frozen.timeout_s)) is None:
-            frozen.waiting(round_number, time.monotonic() - started)
-            spin_s = 0.0
+        result: np.ndarray = self._engine.start_bitwise_and(words, self._group(), spin_s).wait(
+            lambda: frozen.waiting(round_number, time.monotonic() - started)
+        )
         return result
 
     @staticmethod

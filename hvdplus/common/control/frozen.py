@@ -19,11 +19,10 @@ from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.settings import Settings
 
-__all__ = ["FrozenPeerInspector", "INSPECT_EVERY_S", "peer_failure", "failure_of", "ranks_that_shut_down"]
+__all__ = ["FrozenPeerInspector", "peer_failure", "failure_of", "ranks_that_shut_down"]
 
 log = logging.getLogger("hvdplus")
 
-INSPECT_EVERY_S = 1.0  # how often a long wait for the control round is interrupted to inspect it
 _GRACE_S = 1.0  # how long after its own beacon a rank waits for the others' before naming the silent ones
 _NOTICE_POLL_S = 0.05
 
@@ -40,11 +39,6 @@ class FrozenPeerInspector:
         self._ranks = tuple(range(engine.size)) if ranks is None else ranks
         self._beaconed_round = -1
         self._warned_round = -1
-
-    @property
-    def timeout_s(self) -> float | None:
-        """How long to wait for a round before calling `waiting` (None: never, rounds of one rank)."""
-        return INSPECT_EVERY_S if len(self._ranks) > 1 else None
 
     def waiting(self, round_number: int, waited_s: float) -> None:
         """Called while this rank has waited `waited_s` for control round `round_number`."""

@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from hvdplus.common.handles import Work
 from hvdplus.common.ops import ReduceOp
 
 __all__ = [
@@ -21,35 +22,13 @@ __all__ = [
     "Liveness",
     "Channels",
     "Group",
-    "Pending",
-    "Done",
     "Channel",
-    "Work",
     "Doorbell",
     "PlannedGroup",
     "bell_targets",
 ]
 
 Group = Any  # an engine-specific communicator handle
-
-
-class Pending(Protocol):
-    """A control collective in progress (see `Engine.start_bitwise_and`)."""
-
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
-        """The result, or None if it is not there after `timeout_s` (the collective stays in flight; wait again).
-        Engines whose waits poll may test back to back for `spin_s` (when the peers are expected at once), then
-        sleep between tests, at most `max_sleep_s`, so that a late peer costs no core."""
-
-
-class Done:
-    """A `Pending` whose result is already known (one-rank jobs)."""
-
-    def __init__(self, result: np.ndarray) -> None:
-        self._result = result
-
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray:
-        return self._result
 
 
 class Doorbell(Protocol):
@@ -74,20 +53,6 @@ class Doorbell(Protocol):
 def bell_targets(rank: int, size: int) -> range:
     """Whom a ring reaches: rank 0 rings everyone, the others ring rank 0 (which rings everyone in turn)."""
     return range(1, size) if rank == 0 else range(0, 1)
-
-
-class Work(Protocol):
-    """One data call in flight: a point-to-point transfer of a `Channel` or a collective of a `PlannedGroup`, both
-    started from the caller's thread. The engine's one completion protocol below the core's handles."""
-
-    def test(self) -> bool:
-        """Without blocking: whether it has completed (raise the engine's error if it failed). Testing also moves
-        it along: MPI progresses a non-blocking call only inside its calls."""
-
-    def wait(self, alive: Callable[[], None]) -> None:
-        """Return once it has completed (raise the engine's error if it failed). Engines that poll call `alive()`
-        between polls, which may raise to give up; the others block without using a core, up to the engine's
-        timeout."""
 
 
 class Channel(Protocol):
@@ -173,9 +138,11 @@ class ControlPlane(Protocol):
     def allgather_bytes(self, data: bytes, group: Group) -> list[bytes]:
         """Control plane: every rank's `data`, in rank order."""
 
-    def start_bitwise_and(self, words: np.ndarray, group: Group) -> Pending:
-        """Control plane: start the bitwise AND of an int64 vector across `group`; non-blocking, so the
-        coordinator waits for a late peer without polling a core (MPI's blocking calls spin)."""
+    def start_bitwise_and(self, words: np.ndarray, group: Group, spin_s: float = 0.0) -> Work:
+        """Control plane: start the bitwise AND of an int64 vector across `group`, whose `wait` returns it;
+        non-blocking, so the coordinator waits for a late peer without polling a core (MPI's blocking calls spin).
+        Engines whose waits poll test back to back for `spin_s` first (the peers are expected at once), then
+        sleep between tests, so that a late peer costs no core."""
 
     def open_doorbell(self, on_ring: Callable[[], None], ranks: Sequence[int] | None = None) -> Doorbell | None:
         """Collective over all ranks (at the coordinator's start, or as a process set is added): this rank's

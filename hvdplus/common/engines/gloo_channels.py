@@ -15,8 +15,9 @@ import numpy as np
 
 from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.engines.torch_collectives import TensorTransfer
+from hvdplus.common.handles import ALIVE_EVERY_S
 
-__all__ = ["GlooChannel", "GlooDoorbell", "GlooPending"]
+__all__ = ["GlooChannel", "GlooDoorbell", "GlooRound"]
 
 log = logging.getLogger("hvdplus")
 
@@ -102,21 +103,28 @@ class GlooChannel:
         self._dist.destroy_process_group(self._group)
 
 
-class GlooPending:
-    """A Gloo collective in flight: Gloo's own threads move the data, and `wait` sleeps on its completion."""
+class GlooRound:
+    """A control round's collective in flight on Gloo (a handles.Work): Gloo's own threads move the data, and `wait`
+    sleeps on its completion, waking each `ALIVE_EVERY_S` to call `alive` if given."""
+
+    __slots__ = ("_work", "_out")
 
     def __init__(self, work: Any, out: np.ndarray) -> None:
         self._work, self._out = work, out
 
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
-        if timeout_s is None:
-            self._work.wait()
-            return self._out
-        try:  # Gloo's timed wait raises when the time is up, and leaves the collective running
-            self._work.wait(datetime.timedelta(seconds=timeout_s))
-        except RuntimeError:
-            if not self._work.is_completed():
-                return None
-            # It finished between the timeout and the check: an untimed wait returns, or raises its real error.
-            self._work.wait()
+    def done(self) -> bool:
+        return bool(self._work.is_completed())
+
+    def wait(self, alive: Callable[[], None] | None = None) -> np.ndarray:
+        if alive is not None:
+            while not self._completes_within(ALIVE_EVERY_S):
+                alive()
+        self._work.wait()  # returns at once once completed, or raises the collective's error
         return self._out
+
+    def _completes_within(self, seconds: float) -> bool:
+        try:  # Gloo's timed wait raises when the time is up, and leaves the collective running
+            self._work.wait(datetime.timedelta(seconds=seconds))
+        except RuntimeError:  # the time was up, or the collective failed (then it is completed)
+            return bool(self._work.is_completed())
+        return True

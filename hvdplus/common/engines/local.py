@@ -7,10 +7,12 @@ from typing import NoReturn
 
 import numpy as np
 
-from hvdplus.common.engines.base import Done
+from hvdplus.common.handles import Completed
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["LocalEngine"]
+
+_COMPLETE = Completed()  # every planned collective of one rank: the buffer already holds its result
 
 
 class LocalEngine:
@@ -57,8 +59,8 @@ class LocalEngine:
     def allgather_bytes(self, data: bytes, group: str) -> list[bytes]:
         return [data]
 
-    def start_bitwise_and(self, words: np.ndarray, group: str) -> Done:
-        return Done(words.copy())
+    def start_bitwise_and(self, words: np.ndarray, group: str, spin_s: float = 0.0) -> Completed:
+        return Completed(words.copy())
 
     def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
         return None
@@ -121,20 +123,14 @@ class LocalPlannedGroup:
 
     size = 1
 
-    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> LocalPlannedGroup:
-        return self
+    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> Completed:
+        return _COMPLETE
 
-    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> LocalPlannedGroup:
-        return self
+    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> Completed:
+        return _COMPLETE
 
-    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> LocalPlannedGroup:
-        return self
-
-    def test(self) -> bool:
-        return True
-
-    def wait(self, alive: Callable[[], None]) -> None:
-        return None
+    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> Completed:
+        return _COMPLETE
 
     def close(self) -> None:
         return None

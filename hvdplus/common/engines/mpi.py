@@ -13,6 +13,7 @@ import numpy as np
 from hvdplus.common.data import halfops
 from hvdplus.common.engines.base import bell_targets
 from hvdplus.common.engines.ordered_calls import CallWork, OrderedCalls
+from hvdplus.common.handles import ALIVE_EVERY_S
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["MPIEngine", "check_launcher_size", "check_thread_levels"]
@@ -22,6 +23,7 @@ _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
 _BEACON_TAG = 0x68766470  # point-to-point on the world communicator: collectives never match it
 _FAILURE_TAG = _BEACON_TAG + 1
 _FAILURE_BYTES = 2000  # a failure notice is cut to this: small enough to be sent eagerly, without a receiver
+_SPIN_S = 200e-6  # how long a point-to-point transfer's wait tests back to back before it sleeps
 
 
 def _thread_level_names(MPI: Any) -> dict[int, str]:
@@ -172,9 +174,9 @@ class MPIEngine:
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [recv[offsets[i] : offsets[i + 1]].tobytes() for i in range(len(sizes))]
 
-    def start_bitwise_and(self, words: np.ndarray, group: Any) -> _MPIPending:
+    def start_bitwise_and(self, words: np.ndarray, group: Any, spin_s: float = 0.0) -> _MPIWork:
         out = np.empty_like(words)
-        return _MPIPending(group.Iallreduce(words, out, op=self._MPI.BAND), words, out)
+        return _MPIWork(group.Iallreduce(words, out, op=self._MPI.BAND), (words, out), out, spin_s)
 
     def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
         others = [peer for peer in (range(self.size) if peers is None else peers) if peer != self.rank]
@@ -306,11 +308,11 @@ class MPIChannel:
         self._comm, self._MPI = comm, MPI
         self.max_tag = int(comm.Get_attr(MPI.TAG_UB))
 
-    def isend(self, buf: np.ndarray, peer: int, tag: int) -> _MPITransfer:
-        return _MPITransfer(self._comm.Isend([buf, _mpi_type(self._MPI, buf)], dest=peer, tag=tag), buf)
+    def isend(self, buf: np.ndarray, peer: int, tag: int) -> _MPIWork:
+        return _MPIWork(self._comm.Isend([buf, _mpi_type(self._MPI, buf)], dest=peer, tag=tag), (buf,), None, _SPIN_S)
 
-    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> _MPITransfer:
-        return _MPITransfer(self._comm.Irecv([buf, _mpi_type(self._MPI, buf)], source=peer, tag=tag), buf)
+    def irecv(self, buf: np.ndarray, peer: int, tag: int) -> _MPIWork:
+        return _MPIWork(self._comm.Irecv([buf, _mpi_type(self._MPI, buf)], source=peer, tag=tag), (buf,), None, _SPIN_S)
 
     def close(self) -> None:
         self._comm.Free()
@@ -339,26 +341,33 @@ class MPIPlannedGroup:
             self._comm.Free()  # shutdown; a call still blocked keeps it (freeing it under the call would crash)
 
 
-class _MPITransfer:
-    """An MPI request and the buffer it reads or writes (alive until the request completes). `wait` tests it:
-    back to back for a moment, then with sleeps doubling up to 1 ms (MPI's own Wait would spin a core that
-    the peer, a pipeline stage computing on the same host, needs)."""
+class _MPIWork:
+    """A non-blocking MPI call (a transfer, or a control round's AND) and the buffers it reads or writes, alive until
+    it completes. MPI progresses it only inside MPI calls, and MPI's own Wait would spin a core that a peer on the
+    same host needs (a pipeline stage computing, a late rank), so `wait` tests it: back to back for `spin_s`, then
+    with sleeps doubling from 20 us to 1 ms."""
 
-    _SPIN_S, _FIRST_SLEEP_S, _MAX_SLEEP_S = 200e-6, 20e-6, 1e-3
+    __slots__ = ("_request", "_buffers", "_result", "_spin_s")
+    _FIRST_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
 
-    def __init__(self, request: Any, buf: np.ndarray) -> None:
-        self._request, self._buf = request, buf
+    def __init__(self, request: Any, buffers: tuple[np.ndarray, ...], result: Any = None, spin_s: float = 0.0):
+        self._request, self._buffers, self._result, self._spin_s = request, buffers, result, spin_s
 
-    def test(self) -> bool:
+    def done(self) -> bool:
         return bool(self._request.Test())
 
-    def wait(self, alive: Callable[[], None]) -> None:
-        started, delay = time.perf_counter(), 0.0
+    def wait(self, alive: Callable[[], None] | None = None) -> Any:
+        now = time.perf_counter()
+        spin_until, next_alive, delay = now + self._spin_s, now + ALIVE_EVERY_S, 0.0
         while not self._request.Test():
-            if time.perf_counter() - started > self._SPIN_S:
-                alive()
+            now = time.perf_counter()
+            if now >= spin_until:
+                if alive is not None and now >= next_alive:
+                    alive()
+                    next_alive = now + ALIVE_EVERY_S
                 delay = min(max(2 * delay, self._FIRST_SLEEP_S), self._MAX_SLEEP_S)
                 time.sleep(delay)
+        return self._result
 
 
 def _to_own_run(buf: np.ndarray, counts: Sequence[int], index: int) -> None:
@@ -367,30 +376,6 @@ def _to_own_run(buf: np.ndarray, counts: Sequence[int], index: int) -> None:
     start, count = int(sum(counts[:index])), int(counts[index])
     if start and count:
         buf[start : start + count] = buf[:count].copy()
-
-
-class _MPIPending:
-    """A non-blocking MPI collective. MPI progresses it only inside MPI calls, and a blocking wait spins a core
-    for as long as a peer is late (busy computing, say), so `wait` tests it instead: back to back for `spin_s`,
-    then with sleeps doubling from 50 us to `max_sleep_s`."""
-
-    _FIRST_SLEEP_S = 50e-6
-
-    def __init__(self, request: Any, send: np.ndarray, out: np.ndarray) -> None:
-        self._request, self._send, self._out = request, send, out  # `send` stays alive until completion
-
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
-        now = time.perf_counter()
-        spin_until, delay = now + spin_s, 0.0
-        deadline = None if timeout_s is None else now + timeout_s
-        while not self._request.Test():
-            now = time.perf_counter()
-            if deadline is not None and now >= deadline:
-                return None
-            if now >= spin_until:
-                delay = min(max(2 * delay, self._FIRST_SLEEP_S), max_sleep_s)
-                time.sleep(delay)
-        return self._out
 
 
 def _displacements(counts: Sequence[int] | np.ndarray) -> list[int]:

@@ -17,16 +17,17 @@ import queue
 import threading
 from collections.abc import Callable
 
+from hvdplus.common.handles import ALIVE_EVERY_S
+
 __all__ = ["OrderedCalls", "CallWork"]
 
 log = logging.getLogger("hvdplus")
 
-_ALIVE_EVERY_S = 1.0
 _CLOSE_WAIT_S = 1.0
 
 
 class CallWork:
-    """One call started on `OrderedCalls` (an engines.base.Work): done once the thread has run it."""
+    """One call started on `OrderedCalls` (a handles.Work): done once the thread has run it."""
 
     __slots__ = ("_done", "_error")
 
@@ -34,16 +35,19 @@ class CallWork:
         self._done = threading.Event()
         self._error: BaseException | None = None
 
-    def test(self) -> bool:
+    def done(self) -> bool:
         if not self._done.is_set():
             return False
         if self._error is not None:
             raise self._error
         return True
 
-    def wait(self, alive: Callable[[], None]) -> None:
-        while not self._done.wait(_ALIVE_EVERY_S):
-            alive()
+    def wait(self, alive: Callable[[], None] | None = None) -> None:
+        if alive is None:
+            self._done.wait()
+        else:
+            while not self._done.wait(ALIVE_EVERY_S):
+                alive()
         if self._error is not None:
             raise self._error
 

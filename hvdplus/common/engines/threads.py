@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from hvdplus.common.engines.base import Done, bell_targets
+from hvdplus.common.engines.base import bell_targets
+from hvdplus.common.handles import ALIVE_EVERY_S, Completed
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["ThreadWorld", "ThreadEngine"]
@@ -109,13 +110,19 @@ class ThreadDoorbell:
         return None
 
 
-class _ThreadPending:
+class _ThreadRound:
+    """A control round of a simulated rank in flight (a handles.Work)."""
+
     def __init__(self, engine: ThreadEngine, sequence: int, entry: _Round, nbytes: int) -> None:
         self._engine, self._sequence, self._entry, self._nbytes = engine, sequence, entry, nbytes
 
-    def wait(self, spin_s: float = 0.0, max_sleep_s: float = 1e-3, timeout_s: float | None = None) -> np.ndarray | None:
-        if timeout_s is not None and not self._entry.done.wait(timeout_s):
-            return None
+    def done(self) -> bool:
+        return self._entry.done.is_set()
+
+    def wait(self, alive: Callable[[], None] | None = None) -> np.ndarray:
+        if alive is not None:
+            while not self._entry.done.wait(ALIVE_EVERY_S):
+                alive()
         words: np.ndarray = self._engine._finish(self._sequence, self._entry, self._nbytes).copy()  # this rank's own
         return words
 
@@ -223,14 +230,14 @@ class ThreadEngine:
         self.bytes_received += sum(map(len, everyone)) - len(data)
         return everyone
 
-    def start_bitwise_and(self, words: np.ndarray, group: Any) -> _ThreadPending | Done:
+    def start_bitwise_and(self, words: np.ndarray, group: Any, spin_s: float = 0.0) -> _ThreadRound | Completed:
         self._check(group)
         if self.size == 1:
-            return Done(words.copy())
+            return Completed(words.copy())
         started = time.thread_time()
         sequence, entry = self._start(words.copy(), lambda parts: _fold(np.bitwise_and, parts))
         self._engine_cpu[threading.get_ident()] += time.thread_time() - started
-        return _ThreadPending(self, sequence, entry, self._log_size * words.nbytes)
+        return _ThreadRound(self, sequence, entry, self._log_size * words.nbytes)
 
     def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
         assert stream == 0, "simulated ranks have no process sets"

@@ -55,7 +55,7 @@ def padded_parts(send: Any, recv: Any, counts: Sequence[int]) -> tuple[Any, Any,
 
 
 class TensorTransfer:
-    """A torch.distributed send or receive and the tensor it reads or writes (an engines.base.Work). `wait` returns
+    """A torch.distributed send or receive and the tensor it reads or writes (a handles.Work). `wait` returns
     once it completed (Gloo: the host sleeps on a condition, no core spent, up to the engine's timeout) or, on NCCL,
     once the caller's current stream waits for it."""
 
@@ -64,13 +64,13 @@ class TensorTransfer:
         arrived."""
         self._work, self._wire, self._into = work, wire, into
 
-    def test(self) -> bool:
+    def done(self) -> bool:
         if not self._work.is_completed():
             return False
         self._finish()
         return True
 
-    def wait(self, alive: Callable[[], None]) -> None:
+    def wait(self, alive: Callable[[], None] | None = None) -> None:
         self._finish()
 
     def _finish(self) -> None:

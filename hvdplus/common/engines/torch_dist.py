@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from hvdplus.common.elastic.plan import failure_key
-from hvdplus.common.engines.gloo_channels import GlooChannel, GlooDoorbell, GlooPending
+from hvdplus.common.engines.gloo_channels import GlooChannel, GlooDoorbell, GlooRound
 from hvdplus.common.engines.torch_collectives import WIDENED, all_gather_single, gather_bytes
 from hvdplus.common.engines.torch_planned import PlannedMeeting, TorchPlannedGroup, store_incarnation
 from hvdplus.common.engines.torch_store import authenticated_store
@@ -218,12 +218,12 @@ class TorchDistEngine:
         offsets = np.concatenate([[0], np.cumsum(counts)])
         return [recv[offsets[i] : offsets[i + 1]].tobytes() for i in range(n)]
 
-    def start_bitwise_and(self, words: np.ndarray, group: Any) -> GlooPending:
+    def start_bitwise_and(self, words: np.ndarray, group: Any, spin_s: float = 0.0) -> GlooRound:
         out = words.copy()
         work = self._dist.all_reduce(
             self._torch.from_numpy(out), op=self._dist.ReduceOp.BAND, group=group, async_op=True
         )
-        return GlooPending(work, out)
+        return GlooRound(work, out)
 
     def send_beacon(self, round_number: int, stream: int = 0, peers: Sequence[int] | None = None) -> None:
         if self._beacon_store is not None:  # the store's server outlives a frozen rank (hvdplusrun holds it)

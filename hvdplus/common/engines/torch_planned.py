@@ -143,22 +143,22 @@ class _TorchPlannedWork:
         """`tensors` stay alive until the work completes; `then` runs once, after it has."""
         self._work, self._tensors, self._then = work, tensors, then
 
-    def test(self) -> bool:
+    def done(self) -> bool:
         if not self._work.is_completed():
             return False
         self._work.wait()  # raises the collective's error, if it failed
-        self._done()
+        self._then_once()
         return True
 
-    def wait(self, alive: Callable[[], None]) -> None:
-        if self._work.is_completed():
+    def wait(self, alive: Callable[[], None] | None = None) -> None:
+        if alive is None or self._work.is_completed():
             self._work.wait()
         else:
             with _WATCHDOG.watching(alive):
                 self._work.wait()
-        self._done()
+        self._then_once()
 
-    def _done(self) -> None:
+    def _then_once(self) -> None:
         if self._then is not None:
             then, self._then = self._then, None
             then()

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hvdplus.common.engines.base import PlannedGroup, Work
+from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.exceptions import PlanMismatchError
+from hvdplus.common.handles import Work
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.planned_steps import PlannedStep
 from hvdplus.common.plans.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
@@ -143,7 +144,7 @@ class Reducer(PlannedStep):
             request = self._buckets[self._next - 1].request
             if request is not None:
                 with self._engine_errors():
-                    request.test()  # MPI moves a collective only inside its calls
+                    request.done()  # MPI moves a collective only inside its calls
 
     def _adopt(self, p: torch.Tensor, bucket: _Bucket, index: int) -> None:
         """Make p.grad its view again (the user may have set it to None or replaced it), copying if needed."""
@@ -282,7 +283,7 @@ class Reducer(PlannedStep):
         """Without blocking: whether the step `start_joined_step` started has completed."""
         requests = [bucket.request for bucket in self._buckets] + [self._guard_request]
         with self._engine_errors():
-            return all(request is None or request.test() for request in requests)
+            return all(request is None or request.done() for request in requests)
 
     def end_joined_step(self) -> bool:
         """After a completed joined step: whether every rank of the set has joined. A step whose guard says

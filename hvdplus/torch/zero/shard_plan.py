@@ -19,8 +19,9 @@ from collections.abc import Sequence
 import torch
 
 from hvdplus.common.control.negotiation import NOT_WITH_JOIN
-from hvdplus.common.engines.base import PlannedGroup, Work
+from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.exceptions import PlanMismatchError
+from hvdplus.common.handles import Work
 from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.planned_steps import PlannedStep
 from hvdplus.common.plans.step_plan import GUARD_DIFFERS, GUARD_TRAINING, Guard, read_guard
@@ -80,7 +81,7 @@ class ShardPlan(PlannedStep):
         """Test `request` without waiting, which moves it along on an engine whose collectives progress only inside
         its calls, and raises its error early if it failed."""
         with self._engine_errors():
-            request.test()
+            request.done()
 
     def wait(self, request: Work) -> None:
         with self._engine_errors():
@@ -140,7 +141,7 @@ class ShardPlan(PlannedStep):
 
     def joined_step_done(self) -> bool:
         with self._engine_errors():
-            return all(request.test() for request in self._joined)
+            return all(request.done() for request in self._joined)
 
     def end_joined_step(self) -> bool:
         """One step served is all: either every rank has joined (the plan stays), or the training ranks raised
