@@ -15,6 +15,7 @@ import gc
 import logging
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from hvdplus.common import basics, collectives
-from hvdplus.common.control.frozen import failure_of
+from hvdplus.common.control.frozen import FrozenPeerInspector, failure_of, peer_failure
 from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
 from hvdplus.common.handles import Work
@@ -55,6 +56,8 @@ log = logging.getLogger("hvdplus")
 # those the program still holds, the same on every rank.
 _FROZEN: weakref.WeakSet[PlannedStep] = weakref.WeakSet()
 _JOIN_POLL_S = 1e-3
+# The beacons of the plans' waits travel on streams of their own, above the control rounds' (process set ids).
+_PLAN_STREAMS, _PLAN_STREAM_SPAN = 1 << 20, 1 << 20
 
 
 def settings_allow(on_device: bool = False) -> bool:
@@ -126,6 +129,15 @@ class PlannedStep:
         self.runtime = basics.runtime()
         self._group, self._ranks, self._digest = group, tuple(ranks), digest
         self._set_rank = self._ranks.index(self.runtime.rank)
+        # A member that stops answering (frozen, hung) is named as in the control rounds: each member counts the
+        # plan's waits alike (they run in plan order everywhere) and beacons on the plan's own stream, which is the
+        # same on every member (identical plans are told apart by how many came before).
+        twins = self.runtime.auto_name(f"plan{digest}", 0)
+        stream = _PLAN_STREAMS + zlib.crc32(twins.encode()) % _PLAN_STREAM_SPAN
+        self._frozen = FrozenPeerInspector(
+            self.runtime.engine, self.runtime.settings, stream, self._ranks, "a planned step"
+        )
+        self._waits = 0
         self.host, self._buffer = host, buffer_of
         _FROZEN.add(self)
         self._release = weakref.finalize(self, group.close)  # at close(), or when the optimizer is collected
@@ -188,21 +200,34 @@ class PlannedStep:
                 pass
 
     def _alive(self) -> Alive:
-        return Alive(self.runtime, self._group.size, self.what)
+        """The `alive` of this plan's next wait (one per wait, counted alike on every member)."""
+        self._waits += 1
+        return Alive(self.runtime, self._group.size, self.what, self._frozen, self._waits)
 
     @contextmanager
-    def _engine_errors(self) -> Iterator[None]:
+    def _engine_errors(self, waiting: Alive | None = None) -> Iterator[None]:
         """An engine's error (a peer died: Gloo's connection closed) ends the plan and becomes the error the
         negotiated path raises for a failed collective (control/frozen.py `failure_of`: it names a peer that
-        announced its failure, or announces this rank's), which elastic training recovers from."""
+        announced its failure, or announces this rank's), which elastic training recovers from, and fails the
+        job. In a wait (`waiting`, its alive) that lasted past the stall check, it names the members that did not
+        answer it instead, unless one announced a failure: Gloo ends such a wait with a timeout of its own."""
         try:
             yield
-        except HorovodInternalError:
-            self.close()
+        except HorovodInternalError as exc:
+            self._failed(exc)
             raise
         except Exception as exc:
-            self.close()
-            raise failure_of(self.runtime.engine, exc) from exc
+            engine = self.runtime.engine
+            stalled = None if waiting is None else waiting.stalled()
+            error = stalled if stalled is not None and peer_failure(engine) is None else failure_of(engine, exc)
+            self._failed(error)
+            raise error from exc
+
+    def _failed(self, error: HorovodInternalError) -> None:
+        """The plan's collective failed: a job failure, as a failed round is (every later call raises it, and
+        shutdown runs no final round that would wait for a frozen peer too)."""
+        self.close()
+        self.runtime.coordinator.fail(error)
 
     def _fail(self, differs: list[str], training: bool) -> None:
         """A rank's step differed: every rank exchanges one consistency word to learn which, and raises. The word
@@ -211,8 +236,9 @@ class PlannedStep:
         words = consistency_words(self._set_rank, self._group.size, self._digest, training, bool(differs))
         if self._group.size > 1:
             host_group = self._group if self._guard_group is None else self._guard_group
-            with self._engine_errors():
-                host_group.start_allreduce(words, "int64", ReduceOp.SUM).wait(self._alive())
+            alive = self._alive()
+            with self._engine_errors(alive):
+                host_group.start_allreduce(words, "int64", ReduceOp.SUM).wait(alive)
         consistency = read_consistency(words, self._group.size, self._digest)
         who = [self._ranks[i] for i in consistency.differing]
         text = (
@@ -244,19 +270,39 @@ class PlannedStep:
 
 
 class Alive:
-    """Called between polls while a planned step waits: raise once hvdplus has failed, warn once about a stall."""
+    """Called about once a second while a planned step waits: raise once hvdplus has failed; name the members that
+    do not answer (`frozen`, for the plan's wait number `round_number`: warn after the stall check time, raise
+    after the shutdown time), or without an inspector warn once about a stall."""
 
-    def __init__(self, runtime: basics.Runtime, size: int, what: str = "a planned step") -> None:
+    def __init__(
+        self,
+        runtime: basics.Runtime,
+        size: int,
+        what: str = "a planned step",
+        frozen: FrozenPeerInspector | None = None,
+        round_number: int = 0,
+    ) -> None:
         self._runtime, self._started, self._warned = runtime, time.monotonic(), False
         self._size, self._what = size, what
+        self._frozen, self._round = frozen, round_number
+
+    def stalled(self) -> HorovodInternalError | None:
+        """The error naming the members that have not answered this wait, once it has lasted long enough to tell
+        (FrozenPeerInspector.stalled); else None."""
+        if self._frozen is None:
+            return None
+        return self._frozen.stalled(self._round, time.monotonic() - self._started)
 
     def __call__(self) -> None:
         if not self._runtime.coordinator.running:
             why = self._runtime.coordinator.failure
             stopped = f"hvdplus stopped while {self._what} was in flight"
             raise HorovodInternalError(f"{stopped}: {why}" if why else stopped)
-        settings = self._runtime.settings
         waited = time.monotonic() - self._started
+        if self._frozen is not None:
+            self._frozen.waiting(self._round, waited)
+            return
+        settings = self._runtime.settings
         if not self._warned and not settings.stall_check_disable and waited > settings.stall_check_time_seconds:
             self._warned = True
             log.warning(

@@ -50,6 +50,33 @@ def test_a_rank_the_others_name_as_frozen_is_blamed():
     assert blame.consequences(cause) == [0, 2]
 
 
+def test_a_rank_the_others_name_as_frozen_in_a_planned_step_is_blamed():
+    blame = Blame()
+    blame.observe(0, b"HorovodInternalError: ranks [2, 3] did not answer a planned step for 5 s (frozen or hung)\n")
+    blame.observe(1, b"HorovodInternalError: ranks [2, 3] did not answer a planned step for 6 s (frozen or hung)\n")
+    cause = blame.root_cause()
+    assert (cause.rank, cause.line, cause.frozen) == (2, "frozen or hung: no answer to a planned step", True)
+    assert blame.consequences(cause) == [0, 1]
+
+
+def test_a_chained_exception_counts_as_the_exception_it_led_to():
+    """Gloo ends a frozen peer's planned step with a timeout, from which the rank raises the verdict naming the
+    peer: Python prints the timeout first, and only the verdict is this rank's failure."""
+    blame = Blame()
+    blame.observe(0, b"[rank0]: RuntimeError: Timed out waiting 5000ms for recv operation to complete\n")
+    blame.observe(0, b"[rank0]: \n")
+    blame.observe(0, b"[rank0]: The above exception was the direct cause of the following exception:\n")
+    blame.observe(0, b"[rank0]: Traceback (most recent call last):\n")
+    blame.observe(0, b"[rank0]: HorovodInternalError: rank 1 did not answer a planned step for 5 s (frozen or hung)\n")
+    blame.observe(0, b"[rank0]: ValueError: a later, unrelated traceback\n")
+    blame.observe(2, b"KeyError: first\n")
+    blame.observe(2, b"During handling of the above exception, another exception occurred:\n")
+    blame.observe(2, b"HorovodInternalError: rank 1 did not answer a planned step for 5 s (frozen or hung)\n")
+    cause = blame.root_cause()
+    assert (cause.rank, cause.line, cause.frozen) == (1, "frozen or hung: no answer to a planned step", True)
+    assert blame.consequences(cause) == [0, 2]
+
+
 def _rank(*steps: str) -> list[str]:
     """A child that runs `steps` (Python statements), then runs until its lifeline (stdin) closes, as agents do."""
     return [sys.executable, "-c", "import sys, time\n" + "\n".join(steps) + "\nsys.stdin.read()"]

@@ -29,13 +29,19 @@ _NOTICE_POLL_S = 0.05
 
 class FrozenPeerInspector:
     """Watches one rank's waits for the control rounds of one set of ranks (the whole job, or a process set's own
-    rounds: `stream`, its id); `waiting` raises once a peer has been silent too long."""
+    rounds: `stream`, its id), or for the collectives of a frozen step plan (a stream of its own, `what` "a planned
+    step": common/planned_steps.py); `waiting` raises once a peer has been silent too long."""
 
     def __init__(
-        self, engine: Engine, settings: Settings, stream: int = 0, ranks: tuple[int, ...] | None = None
+        self,
+        engine: Engine,
+        settings: Settings,
+        stream: int = 0,
+        ranks: tuple[int, ...] | None = None,
+        what: str = "a control round",
     ) -> None:
-        """`ranks`: the global ranks of the rounds (None: every rank)."""
-        self._engine, self._settings, self._stream = engine, settings, stream
+        """`ranks`: the global ranks of the rounds (None: every rank). `what`: what a silent peer did not answer."""
+        self._engine, self._settings, self._stream, self._what = engine, settings, stream, what
         self._ranks = tuple(range(engine.size)) if ranks is None else ranks
         self._beaconed_round = -1
         self._warned_round = -1
@@ -58,10 +64,7 @@ class FrozenPeerInspector:
             return  # the peers' beacons need a moment
         silent = self._silent(round_number)
         if shutdown > 0 and waited_s >= shutdown:
-            raise HorovodInternalError(
-                f"{_names(silent)} did not answer a control round for {waited_s:.0f} s (frozen or hung; "
-                f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}); the collective cannot complete"
-            )
+            raise self._verdict(silent, waited_s)
         if (
             not self._settings.stall_check_disable
             and waited_s >= check + _GRACE_S
@@ -70,13 +73,29 @@ class FrozenPeerInspector:
         ):
             self._warned_round = round_number
             log.warning(
-                "%s %s not answered a control round for %.0f s: it may be frozen or hung (every "
-                "collective waits for it)%s",
+                "%s %s not answered %s for %.0f s: it may be frozen or hung (every collective waits for it)%s",
                 _names(silent),
                 "have" if len(silent) > 1 else "has",
+                self._what,
                 waited_s,
                 f"; the job fails after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}" if shutdown > 0 else "",
             )
+
+    def stalled(self, round_number: int, waited_s: float) -> HorovodInternalError | None:
+        """After an engine ended the wait for round `round_number` with an error of its own (Gloo's timeout, at the
+        shutdown time; a peer's broken connection): the error that names the peers that did not answer it, if
+        this rank has asked them (its beacon) and some stayed silent; else None."""
+        if self._beaconed_round != round_number:
+            return None
+        silent = self._silent(round_number)
+        return self._verdict(silent, waited_s) if silent else None
+
+    def _verdict(self, silent: list[int], waited_s: float) -> HorovodInternalError:
+        shutdown = self._settings.stall_shutdown_time_seconds
+        return HorovodInternalError(
+            f"{_names(silent)} did not answer {self._what} for {waited_s:.0f} s (frozen or hung; "
+            f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}); the collective cannot complete"
+        )
 
     def _silent(self, round_number: int) -> list[int]:
         heard = self._engine.beacons(self._stream, self._ranks)

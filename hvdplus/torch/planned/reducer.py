@@ -228,7 +228,7 @@ class Reducer(PlannedStep):
     def _wait(self) -> None:
         """Wait for this step's collectives (over NCCL, the buckets' wait only makes the current stream wait)."""
         alive = self._alive()
-        with self._engine_errors():
+        with self._engine_errors(alive):
             for bucket in self._buckets:
                 if bucket.request is not None:
                     bucket.request.wait(alive)

@@ -84,8 +84,9 @@ class ShardPlan(PlannedStep):
             request.done()
 
     def wait(self, request: Work) -> None:
-        with self._engine_errors():
-            request.wait(self._alive())
+        alive = self._alive()
+        with self._engine_errors(alive):
+            request.wait(alive)
         traced = self._traced.pop(id(request), None)
         if traced is not None:
             self._trace_end(traced[0], [traced[1]])

@@ -1,7 +1,9 @@
 """A job where rank 1 misbehaves after init: `raise` raises, `kill` SIGKILLs itself, `sleep` never ends; with
 `spam`, nobody fails: every rank prints 200 lines (40 KB) a step for 100 allreduces, then 'finished <rank>';
 `raise-in-collectives`: every rank runs allreduces, and rank 1 raises at its 21st; `freeze`: rank 1 stops itself
-(SIGSTOP) there instead.
+(SIGSTOP) there instead; `freeze-in-planned-step`: every rank trains with DistributedOptimizer, whose steps run
+on the planned path from the second on, and rank 1 stops itself before its 21st step (rank 0 prints
+'planned <number of frozen plans>' first).
 
 Every rank prints 'pid <rank> <pid>'; rank 1 prints 'failing at <time.time()>' right before it fails."""
 
@@ -31,6 +33,26 @@ if sys.argv[1] in ("raise-in-collectives", "freeze"):  # every rank inside allre
                 time.sleep(600)  # if continued, still silent
             raise RuntimeError("rank 1 fails on purpose")
         hvd.allreduce(torch.ones(1), name="step")
+if sys.argv[1] == "freeze-in-planned-step":  # every rank waits in a planned step's collective when rank 1 freezes
+    from hvdplus.common.planned_steps import frozen_plans
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters()
+    )
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for step in range(100000):
+        if step == 20:
+            if hvd.rank() == 0:
+                print(f"planned {len(frozen_plans())}", flush=True)
+            if hvd.rank() == 1:
+                print(f"failing at {time.time()}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                time.sleep(600)  # if continued, still silent
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
 if hvd.rank() == 1 and sys.argv[1] != "sleep":
     time.sleep(0.5)
     print(f"failing at {time.time()}", flush=True)
