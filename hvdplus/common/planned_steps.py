@@ -135,7 +135,12 @@ class PlannedStep:
         twins = self.runtime.auto_name(f"plan{digest}", 0)
         stream = _PLAN_STREAMS + zlib.crc32(twins.encode()) % _PLAN_STREAM_SPAN
         self._frozen = FrozenPeerInspector(
-            self.runtime.engine, self.runtime.settings, stream, self._ranks, "a planned step"
+            self.runtime.engine,
+            self.runtime.settings,
+            stream,
+            self._ranks,
+            "a planned step",
+            "it may be frozen or hung, or have stopped calling optimizer.step() (or join())",
         )
         self._waits = 0
         self.host, self._buffer = host, buffer_of
@@ -217,17 +222,26 @@ class PlannedStep:
             self._failed(exc)
             raise
         except Exception as exc:
-            engine = self.runtime.engine
-            stalled = None if waiting is None else waiting.stalled()
-            error = stalled if stalled is not None and peer_failure(engine) is None else failure_of(engine, exc)
+            error = self._error_of(exc, waiting)
             self._failed(error)
-            raise error from exc
+            try:
+                raise error from exc
+            finally:  # a local that holds the error (whose traceback holds this frame) would keep the step's
+                del error  # engine work alive past an elastic reset: a survivor blocked in it would wait forever
+
+    def _error_of(self, exc: Exception, waiting: Alive | None) -> HorovodInternalError:
+        """The error an engine's `exc` becomes (see _engine_errors)."""
+        engine = self.runtime.engine
+        stalled = None if waiting is None else waiting.stalled()
+        return stalled if stalled is not None and peer_failure(engine) is None else failure_of(engine, exc)
 
     def _failed(self, error: HorovodInternalError) -> None:
         """The plan's collective failed: a job failure, as a failed round is (every later call raises it, and
-        shutdown runs no final round that would wait for a frozen peer too)."""
+        shutdown runs no final round that would wait for a frozen peer too). The runtime keeps a copy without
+        `error`'s traceback and cause, which hold the step's engine work: an elastic reset must release it, or a
+        survivor still blocked in the step's collective on Gloo waits for its connections forever."""
         self.close()
-        self.runtime.coordinator.fail(error)
+        self.runtime.coordinator.fail(HorovodInternalError(str(error)))
 
     def _fail(self, differs: list[str], training: bool) -> None:
         """A rank's step differed: every rank exchanges one consistency word to learn which, and raises. The word

@@ -48,7 +48,6 @@ log = logging.getLogger("hvdplus")
 # 0.3 ms; the median call stays at ~0.33 ms only with a spin).
 _SPIN_S, _CROWDED_SPIN_S = 2e-3, 3e-4
 _FAILED_JOIN_S = 2.0
-_SHUTDOWN_POLL_S = 0.1  # how often shutdown looks whether the final round failed while it waits for the thread
 # In an elastic job the launcher names a worker that died about 0.1 s after its exit: a survivor whose transport
 # failed first waits this long for that notice, so that it names the lost worker instead of announcing a failure
 # of its own (which its peers would then report too).
@@ -81,7 +80,6 @@ class Coordinator:
         self._sets = ProcessSetTable(engine, settings, topology)
         self._names = Names()
         self._fatal: BaseException | None = None
-        self._failed = False  # the rounds failed (not a clean stop): the thread may hang releasing the engine
         self._elastic = settings.launch.elastic_worker is not None  # a failure is recovered from: no error trace
         # Only the world's thread swaps the timeline; others write it (set_timeline).
         self._timeline = TimelineSlot(
@@ -171,15 +169,10 @@ class Coordinator:
     def shutdown(self) -> None:
         """Stop the threads once every rank's world round sees the request (any rank's request stops all)."""
         self._world.request_stop()
-        thread = self._world.thread
-        if threading.current_thread() is not thread and not self._world.cycles.in_cycle:
-            # After a failure (before this call, or in the final round: a frozen peer) the thread only releases the
-            # engine, which can wait on a frozen peer until the transport's own timeout: do not hold the process's
-            # exit for it (the thread is a daemon).
-            if self._fatal is None:
-                while not self._failed and thread.is_alive():
-                    thread.join(_SHUTDOWN_POLL_S)
-            thread.join(_FAILED_JOIN_S)
+        if threading.current_thread() is not self._world.thread and not self._world.cycles.in_cycle:
+            # After a failure the thread only releases the engine, which can wait on a frozen peer until the
+            # transport's own timeout: do not hold the process's exit for it (the thread is a daemon).
+            self._world.thread.join(_FAILED_JOIN_S if self._fatal is not None else None)
 
     def plane_engine(self, kind: str) -> Any | None:
         """The engine of device kind `kind`'s plane, once built (the planned path opens its groups on it)."""
@@ -212,7 +205,6 @@ class Coordinator:
         round, which would wait for that peer too."""
         if self._fatal is None:
             self._fatal = error
-        self._failed = True
         for rounds in [self._world, *self._member.all()]:
             rounds.abandon(error)
 

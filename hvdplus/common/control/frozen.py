@@ -39,9 +39,11 @@ class FrozenPeerInspector:
         stream: int = 0,
         ranks: tuple[int, ...] | None = None,
         what: str = "a control round",
+        hint: str = "it may be frozen or hung (every collective waits for it)",
     ) -> None:
-        """`ranks`: the global ranks of the rounds (None: every rank). `what`: what a silent peer did not answer."""
-        self._engine, self._settings, self._stream, self._what = engine, settings, stream, what
+        """`ranks`: the global ranks of the rounds (None: every rank). `what`: what a silent peer did not answer;
+        `hint`: what the warning says it may mean."""
+        self._engine, self._settings, self._stream, self._what, self._hint = engine, settings, stream, what, hint
         self._ranks = tuple(range(engine.size)) if ranks is None else ranks
         self._beaconed_round = -1
         self._warned_round = -1
@@ -73,11 +75,12 @@ class FrozenPeerInspector:
         ):
             self._warned_round = round_number
             log.warning(
-                "%s %s not answered %s for %.0f s: it may be frozen or hung (every collective waits for it)%s",
+                "%s %s not answered %s for %.0f s: %s%s",
                 _names(silent),
                 "have" if len(silent) > 1 else "has",
                 self._what,
                 waited_s,
+                self._hint,
                 f"; the job fails after HOROVOD_STALL_SHUTDOWN_TIME_SECONDS={shutdown:g}" if shutdown > 0 else "",
             )
 

@@ -167,7 +167,8 @@ class _TorchPlannedWork:
 class _Watchdog:
     """Calls the `alive` of the planned wait in progress once a second from a thread of its own (started at the
     first long wait), so that a stall is still reported while the waiting thread sleeps in Gloo. Its errors are
-    logged: the wait itself ends by Gloo's own timeout (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) or a peer's error."""
+    logged, once a wait: the wait itself ends by Gloo's own timeout (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) or a
+    peer's error."""
 
     _EVERY_S = 1.0
 
@@ -194,12 +195,15 @@ class _Watchdog:
         while True:
             time.sleep(self._EVERY_S)
             with self._lock:
-                checks = list(self._waits.values())
-            for alive in checks:
+                checks = list(self._waits.items())
+            for key, alive in checks:
                 try:
                     alive()
-                except Exception as exc:  # hvdplus stopped or the stall limit passed: Gloo ends the wait
+                except Exception as exc:  # hvdplus stopped, a peer failed or froze: Gloo ends the wait
                     log.warning("%s", exc)
+                    with self._lock:  # said once: the wait's own error follows when Gloo ends it
+                        if self._waits.get(key) is alive:
+                            del self._waits[key]
 
 
 _WATCHDOG = _Watchdog()
