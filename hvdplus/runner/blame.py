@@ -59,15 +59,16 @@ class Blame:
     def observe(self, rank: int, line: bytes) -> None:
         """Look at one line of rank `rank`'s stderr. A rank's failure is the exception its first traceback ends
         with (a peer's stall verdict raised from Gloo's timeout, say, rather than the timeout printed above it)."""
+        raised = rank in self._last_line_raised
+        if not raised and rank in self._first and rank not in self._chained:
+            return  # its failure is known: later lines are not read
         text = line.decode(errors="replace").rstrip()
-        if rank in self._last_line_raised:  # right after the exception: blank lines, or the chain going on
+        if raised:  # right after the exception: blank lines, or the chain going on
             if _CHAINED.match(text):
                 with self._lock:
                     self._chained.add(rank)
             if _BLANK.match(text) is None:
                 self._last_line_raised.discard(rank)
-            return
-        if rank in self._first and rank not in self._chained:
             return
         match = _EXCEPTION.match(text)
         if match:

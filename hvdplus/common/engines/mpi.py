@@ -350,7 +350,7 @@ class _MPIWork:
     __slots__ = ("_request", "_buffers", "_result", "_spin_s")
     _FIRST_SLEEP_S, _MAX_SLEEP_S = 20e-6, 1e-3
 
-    def __init__(self, request: Any, buffers: tuple[np.ndarray, ...], result: Any = None, spin_s: float = 0.0):
+    def __init__(self, request: Any, buffers: tuple[np.ndarray, ...], result: Any = None, spin_s: float = 0.0) -> None:
         self._request, self._buffers, self._result, self._spin_s = request, buffers, result, spin_s
 
     def done(self) -> bool:
