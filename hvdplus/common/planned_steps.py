@@ -26,7 +26,7 @@ from hvdplus.common import basics, collectives
 from hvdplus.common.control.frozen import FrozenPeerInspector, failure_of, peer_failure
 from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
-from hvdplus.common.handles import Work
+from hvdplus.common.handles import ALIVE_EVERY_S, Work
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.plans.step_plan import (
     Decision,
@@ -143,6 +143,8 @@ class PlannedStep:
             "it may be frozen or hung, or have stopped calling optimizer.step() (or join())",
         )
         self._waits = 0
+        self._serving: Alive | None = None  # join()'s alive for the wait it serves (check_served_step); its polls'
+        # engine errors name the members that did not answer it, as a wait's do
         self.host, self._buffer = host, buffer_of
         _FROZEN.add(self)
         self._release = weakref.finalize(self, group.close)  # at close(), or when the optimizer is collected
@@ -208,6 +210,17 @@ class PlannedStep:
         """The `alive` of this plan's next wait (one per wait, counted alike on every member)."""
         self._waits += 1
         return Alive(self.runtime, self._group.size, self.what, self._frozen, self._waits)
+
+    def check_served_step(self) -> None:
+        """join()'s liveness check of the step it serves, as a training member's wait makes (about once a second):
+        counted as the wait the training members are in (the plan's next, after those of the served step already
+        complete here), so that a rank in join() answers their beacons as a training member does, and names a
+        member that froze instead of being named with it. Its failure fails the job, as a wait's does."""
+        round_number = self._waits + 1 + self._joined_waits_done()
+        if self._serving is None or self._serving.round_number != round_number:
+            self._serving = Alive(self.runtime, self._group.size, self.what, self._frozen, round_number)
+        with self._engine_errors(self._serving):
+            self._serving()
 
     @contextmanager
     def _engine_errors(self, waiting: Alive | None = None) -> Iterator[None]:
@@ -282,6 +295,11 @@ class PlannedStep:
         ended on every rank)."""
         raise NotImplementedError
 
+    def _joined_waits_done(self) -> int:
+        """Of the waits a training member counts in the step being served, how many are complete here (a plan
+        that waits for its whole step at once: none until it ends)."""
+        return 0
+
 
 class Alive:
     """Called about once a second while a planned step waits: raise once hvdplus has failed; name the members that
@@ -298,14 +316,14 @@ class Alive:
     ) -> None:
         self._runtime, self._started, self._warned = runtime, time.monotonic(), False
         self._size, self._what = size, what
-        self._frozen, self._round = frozen, round_number
+        self._frozen, self.round_number = frozen, round_number
 
     def stalled(self) -> HorovodInternalError | None:
         """The error naming the members that have not answered this wait, once it has lasted long enough to tell
         (FrozenPeerInspector.stalled); else None."""
         if self._frozen is None:
             return None
-        return self._frozen.stalled(self._round, time.monotonic() - self._started)
+        return self._frozen.stalled(self.round_number, time.monotonic() - self._started)
 
     def __call__(self) -> None:
         if not self._runtime.coordinator.running:
@@ -314,7 +332,7 @@ class Alive:
             raise HorovodInternalError(f"{stopped}: {why}" if why else stopped)
         waited = time.monotonic() - self._started
         if self._frozen is not None:
-            self._frozen.waiting(self._round, waited)
+            self._frozen.waiting(self.round_number, waited)
             return
         settings = self._runtime.settings
         if not self._warned and not settings.stall_check_disable and waited > settings.stall_check_time_seconds:
@@ -345,10 +363,13 @@ def serve_joined() -> None:
     serving = list(_FROZEN)
     for plan in serving:
         plan.start_joined_step()
-    alive = Alive(current, current.size, "a planned step served by join()")
+    checked = time.monotonic()
     while serving:
         time.sleep(_JOIN_POLL_S)
-        alive()
+        if time.monotonic() - checked >= ALIVE_EVERY_S:  # as a wait calls its alive (reading the peers' notices
+            checked = time.monotonic()  # costs an engine call)
+            for plan in serving:
+                plan.check_served_step()
         for plan in [plan for plan in serving if plan.joined_step_done()]:
             if plan.end_joined_step():
                 serving.remove(plan)

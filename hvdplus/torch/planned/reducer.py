@@ -282,7 +282,7 @@ class Reducer(PlannedStep):
     def joined_step_done(self) -> bool:
         """Without blocking: whether the step `start_joined_step` started has completed."""
         requests = [bucket.request for bucket in self._buckets] + [self._guard_request]
-        with self._engine_errors():
+        with self._engine_errors(self._serving):
             return all(request is None or request.done() for request in requests)
 
     def end_joined_step(self) -> bool:

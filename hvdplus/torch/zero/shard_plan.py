@@ -141,8 +141,15 @@ class ShardPlan(PlannedStep):
         self._joined.append(self._send_guard(0.0))
 
     def joined_step_done(self) -> bool:
-        with self._engine_errors():
-            return all(request.done() for request in self._joined)
+        return self._joined_waits_done() == len(self._joined)
+
+    def _joined_waits_done(self) -> int:
+        """The served step's requests complete here, in the order the training members wait for them."""
+        with self._engine_errors(self._serving):
+            done = 0
+            while done < len(self._joined) and self._joined[done].done():
+                done += 1
+            return done
 
     def end_joined_step(self) -> bool:
         """One step served is all: either every rank has joined (the plan stays), or the training ranks raised

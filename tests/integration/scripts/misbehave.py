@@ -3,7 +3,8 @@
 `raise-in-collectives`: every rank runs allreduces, and rank 1 raises at its 21st; `freeze`: rank 1 stops itself
 (SIGSTOP) there instead; `freeze-in-planned-step`: every rank trains with DistributedOptimizer, whose steps run
 on the planned path from the second on, and rank 1 stops itself before its 21st step (rank 0 prints
-'planned <number of frozen plans>' first).
+'planned <number of frozen plans>' first); `freeze-in-planned-step-with-join`: the same, with rank 2 in hvd.join()
+from its 11th step on (it serves the plan with zeros when rank 1 freezes).
 
 Every rank prints 'pid <rank> <pid>'; rank 1 prints 'failing at <time.time()>' right before it fails."""
 
@@ -33,7 +34,7 @@ if sys.argv[1] in ("raise-in-collectives", "freeze"):  # every rank inside allre
                 time.sleep(600)  # if continued, still silent
             raise RuntimeError("rank 1 fails on purpose")
         hvd.allreduce(torch.ones(1), name="step")
-if sys.argv[1] == "freeze-in-planned-step":  # every rank waits in a planned step's collective when rank 1 freezes
+if sys.argv[1].startswith("freeze-in-planned-step"):  # every rank waits in a planned step when rank 1 freezes
     from hvdplus.common.planned_steps import frozen_plans
 
     torch.manual_seed(0)
@@ -43,6 +44,9 @@ if sys.argv[1] == "freeze-in-planned-step":  # every rank waits in a planned ste
     )
     x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
     for step in range(100000):
+        if step == 10 and hvd.rank() == 2 and sys.argv[1].endswith("with-join"):
+            print("joining", flush=True)
+            hvd.join()
         if step == 20:
             if hvd.rank() == 0:
                 print(f"planned {len(frozen_plans())}", flush=True)
