@@ -65,14 +65,16 @@ def test_failed_worker_under_mpi_ends_the_job(np):
     "how, unanswered, blamed",
     [
         ("freeze", "a control round", "the control rounds"),
+        ("freeze-in-data-call", "a control round", "the control rounds"),
         ("freeze-in-planned-step", "a planned step", "a planned step"),
         ("freeze-in-planned-step-with-join", "a planned step", "a planned step"),
     ],
 )
 def test_a_frozen_rank_is_named_and_ends_the_job(engine, how, unanswered, blamed):
-    """Rank 1 stops (SIGSTOP) while every rank is in allreduces, negotiated ones or a frozen plan's (whose waits
-    have no control round): the live ranks warn naming it after the stall check time, fail naming it at the
-    shutdown time, and the job ends with nothing left running."""
+    """Rank 1 stops (SIGSTOP) while every rank is in allreduces, negotiated ones (before the round, or inside the
+    engine call the round agreed, where the peers wait for it in theirs) or a frozen plan's (whose waits have no
+    control round): the live ranks warn naming it after the stall check time, fail naming it at the shutdown
+    time, and the job ends with nothing left running (over MPI, a call blocked for good aborts the job)."""
     proc = subprocess.Popen(
         [
             HVDPLUSRUN,

@@ -154,9 +154,13 @@ class Agreement:
         length to every collective), then sleeps between tests. A wait is inspected for frozen peers every second
         (`frozen` raises once one has been silent too long)."""
         started = time.monotonic()
-        result: np.ndarray = self._engine.start_bitwise_and(words, self._group(), spin_s).wait(
-            lambda: frozen.waiting(round_number, time.monotonic() - started)
-        )
+        try:
+            result: np.ndarray = self._engine.start_bitwise_and(words, self._group(), spin_s).wait(
+                lambda: frozen.waiting(round_number, time.monotonic() - started)
+            )
+        except Exception as exc:  # Gloo's own timeout (at the stall shutdown time) may end the wait first
+            frozen.raise_if_stalled(round_number, time.monotonic() - started, exc)
+            raise
         return result
 
     @staticmethod

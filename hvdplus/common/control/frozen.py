@@ -93,6 +93,18 @@ class FrozenPeerInspector:
         silent = self._silent(round_number)
         return self._verdict(silent, waited_s) if silent else None
 
+    def raise_if_stalled(self, round_number: int, waited_s: float, cause: BaseException) -> None:
+        """An engine error `cause` ended this rank's wait for round `round_number` (Gloo's timeout, which is the
+        stall shutdown time on the rounds' groups too): raise the verdict that names the silent peers instead, if
+        there is one and no peer announced a failure of its own. Returns otherwise (the caller re-raises)."""
+        stalled = self.stalled(round_number, waited_s)
+        if stalled is None or peer_failure(self._engine) is not None:
+            return
+        try:
+            raise stalled from cause
+        finally:  # a local holding the error (whose traceback holds this frame) would keep the engine's work in
+            del stalled  # the caller's frames alive: a reference cycle until the next collection
+
     def _verdict(self, silent: list[int], waited_s: float) -> HorovodInternalError:
         shutdown = self._settings.stall_shutdown_time_seconds
         return HorovodInternalError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -258,10 +259,26 @@ class SetRounds:
         responses = self._agreement.responses(words)
         self._in_flight.names.agreed(response.key for response in responses)
         self._prepare(responses)
-        self._dispatcher.run(responses, timeline)
+        if responses:
+            self._run(responses, timeline)
         self._after(words, responses)
         self._agreement.stalls.warn()
         return bool(flags & BUSY)
+
+    def _run(self, responses: list[Response], timeline: Timeline | None) -> None:
+        """Run the round's responses. Their data calls wait for the peers as the next round would: a member that
+        freezes inside one is named as in a round (the engine calls `alive` while a call waits), and a member
+        blocked in one answers the beacons of the members already waiting in the next round, whose number it
+        beacons, so that they name the frozen member only."""
+        round_number, started = self.rounds + 1, time.monotonic()
+        self._engine.watch(lambda: self._frozen.waiting(round_number, time.monotonic() - started))
+        try:
+            self._dispatcher.run(responses, timeline)
+        except Exception as exc:  # Gloo's own timeout (at the stall shutdown time) may end the wait first
+            self._frozen.raise_if_stalled(round_number, time.monotonic() - started, exc)
+            raise
+        finally:
+            self._engine.watch(None)
 
     def _run_control(self, response: Response, work: Submission) -> Any:
         """A control collective's result, or a data one the executor runs alone (alltoall, barrier)."""

@@ -20,7 +20,7 @@ def _mpi(settings: Settings, comm: Any) -> Engine:
 def _gloo(settings: Settings, comm: Any) -> Engine:
     from hvdplus.common.engines.torch_dist import TorchDistEngine
 
-    return TorchDistEngine(settings.launch, settings.timeout_seconds)
+    return TorchDistEngine(settings.launch, settings.timeout_seconds, settings.stall_shutdown_time_seconds or None)
 
 
 def _local(settings: Settings, comm: Any) -> Engine:

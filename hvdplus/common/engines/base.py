@@ -128,6 +128,12 @@ class DataEngine(Protocol):
     def barrier(self, group: Group) -> None:
         """Return once every rank of `group` has entered."""
 
+    def watch(self, alive: Callable[[], None] | None) -> None:
+        """Until watch(None), the data calls the calling thread makes wait as a `Work` given `alive` does: it is
+        called about once a second while one waits for the peers (Gloo: by the waiting thread; MPI, whose blocking
+        calls cannot: by a thread of the engine's, engines/blocked_calls.py), so that a peer that freezes inside
+        a call is named as in a control round. Device engines, whose calls return once queued, ignore it."""
+
     def shutdown(self) -> None:
         """Release the engine's resources (process groups, communicators)."""
 

@@ -53,6 +53,9 @@ class LocalEngine:
     def barrier(self, group: str) -> None:
         return None
 
+    def watch(self, alive: Callable[[], None] | None) -> None:
+        return None  # one rank: no call waits for a peer
+
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: str, source: int | None = None) -> None:
         recv[...] = send
 

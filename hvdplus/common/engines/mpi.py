@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -12,11 +15,14 @@ import numpy as np
 
 from hvdplus.common.data import halfops
 from hvdplus.common.engines.base import bell_targets
+from hvdplus.common.engines.blocked_calls import BlockedCalls
 from hvdplus.common.engines.ordered_calls import CallWork, OrderedCalls
 from hvdplus.common.handles import ALIVE_EVERY_S
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["MPIEngine", "check_launcher_size", "check_thread_levels"]
+
+log = logging.getLogger("hvdplus")
 
 # What MPI launchers declare as the job size: Open MPI's mpirun, and Hydra (MPICH, Intel MPI) or Slurm's PMI.
 _LAUNCHER_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
@@ -109,6 +115,18 @@ class MPIEngine:
         # runs on a communicator that no other thread's collective uses.
         self._planned_parent = self.world.Dup()
         self._planned_lock = threading.Lock()
+        self._blocked = BlockedCalls(f"hvdplus-mpi-watch-{self.rank}", self._stuck)
+
+    def watch(self, alive: Callable[[], None] | None) -> None:
+        self._blocked.watch(alive)
+
+    def _stuck(self, error: BaseException) -> None:
+        """A blocking call's `alive` gave up (a peer froze inside the call): the call can never return, so say why
+        as a traceback's last line (which hvdplusrun's blame reads) and abort the job, as MPI does on an error."""
+        sys.stderr.write("".join(traceback.format_exception_only(error)))
+        sys.stderr.flush()
+        log.error("a collective is blocked for good (%s): aborting the MPI job", error)
+        self.world.Abort(1)
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         member = self.rank in ranks
@@ -242,6 +260,7 @@ class MPIEngine:
         return MPIPlannedGroup(comm, self)
 
     def shutdown(self) -> None:
+        self._blocked.close()
         self._planned_parent.Free()
         for request, _ in self._beacon_recvs.values():  # a frozen peer never sends: cancel what waits for it
             request.Cancel()

@@ -215,6 +215,9 @@ class ThreadEngine:
         self._check(group)
         self._collective(None, lambda parts: None, 0)
 
+    def watch(self, alive: Callable[[], None] | None) -> None:
+        return None  # simulated ranks are threads of one process: none freezes alone
+
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
         self._check(group)
         started = time.thread_time()

@@ -26,15 +26,22 @@ def reduce_scatter_single(dist: Any) -> Any:
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def gather_bytes(dist: Any, send: Any, recv: Any, byte_counts: Sequence[int], group: Any) -> None:
+def gather_bytes(
+    dist: Any, send: Any, recv: Any, byte_counts: Sequence[int], group: Any, wait: Callable[[Any], None] | None = None
+) -> None:
     """Allgather of flat uint8 tensors, byte_counts[r] bytes from rank r into `recv` end to end (`send` must not
-    alias `recv`). Uneven parts travel padded to the longest: Gloo's allgather needs equal sizes."""
-    if len(set(byte_counts)) == 1:
-        all_gather_single(dist)(recv, send, group=group)
-        return
-    padded, gathered, unpad = padded_parts(send, recv, byte_counts)
-    all_gather_single(dist)(gathered, padded, group=group)
-    unpad()
+    alias `recv`). Uneven parts travel padded to the longest: Gloo's allgather needs equal sizes. `wait`, if given,
+    waits for the collective started asynchronously (else it blocks)."""
+    uneven = len(set(byte_counts)) > 1
+    if uneven:
+        send, gathered, unpad = padded_parts(send, recv, byte_counts)
+    into = gathered if uneven else recv
+    if wait is None:
+        all_gather_single(dist)(into, send, group=group)
+    else:
+        wait(all_gather_single(dist)(into, send, group=group, async_op=True))
+    if uneven:
+        unpad()
 
 
 def padded_parts(send: Any, recv: Any, counts: Sequence[int]) -> tuple[Any, Any, Callable[[], None]]:

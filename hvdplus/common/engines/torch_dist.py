@@ -9,13 +9,14 @@ import dataclasses
 import datetime
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hvdplus.common.elastic.plan import failure_key
-from hvdplus.common.engines.gloo_channels import GlooChannel, GlooDoorbell, GlooRound
+from hvdplus.common.engines.gloo_channels import GlooChannel, GlooDoorbell, GlooRound, wait_work
 from hvdplus.common.engines.torch_collectives import WIDENED, all_gather_single, gather_bytes
 from hvdplus.common.engines.torch_planned import PlannedMeeting, TorchPlannedGroup, store_incarnation
 from hvdplus.common.engines.torch_store import authenticated_store
@@ -36,7 +37,12 @@ class TorchDistEngine:
     alone_bytes: int | None = None
     bucket_bytes = 25 << 20
 
-    def __init__(self, launch: LaunchEnv, timeout_seconds: float) -> None:
+    def __init__(self, launch: LaunchEnv, timeout_seconds: float, stall_shutdown_s: float | None = None) -> None:
+        """`timeout_seconds`: the rendezvous's and the groups' (HVDPLUS_TIMEOUT). `stall_shutdown_s`: the stall
+        shutdown time, if set, which bounds one collective on the rounds' groups instead, as it bounds the planned
+        groups': a collective stuck on a frozen peer ends then (the rounds name the peer just before), rather than
+        at HVDPLUS_TIMEOUT, and releases Gloo's threads, which destroying the group (at exit, or an elastic reset)
+        would otherwise wait for."""
         try:
             import torch
             import torch.distributed as dist
@@ -73,13 +79,14 @@ class TorchDistEngine:
         else:  # the user's torch.distributed: its groups keep counting, but the planned groups need a count
             store = dist.distributed_c10d._get_default_store()
             incarnation = store_incarnation(store, self.size)
+        self._timeout = timeout
+        self._call_timeout = None if stall_shutdown_s is None else datetime.timedelta(seconds=stall_shutdown_s)
         try:
-            self.world = dist.new_group(list(range(self.size)), backend="gloo", timeout=timeout)
+            self.world = self._bounded(dist.new_group(list(range(self.size)), backend="gloo", timeout=timeout))
         except BaseException:
             if self._owns_group:  # leave torch.distributed as it was: an elastic worker tries the next generation
                 dist.destroy_process_group()
             raise
-        self._timeout = timeout
         self._ops = {
             ReduceOp.SUM: dist.ReduceOp.SUM,
             ReduceOp.MIN: dist.ReduceOp.MIN,
@@ -87,6 +94,7 @@ class TorchDistEngine:
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
         }
         self.planned_meeting = PlannedMeeting(dist, "gloo", store, incarnation, self.rank, self._ops, self._tensor)
+        self._watched = threading.local()  # .alive: what this thread's data calls call while they wait (watch)
 
     def _make_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
         """The job's store (an elastic generation's namespace of it); also kept for stall beacons and failure
@@ -151,39 +159,60 @@ class TorchDistEngine:
 
     def new_group(self, ranks: Sequence[int]) -> Any:
         group = self._dist.new_group(sorted(ranks), backend="gloo", timeout=self._timeout)
-        return group if self.rank in ranks else None
+        return self._bounded(group) if self.rank in ranks else None
+
+    def _bounded(self, group: Any) -> Any:
+        """`group`, whose collectives time out at the stall shutdown time from now on, if one is set (its opening
+        waited up to HVDPLUS_TIMEOUT: ranks may reach it far apart)."""
+        if self._call_timeout is not None and self._call_timeout < self._timeout:
+            set_timeout = getattr(self._dist.distributed_c10d, "_set_pg_timeout", None)  # torch >= 2.3
+            if set_timeout is not None:
+                set_timeout(self._call_timeout, group)
+        return group
+
+    def watch(self, alive: Callable[[], None] | None) -> None:
+        self._watched.alive = alive
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a data call started asynchronously, calling the calling thread's watched `alive` (if any)
+        about once a second: a peer that freezes inside the call is named at the stall times, not when Gloo's
+        timeout (HVDPLUS_TIMEOUT) ends the wait."""
+        wait_work(work, getattr(self._watched, "alive", None))
 
     def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None) -> None:
         if send is not None:  # Gloo reduces in place only
             np.copyto(buf, send)
         if dtype in WIDENED:
             wide = buf.astype(WIDENED[dtype])
-            self._dist.all_reduce(self._tensor(wide), op=self._ops[op], group=group)
+            self._wait(self._dist.all_reduce(self._tensor(wide), op=self._ops[op], group=group, async_op=True))
             buf[...] = wide
             return
-        self._dist.all_reduce(self._tensor(buf, dtype), op=self._ops[op], group=group)
+        self._wait(self._dist.all_reduce(self._tensor(buf, dtype), op=self._ops[op], group=group, async_op=True))
 
     def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
         if send is None:
             index = self._dist.get_group_rank(group, self.rank)
             start = int(sum(counts[:index]))
             send = recv[start : start + counts[index]].copy()
-        gather_bytes(self._dist, self._bytes(send), self._bytes(recv), [c * send.dtype.itemsize for c in counts], group)
+        byte_counts = [c * send.dtype.itemsize for c in counts]
+        gather_bytes(self._dist, self._bytes(send), self._bytes(recv), byte_counts, group, self._wait)
 
     def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
-        self._dist.broadcast(self._bytes(buf), group_src=root, group=group)
+        self._wait(self._dist.broadcast(self._bytes(buf), group_src=root, group=group, async_op=True))
 
     def alltoall(
         self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Any
     ) -> None:
         itemsize = send.dtype.itemsize
-        self._dist.all_to_all_single(
+        work = self._dist.all_to_all_single(
             self._bytes(recv),
             self._bytes(send),
             output_split_sizes=[c * itemsize for c in recv_counts],
             input_split_sizes=[c * itemsize for c in send_counts],
             group=group,
+            async_op=True,
         )
+        self._wait(work)
 
     def reducescatter(
         self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
@@ -200,13 +229,13 @@ class TorchDistEngine:
         recv[...] = reduced[start : start + counts[index]]
 
     def barrier(self, group: Any) -> None:
-        self._dist.barrier(group=group)
+        self._wait(self._dist.barrier(group=group, async_op=True))
 
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
         request = self._dist.isend(self._bytes(send), group=group, group_dst=peer)
-        self._dist.recv(self._bytes(recv), group=group, group_src=peer if source is None else source)
+        self._wait(self._dist.irecv(self._bytes(recv), group=group, group_src=peer if source is None else source))
         assert request is not None  # None only on a rank outside `group`
-        request.wait()
+        self._wait(request)
 
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         n = self._dist.get_world_size(group)
@@ -256,7 +285,9 @@ class TorchDistEngine:
         return GlooDoorbell(self._dist, self._torch, members, group, on_ring) if self.rank in members else None
 
     def open_channel(self) -> GlooChannel:
-        return GlooChannel(self._dist, self._torch, self.new_group(range(self.size)))
+        # Not bounded by the stall shutdown time: a pipeline stage may wait long for its neighbour's activations.
+        group = self._dist.new_group(list(range(self.size)), backend="gloo", timeout=self._timeout)
+        return GlooChannel(self._dist, self._torch, group)
 
     def open_planned(
         self, ranks: Sequence[int], key: int, timeout_s: float | None, alive: Callable[[], None]

@@ -4,15 +4,14 @@ asynchronous collectives and the watchdog that reports a stall while a wait slee
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import datetime
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hvdplus.common.engines.blocked_calls import BlockedCalls
 from hvdplus.common.engines.torch_collectives import WIDENED, padded_parts
 from hvdplus.common.ops import ReduceOp
 
@@ -154,8 +153,11 @@ class _TorchPlannedWork:
         if alive is None or self._work.is_completed():
             self._work.wait()
         else:
-            with _WATCHDOG.watching(alive):
+            _WATCHDOG.watch(alive)
+            try:
                 self._work.wait()
+            finally:
+                _WATCHDOG.watch(None)
         self._then_once()
 
     def _then_once(self) -> None:
@@ -164,46 +166,7 @@ class _TorchPlannedWork:
             then()
 
 
-class _Watchdog:
-    """Calls the `alive` of the planned wait in progress once a second from a thread of its own (started at the
-    first long wait), so that a stall is still reported while the waiting thread sleeps in Gloo. Its errors are
-    logged, once a wait: the wait itself ends by Gloo's own timeout (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) or a
-    peer's error."""
-
-    _EVERY_S = 1.0
-
-    def __init__(self) -> None:
-        self._waits: dict[int, Callable[[], None]] = {}
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    @contextlib.contextmanager
-    def watching(self, alive: Callable[[], None]) -> Any:
-        key = threading.get_ident()
-        with self._lock:
-            self._waits[key] = alive
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="hvdplus-planned-watchdog", daemon=True)
-                self._thread.start()
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._waits.pop(key, None)
-
-    def _run(self) -> None:
-        while True:
-            time.sleep(self._EVERY_S)
-            with self._lock:
-                checks = list(self._waits.items())
-            for key, alive in checks:
-                try:
-                    alive()
-                except Exception as exc:  # hvdplus stopped, a peer failed or froze: Gloo ends the wait
-                    log.warning("%s", exc)
-                    with self._lock:  # said once: the wait's own error follows when Gloo ends it
-                        if self._waits.get(key) is alive:
-                            del self._waits[key]
-
-
-_WATCHDOG = _Watchdog()
+# Calls the `alive` of a planned wait in progress once a second, so that a stall is still reported while the waiting
+# thread sleeps in Gloo. Its verdict is logged, once a wait: the wait itself ends by Gloo's own timeout
+# (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS) or a peer's error.
+_WATCHDOG = BlockedCalls("hvdplus-planned-watchdog", lambda error: log.warning("%s", error))

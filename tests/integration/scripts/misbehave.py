@@ -1,7 +1,8 @@
 """A job where rank 1 misbehaves after init: `raise` raises, `kill` SIGKILLs itself, `sleep` never ends; with
 `spam`, nobody fails: every rank prints 200 lines (40 KB) a step for 100 allreduces, then 'finished <rank>';
 `raise-in-collectives`: every rank runs allreduces, and rank 1 raises at its 21st; `freeze`: rank 1 stops itself
-(SIGSTOP) there instead; `freeze-in-planned-step`: every rank trains with DistributedOptimizer, whose steps run
+(SIGSTOP) there instead; `freeze-in-data-call`: it stops once the 21st is agreed, as its engine call starts (the
+peers wait inside theirs); `freeze-in-planned-step`: every rank trains with DistributedOptimizer, whose steps run
 on the planned path from the second on, and rank 1 stops itself before its 21st step (rank 0 prints
 'planned <number of frozen plans>' first); `freeze-in-planned-step-with-join`: the same, with rank 2 in hvd.join()
 from its 11th step on (it serves the plan with zeros when rank 1 freezes).
@@ -25,9 +26,21 @@ if sys.argv[1] == "spam":  # enough output to fill any pipe nobody reads
         hvd.allreduce(torch.ones(1), name="step")
     print(f"finished {hvd.rank()}", flush=True)
     sys.exit(0)
-if sys.argv[1] in ("raise-in-collectives", "freeze"):  # every rank inside allreduces when rank 1 fails
+if sys.argv[1] in ("raise-in-collectives", "freeze", "freeze-in-data-call"):  # every rank in allreduces
     for step in range(100000):
-        if hvd.rank() == 1 and step == 20:
+        if hvd.rank() == 1 and step == 20 and sys.argv[1] == "freeze-in-data-call":
+            from hvdplus.common import basics
+
+            engine = basics.runtime().engine
+            run_allreduce = engine.allreduce
+
+            def freeze_then_allreduce(*args, run_allreduce=run_allreduce, **kwargs):
+                print(f"failing at {time.time()}", flush=True)
+                os.kill(os.getpid(), signal.SIGSTOP)
+                run_allreduce(*args, **kwargs)
+
+            engine.allreduce = freeze_then_allreduce
+        if hvd.rank() == 1 and step == 20 and sys.argv[1] != "freeze-in-data-call":
             print(f"failing at {time.time()}", flush=True)
             if sys.argv[1] == "freeze":
                 os.kill(os.getpid(), signal.SIGSTOP)

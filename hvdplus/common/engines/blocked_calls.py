@@ -1,0 +1,71 @@
+"""Liveness for blocking waits that cannot call `alive` themselves: a thread calls it for them.
+
+A control round's wait, a planned step's and a Gloo data call's call `alive` about once a second themselves
+(handles.Work). MPI's blocking collectives cannot: a thread blocked in `MPI_Allreduce` with a frozen peer stays
+there, and before this the rank neither answered the peers' beacons (so a live rank that waited in a control
+round named it with the frozen one) nor ever gave up. The thread that runs a cycle registers the `alive` of the
+data calls it makes (`watch`), and this watcher calls it for each call blocked longer than a second: it answers
+the peers' beacons, warns, and at HOROVOD_STALL_SHUTDOWN_TIME_SECONDS names the silent peers. The blocked call
+cannot be released then, so `on_stuck` ends the process (the MPI engine aborts the job, as MPI does on an error).
+The planned path's Gloo waits sleep untimed in Gloo for the same reason (torch_planned.py): there `on_stuck` logs
+the verdict, and Gloo's own timeout ends the wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from hvdplus.common.handles import ALIVE_EVERY_S
+
+__all__ = ["BlockedCalls"]
+
+log = logging.getLogger("hvdplus")
+
+
+class BlockedCalls:
+    """The blocking calls each thread has in flight under `watch`, and the thread (started at the first watch)
+    that calls their `alive` while they last; `on_stuck(error)` gets the error an `alive` raised, once a call
+    (its `alive` is not called again)."""
+
+    def __init__(self, name: str, on_stuck: Callable[[BaseException], None]) -> None:
+        self._name, self._on_stuck = name, on_stuck
+        self._calls: dict[int, tuple[Callable[[], None], float]] = {}  # thread -> (alive, since); dict ops are atomic
+        self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
+        self._start_lock = threading.Lock()
+
+    def watch(self, alive: Callable[[], None] | None) -> None:
+        """The calling thread's blocking calls from now on, until watch(None), wait as `alive` allows."""
+        ident = threading.get_ident()
+        if alive is None:
+            self._calls.pop(ident, None)
+            return
+        self._calls[ident] = (alive, time.monotonic())
+        if self._thread is None:
+            self._start()
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None and not self._closed.is_set():
+                self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed.wait(ALIVE_EVERY_S):
+            now = time.monotonic()
+            for ident, call in list(self._calls.items()):
+                if now - call[1] < ALIVE_EVERY_S:
+                    continue
+                try:
+                    call[0]()
+                except Exception as exc:
+                    if self._calls.get(ident) is call:  # still blocked in the call the verdict is about
+                        self._calls.pop(ident, None)
+                        self._on_stuck(exc)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._calls.clear()

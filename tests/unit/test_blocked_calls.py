@@ -1,0 +1,62 @@
+"""BlockedCalls: the thread that calls `alive` for blocking engine calls (MPI's) while they last."""
+
+import threading
+import time
+
+from hvdplus.common.engines.blocked_calls import BlockedCalls
+from hvdplus.common.handles import ALIVE_EVERY_S
+
+
+def test_a_long_call_is_inspected_and_a_short_one_is_not():
+    calls: list[str] = []
+    watcher = BlockedCalls("test-watch", lambda error: calls.append(f"stuck: {error}"))
+    try:
+        watcher.watch(lambda: calls.append("short"))
+        watcher.watch(None)  # returned at once: never inspected
+        watcher.watch(lambda: calls.append("long"))
+        time.sleep(2.5 * ALIVE_EVERY_S)
+        watcher.watch(None)
+        seen = list(calls)
+        time.sleep(1.5 * ALIVE_EVERY_S)
+    finally:
+        watcher.close()
+    assert seen and set(seen) == {"long"}, seen
+    assert calls == seen  # nothing after the call ended
+
+
+def test_the_verdict_of_a_call_still_blocked_reaches_on_stuck_once():
+    stuck: list[BaseException] = []
+    ended = threading.Event()
+    watcher = BlockedCalls("test-watch", lambda error: (stuck.append(error), ended.set()))
+
+    def alive() -> None:
+        raise RuntimeError("rank 1 did not answer a control round")
+
+    try:
+        watcher.watch(alive)
+        assert ended.wait(5 * ALIVE_EVERY_S)
+        time.sleep(1.5 * ALIVE_EVERY_S)  # the watcher stopped: the call cannot be released, its process ends
+    finally:
+        watcher.watch(None)
+        watcher.close()
+    assert [str(error) for error in stuck] == ["rank 1 did not answer a control round"]
+
+
+def test_each_thread_has_its_own_call():
+    seen: set[str] = set()
+    watcher = BlockedCalls("test-watch", lambda error: None)
+
+    def blocked(name: str) -> None:
+        watcher.watch(lambda: seen.add(name))
+        time.sleep(2.5 * ALIVE_EVERY_S)
+        watcher.watch(None)
+
+    threads = [threading.Thread(target=blocked, args=(name,)) for name in ("a", "b")]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        watcher.close()
+    assert seen == {"a", "b"}
