@@ -122,8 +122,9 @@ class GlooRound:
 
 
 def wait_work(work: Any, alive: Callable[[], None] | None) -> None:
-    """Wait for a torch.distributed work on Gloo: it sleeps on the completion, waking each `ALIVE_EVERY_S` to call
-    `alive` if given; raises the collective's error."""
+    """Wait for a torch.distributed collective's work on Gloo: it sleeps on the completion, waking each
+    `ALIVE_EVERY_S` to call `alive` if given; raises the collective's error. Collectives only: a timed wait that
+    expires on a point-to-point work closes its connection ("Application timeout caused pair closure")."""
     if alive is not None:
         while not _completes_within(work, ALIVE_EVERY_S):
             alive()

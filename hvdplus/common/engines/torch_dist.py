@@ -232,10 +232,12 @@ class TorchDistEngine:
         self._wait(self._dist.barrier(group=group, async_op=True))
 
     def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
+        # Blocking: a timed wait that expires on a point-to-point work leaves it unusable (its transfer then never
+        # completes), unlike a collective's.
         request = self._dist.isend(self._bytes(send), group=group, group_dst=peer)
-        self._wait(self._dist.irecv(self._bytes(recv), group=group, group_src=peer if source is None else source))
+        self._dist.recv(self._bytes(recv), group=group, group_src=peer if source is None else source)
         assert request is not None  # None only on a rank outside `group`
-        self._wait(request)
+        request.wait()
 
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         n = self._dist.get_world_size(group)
