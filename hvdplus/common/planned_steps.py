@@ -211,14 +211,15 @@ class PlannedStep:
         self._waits += 1
         return Alive(self.runtime, self._group.size, self.what, self._frozen, self._waits)
 
-    def check_served_step(self) -> None:
-        """join()'s liveness check of the step it serves, as a training member's wait makes (about once a second):
-        counted as the wait the training members are in (the plan's next, after those of the served step already
-        complete here), so that a rank in join() answers their beacons as a training member does, and names a
-        member that froze instead of being named with it. Its failure fails the job, as a wait's does."""
+    def check_served_step(self, since: float) -> None:
+        """join()'s liveness check of the step it serves (started at `since`, time.monotonic), as a training
+        member's wait makes: counted as the wait the training members are in (the plan's next, after those of the
+        served step already complete here), so that a rank in join() answers their beacons as a training member
+        does, and names a member that froze instead of being named with it. Its failure fails the job, as a
+        wait's does."""
         round_number = self._waits + 1 + self._joined_waits_done()
         if self._serving is None or self._serving.round_number != round_number:
-            self._serving = Alive(self.runtime, self._group.size, self.what, self._frozen, round_number)
+            self._serving = Alive(self.runtime, self._group.size, self.what, self._frozen, round_number, since)
         with self._engine_errors(self._serving):
             self._serving()
 
@@ -313,8 +314,11 @@ class Alive:
         what: str = "a planned step",
         frozen: FrozenPeerInspector | None = None,
         round_number: int = 0,
+        started: float | None = None,
     ) -> None:
-        self._runtime, self._started, self._warned = runtime, time.monotonic(), False
+        """`started`: when the wait began (time.monotonic; default: now)."""
+        self._runtime, self._warned = runtime, False
+        self._started = time.monotonic() if started is None else started
         self._size, self._what = size, what
         self._frozen, self.round_number = frozen, round_number
 
@@ -361,17 +365,23 @@ def serve_joined() -> None:
     for stale in [plan for plan in _FROZEN if plan.runtime is not current]:  # an earlier job's
         stale.close()
     serving = list(_FROZEN)
+    started: dict[PlannedStep, float] = {}
     for plan in serving:
         plan.start_joined_step()
+        started[plan] = time.monotonic()
     checked = time.monotonic()
     while serving:
         time.sleep(_JOIN_POLL_S)
-        if time.monotonic() - checked >= ALIVE_EVERY_S:  # as a wait calls its alive (reading the peers' notices
-            checked = time.monotonic()  # costs an engine call)
+        # Twice as often as a training member's wait calls its alive (reading the peers' notices costs an engine
+        # call): this rank's beacon must reach the training members before they judge who is silent, and its
+        # polls are not aligned with their waits.
+        if time.monotonic() - checked >= ALIVE_EVERY_S / 2:
+            checked = time.monotonic()
             for plan in serving:
-                plan.check_served_step()
+                plan.check_served_step(started[plan])
         for plan in [plan for plan in serving if plan.joined_step_done()]:
             if plan.end_joined_step():
                 serving.remove(plan)
             else:
                 plan.start_joined_step()
+                started[plan] = time.monotonic()
