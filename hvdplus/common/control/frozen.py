@@ -96,7 +96,10 @@ class FrozenPeerInspector:
     def raise_if_stalled(self, round_number: int, waited_s: float, cause: BaseException) -> None:
         """An engine error `cause` ended this rank's wait for round `round_number` (Gloo's timeout, which is the
         stall shutdown time on the rounds' groups too): raise the verdict that names the silent peers instead, if
-        there is one and no peer announced a failure of its own. Returns otherwise (the caller re-raises)."""
+        there is one and no peer announced a failure of its own. Returns otherwise (the caller re-raises), and for
+        hvdplus's own errors (the verdict `waiting` raised, a peer's failure), which say it already."""
+        if isinstance(cause, HorovodInternalError):
+            return
         stalled = self.stalled(round_number, waited_s)
         if stalled is None or peer_failure(self._engine) is not None:
             return
