@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from hvdplus.common import basics, collectives
-from hvdplus.common.control.frozen import FrozenPeerInspector, failure_of, peer_failure
+from hvdplus.common.control.frozen import FrozenPeerInspector, failure_of
 from hvdplus.common.engines.base import PlannedGroup
 from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
 from hvdplus.common.handles import ALIVE_EVERY_S, Work
@@ -247,7 +247,7 @@ class PlannedStep:
         """The error an engine's `exc` becomes (see _engine_errors)."""
         engine = self.runtime.engine
         stalled = None if waiting is None else waiting.stalled()
-        return stalled if stalled is not None and peer_failure(engine) is None else failure_of(engine, exc)
+        return stalled if stalled is not None else failure_of(engine, exc)
 
     def _failed(self, error: HorovodInternalError) -> None:
         """The plan's collective failed: a job failure, as a failed round is (every later call raises it, and

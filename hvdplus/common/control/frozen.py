@@ -87,21 +87,22 @@ class FrozenPeerInspector:
     def stalled(self, round_number: int, waited_s: float) -> HorovodInternalError | None:
         """After an engine ended the wait for round `round_number` with an error of its own (Gloo's timeout, at the
         shutdown time; a peer's broken connection): the error that names the peers that did not answer it, if
-        this rank has asked them (its beacon) and some stayed silent; else None."""
+        this rank has asked them (its beacon) and some stayed silent, unless a peer announced a failure of its own
+        (that failure is the cause); else None."""
         if self._beaconed_round != round_number:
             return None
         silent = self._silent(round_number)
-        return self._verdict(silent, waited_s) if silent else None
+        return self._verdict(silent, waited_s) if silent and peer_failure(self._engine) is None else None
 
     def raise_if_stalled(self, round_number: int, waited_s: float, cause: BaseException) -> None:
         """An engine error `cause` ended this rank's wait for round `round_number` (Gloo's timeout, which is the
         stall shutdown time on the rounds' groups too): raise the verdict that names the silent peers instead, if
-        there is one and no peer announced a failure of its own. Returns otherwise (the caller re-raises), and for
-        hvdplus's own errors (the verdict `waiting` raised, a peer's failure), which say it already."""
+        there is one (`stalled`). Returns otherwise (the caller re-raises), and for hvdplus's own errors (the
+        verdict `waiting` raised, a peer's failure), which say it already."""
         if isinstance(cause, HorovodInternalError):
             return
         stalled = self.stalled(round_number, waited_s)
-        if stalled is None or peer_failure(self._engine) is not None:
+        if stalled is None:
             return
         try:
             raise stalled from cause

@@ -13,7 +13,6 @@ the verdict, and Gloo's own timeout ends the wait.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -21,8 +20,6 @@ from collections.abc import Callable
 from hvdplus.common.handles import ALIVE_EVERY_S
 
 __all__ = ["BlockedCalls"]
-
-log = logging.getLogger("hvdplus")
 
 
 class BlockedCalls:
