@@ -130,7 +130,7 @@ class Runtime:
         self._counter_lock = threading.Lock()
         # Named allreduce requests already checked, by their arguments (collectives.submit_allreduce): the same call
         # again skips the checks and the request's construction.
-        self.checked_requests: dict[tuple[Any, ...], Any] = {}
+        self.checked_requests: dict[tuple[Any, ...], Request] = {}
 
     @property
     def rank(self) -> int:

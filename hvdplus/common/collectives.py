@@ -30,6 +30,7 @@ __all__ = [
     "check_counts",
     "check_reducescatter_op",
     "submit_allreduce",
+    "allreduce_now",
     "submit_allgather",
     "submit_broadcast",
     "submit_alltoall",
@@ -114,13 +115,53 @@ def submit_allreduce(
     get an error instead of waiting for members that never come (0: not part of a group of several).
 
     Collective: every rank in the process set must call this, in the same order."""
+    request = _allreduce_request(array, dtype, name, op, prescale, postscale, process_set, device, parts, group)
+    return runtime().coordinator.submit(request, array, output)
+
+
+def allreduce_now(
+    array: np.ndarray,
+    output: np.ndarray,
+    dtype: str,
+    name: str | None,
+    op: ReduceOp,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    process_set: ProcessSet = global_process_set,
+) -> None:
+    """`submit_allreduce(...).wait()` for one host buffer: a named allreduce checked before takes the lone lane
+    when its rounds have nothing else to do (control/set_rounds.py), with no handle of its own.
+
+    Collective: every rank in the process set must call this, in the same order."""
+    request = _allreduce_request(array, dtype, name, op, prescale, postscale, process_set, "cpu", None, 0)
+    coordinator = runtime().coordinator
+    if op == ReduceOp.ADASUM:  # reduced tensor by tensor, by the batch's own code (executor.py)
+        coordinator.submit(request, array, output).wait()
+    else:
+        coordinator.allreduce_now(request, array, output)
+
+
+def _allreduce_request(
+    array: np.ndarray,
+    dtype: str,
+    name: str | None,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+    device: str,
+    parts: tuple[tuple[int, ...], ...] | None,
+    group: int,
+) -> Request:
+    """The checked request of an allreduce (`submit_allreduce`): a named one checked once before is not checked
+    again (the dynamic API's fast path)."""
     rt = runtime()
     key = None
-    if name is not None:  # a named request checked once before is not checked again (the dynamic API's fast path)
+    if name is not None:
         key = (name, dtype, op, prescale, postscale, process_set.process_set_id, array.shape, device, parts, group)
         checked = rt.checked_requests.get(key)
         if checked is not None and (process_set.registered_in is rt or process_set.process_set_id == 0):
-            return rt.coordinator.submit(checked, array, output)
+            return checked
     check_reducible(dtype, op, "allreduce")
     if op == ReduceOp.ADASUM:
         if parts is not None:
@@ -143,7 +184,7 @@ def submit_allreduce(
         if len(rt.checked_requests) >= CHECKED_REQUESTS_KEPT:  # names made afresh at every call: start over
             rt.checked_requests.clear()
         rt.checked_requests[key] = request
-    return rt.coordinator.submit(request, array, output)
+    return request
 
 
 def _need_dims(array: np.ndarray, what: str) -> None:

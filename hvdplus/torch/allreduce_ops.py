@@ -50,19 +50,10 @@ def _start_allreduce(
     # Adasum reduces tensor by tensor on the host engine (common/data/adasum.py)
     kind = None if op == ReduceOp.ADASUM else plane_kind(tensor)
     output, in_array, out_array, label = collective_buffers(tensor, inplace, kind)
-    device = tensor.device
     handle = core.submit_allreduce(
         in_array, out_array, dtype_name(tensor), name, op, prescale, postscale, process_set, label, group=group
     )
-
-    def result() -> torch.Tensor:
-        if inplace:
-            if output.data_ptr() != tensor.data_ptr():
-                tensor.data.copy_(output)
-            return tensor
-        return output if output.device == device else output.to(device)
-
-    return handle, result
+    return handle, lambda: _result(tensor, output, inplace)
 
 
 def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
@@ -170,10 +161,25 @@ def _allreduce_now(
     postscale: float,
     process_set: ProcessSet,
 ) -> torch.Tensor:
-    """A blocking allreduce: the asynchronous path without the handle a caller would hold."""
+    """A blocking allreduce: host tensors take the core's blocking call (its lone lane, with no handle), device
+    tensors the asynchronous path without the handle a caller would hold."""
+    if plane_kind(tensor) is None:
+        output, in_array, out_array, _ = collective_buffers(tensor, inplace, None)
+        core.allreduce_now(in_array, out_array, dtype_name(tensor), name, op, prescale, postscale, process_set)
+        return _result(tensor, output, inplace)
     handle, result = _start_allreduce(tensor, name, inplace, op, prescale, postscale, process_set)
     handle.wait()
     return result()
+
+
+def _result(tensor: torch.Tensor, output: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """An allreduce's result as the caller gets it: `tensor` itself when in place (its values copied in unless
+    `output` shares its memory), else `output` on `tensor`'s device."""
+    if inplace:
+        if output.data_ptr() != tensor.data_ptr():
+            tensor.data.copy_(output)
+        return tensor
+    return output if output.device == tensor.device else output.to(tensor.device)
 
 
 def grouped_allreduce_async(

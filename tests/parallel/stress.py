@@ -4,9 +4,10 @@ Quiet, the ranks of a job submit each collective within microseconds of each oth
 one rank is far ahead of a peer (a rank deciding alone, an outcome that depends on timing) passes by luck. Under
 load they drift apart. `jobs.stress_job` runs a job that way: it sets HVDPLUS_TEST_STRESS=1, on which the worker
 conftests' `jitter_if_requested` makes each rank sleep a random time before each collective reaches the core
-(`Coordinator.submit`, which every negotiated collective goes through; the planned path's steps are not delayed),
-and it keeps one more busy process than the machine has cores beside the ranks (`cpu_hogs`), which end with the job
-(and by themselves at its timeout). This is a test-side hook: the library has no such setting."""
+(`Coordinator.submit` and `Coordinator.allreduce_now`, which every negotiated collective goes through; the planned
+path's steps are not delayed), and it keeps one more busy process than the machine has cores beside the ranks
+(`cpu_hogs`), which end with the job (and by themselves at its timeout). This is a test-side hook: the library has
+no such setting."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,15 +43,18 @@ def jitter_submits(rng: random.Random | None = None) -> Jitter:
     from hvdplus.common.control.coordinator import Coordinator
 
     draw, done = rng or random.Random(), Jitter()
-    submit = Coordinator.submit
 
-    def late_submit(self: Coordinator, *args: Any, **kwargs: Any) -> Any:
-        pause = draw.uniform(0.0, LONG_S if draw.randrange(LONG_EVERY) == 0 else JITTER_S)
-        time.sleep(pause)
-        done.submits, done.slept_s = done.submits + 1, done.slept_s + pause
-        return submit(self, *args, **kwargs)
+    def late(call: Callable[..., Any]) -> Callable[..., Any]:
+        def late_call(self: Coordinator, *args: Any, **kwargs: Any) -> Any:
+            pause = draw.uniform(0.0, LONG_S if draw.randrange(LONG_EVERY) == 0 else JITTER_S)
+            time.sleep(pause)
+            done.submits, done.slept_s = done.submits + 1, done.slept_s + pause
+            return call(self, *args, **kwargs)
 
-    Coordinator.submit = late_submit  # type: ignore[method-assign]
+        return late_call
+
+    Coordinator.submit = late(Coordinator.submit)  # type: ignore[method-assign]
+    Coordinator.allreduce_now = late(Coordinator.allreduce_now)  # type: ignore[method-assign]
     return done
 
 

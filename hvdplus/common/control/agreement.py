@@ -79,6 +79,8 @@ class Agreement:
         # Words by (flags, masks, config), with their bytes (see `words`); the bytes and masks of the last ones sent.
         self._built: dict[tuple[int | None, ...], tuple[np.ndarray, bytes]] = {}
         self._sent: tuple[bytes, tuple[int, int, int]] = (b"", (0, 0, 0))
+        # lone_words's words by cache bit, with what they send (one per cache bit at most).
+        self._lone_built: dict[int, tuple[np.ndarray, tuple[bytes, tuple[int, int, int]]]] = {}
 
     def announce(self, work: Submission) -> None:
         """Announce `work` in the next round: by its cache bit if cached as it is, else in full."""
@@ -131,6 +133,46 @@ class Agreement:
                         invalid |= 1 << bit
         flags |= HAS_UNCACHED if self._to_send or self._shadows else 0
         flags |= STALL_ABORT if self.stalls.abort_due() else 0
+        return self._build(flags, hits, invalid, config)
+
+    @property
+    def quiet(self) -> bool:
+        """Whether this rank has nothing announced, pending or counted in these rounds, and raises no bit for process
+        sets it is not in: then a round that announces one cached collective alone is decided by its own bit
+        (`lone_words`, `lone_response`), as `responses` would decide it on every rank that sent the same words."""
+        return not (
+            self._foreign
+            or self._hits
+            or self._to_send
+            or self._shadows
+            or self._invalid
+            or len(self._table)
+            or self.stalls.counting
+            or self._names.has_posted(self.set_id)
+        )
+
+    def cached_bit(self, request: Request) -> int:
+        """The cache bit that announces `request` as it is (-1: announce it in full)."""
+        status, bit = self._cache.lookup(self._index_in(request.process_set), request)
+        return bit if status == Lookup.HIT else -1
+
+    def lone_words(self, bit: int) -> np.ndarray:
+        """This rank's words for a round that announces the cached collective of `bit` alone (the rounds are busy,
+        and `quiet`: no flag of this object's own can be raised)."""
+        built = self._lone_built.get(bit)
+        if built is None:  # `quiet` raises no foreign bit: the words depend on the bit alone
+            self._lone_built[bit] = built = (self._build(BUSY, 1 << bit, 0, None), self._sent)
+        self._sent = built[1]
+        return built[0]
+
+    def lone_response(self, words: np.ndarray, bit: int) -> Response | None:
+        """After a round of `lone_words`: the response of `bit`, if every rank sent the same words (it is then the
+        one collective every rank is ready for, and no rank raised a flag or invalidated a bit); None: decide the
+        round as any (`responses`), with the collective announced."""
+        return self._cache.get(bit) if words.tobytes() == self._sent[0] else None
+
+    def _build(self, flags: int, hits: int, invalid: int, config: int | None) -> np.ndarray:
+        """The words that send `flags`, these hit and invalid bits and `config`, remembered as the ones sent."""
         masks = (hits | self._foreign, self._full ^ hits, self._full ^ invalid)
         # A training loop sends the same few words round after round: build each once (~4 us a round saved).
         key = (flags, *masks, config)

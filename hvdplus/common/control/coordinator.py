@@ -25,7 +25,7 @@ from hvdplus.common.control.member_rounds import MemberRounds
 from hvdplus.common.control.messages import Request
 from hvdplus.common.control.negotiation import device_kind
 from hvdplus.common.control.round_counters import RoundCounters
-from hvdplus.common.control.set_rounds import RoundsContext
+from hvdplus.common.control.set_rounds import RoundsContext, SetRounds
 from hvdplus.common.control.world_rounds import WorldEvents, WorldRounds
 from hvdplus.common.data.buffer_ops import DataPlane, DeviceKind
 from hvdplus.common.data.executor import Submission
@@ -114,6 +114,21 @@ class Coordinator:
     # ----------------------------------------------------------------- public, any thread
     def submit(self, request: Request, input: np.ndarray | None = None, output: np.ndarray | None = None) -> Handle:
         """Queue one collective; the handle completes when every member of its set has run it."""
+        rounds, on_device = self._route(request, input)
+        self._names.reserve(request)
+        return self._queue(rounds, request, input, output, on_device)
+
+    def allreduce_now(self, request: Request, input: np.ndarray, output: np.ndarray) -> None:
+        """A blocking allreduce of host buffers (not Adasum) into `output`: in its rounds' lone lane where it is
+        open (set_rounds.py: SetRounds.run_lone), else submitted and waited for."""
+        rounds, on_device = self._route(request, input)
+        self._names.reserve(request)
+        work = None if on_device else rounds.run_lone(request, input, output)
+        (self._queue(rounds, request, input, output, on_device) if work is None else work).wait()
+
+    def _route(self, request: Request, input: Any) -> tuple[SetRounds, bool]:
+        """The rounds that run `request`, and whether its input is a device plane's tensor; ValueError if this rank
+        cannot submit it, HorovodInternalError if collectives can no longer run."""
         if self._fatal is not None:
             raise HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}")
         if request.process_set not in self._sets:
@@ -128,7 +143,10 @@ class Coordinator:
         rounds = self._world if request.process_set == 0 or on_device else self._member.get(request.process_set)
         if rounds is None:  # removed since the check above
             raise ValueError(f"process set {request.process_set} does not exist (it was removed or never added)")
-        self._names.reserve(request)
+        return rounds, on_device
+
+    def _queue(self, rounds: SetRounds, request: Request, input: Any, output: Any, on_device: bool) -> Handle:
+        """Queue `request` (its name reserved) for `rounds`."""
         work = Submission(request, rounds.new_handle(request.name), input, output)
         if on_device:
             work.ready = self._device_kinds[device_kind(request.device)].ops.ready(input)

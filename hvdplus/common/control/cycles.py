@@ -14,6 +14,7 @@ import contextvars
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
@@ -125,10 +126,24 @@ class Cycles:
             _run_in_own_state(self._run)
             return True
 
-    def _run(self) -> None:
+    def run_now(self, ready: Callable[[], bool], cycle: Callable[[bool], bool | None]) -> bool:
+        """From a thread that submits a collective: run `cycle(spin)` here in place of the next cycle, if the ranks
+        are busy, no other thread runs one now, and `ready()` (asked once the lock is held) says it can (the lone
+        lane: set_rounds.py). Whether it ran; a failure in it fails the job as a cycle's does."""
+        if not self.waiters_drive or self.in_cycle or not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.idle or self.stopped or not ready():
+                return False
+            _run_in_own_state(partial(self._run, cycle))
+            return True
+        finally:
+            self._lock.release()
+
+    def _run(self, cycle: Callable[[bool], bool | None] | None = None) -> None:
         self._owner = threading.get_ident()
         try:
-            busy = self._cycle(self._spin)
+            busy = (cycle or self._cycle)(self._spin)
         except BaseException as exc:  # engine failure, a failed or frozen peer: every pending and future call fails
             try:
                 self._fail(exc)

@@ -57,6 +57,10 @@ class Names:
         with self._lock:
             self._posted.setdefault(set_id, []).append(shadow)
 
+    def has_posted(self, set_id: int) -> bool:
+        """Whether shadows wait to be sent in set `set_id`'s rounds."""
+        return set_id in self._posted
+
     def take_posted(self, set_id: int) -> list[Request]:
         if set_id not in self._posted:  # every cycle asks: no lock for the usual answer
             return []
@@ -106,10 +110,12 @@ class InFlight:
             self.names.release([work.request.name])
         return work
 
-    def put_back(self, work: Submission) -> None:
-        """A submission a failing cycle took and did not finish: in flight again, so that the failure reaches it."""
+    def hold(self, work: Submission) -> Submission:
+        """Record `work` as in flight without queueing it: a cycle took it at once (the lone lane), or took it and
+        did not finish it (a failing cycle's, so that the failure reaches it)."""
         with self._lock:
             self._by_key[work.request.key] = work
+        return work
 
     def fail_all(self, error: HorovodInternalError) -> None:
         """Every queued and in-flight collective fails with `error`."""

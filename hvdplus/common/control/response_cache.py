@@ -48,7 +48,7 @@ class ResponseCache:
         if bit is None or set_rank is None:
             return Lookup.MISS, -1
         cached = self._by_bit[bit].requests[set_rank]
-        return (Lookup.HIT if cached == request else Lookup.INVALID), bit
+        return (Lookup.HIT if cached is request or cached == request else Lookup.INVALID), bit
 
     def bit_of(self, key: Key) -> int | None:
         """The bit of the cached response of `key`, if there is one."""

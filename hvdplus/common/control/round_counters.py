@@ -48,6 +48,16 @@ class RoundCounters:
         return sum(rounds.cycles.driven for rounds in self._all)
 
     @property
+    def lone_runs(self) -> int:
+        """Blocking collectives the lone lane ran in a round of their own (SetRounds.run_lone)."""
+        return sum(rounds.lone_runs for rounds in self._all)
+
+    @property
+    def lone_fallbacks(self) -> int:
+        """Lone lane rounds that did not decide their collective alone and went on as a full cycle."""
+        return sum(rounds.lone_fallbacks for rounds in self._all)
+
+    @property
     def busy(self) -> bool:
         """Whether collectives of this rank are queued or in flight."""
         return any(rounds.busy for rounds in self._all)

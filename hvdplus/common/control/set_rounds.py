@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -33,7 +34,7 @@ from hvdplus.common.data.dispatch import Dispatcher
 from hvdplus.common.data.executor import Executor, Submission
 from hvdplus.common.engines.base import Doorbell, Engine
 from hvdplus.common.exceptions import HorovodInternalError
-from hvdplus.common.handles import Handle
+from hvdplus.common.handles import Completed, Handle, Work
 from hvdplus.common.ops import OpKind
 from hvdplus.common.set_table import ProcessSetTable
 from hvdplus.common.settings import Settings
@@ -56,6 +57,22 @@ class RoundsContext:
     spin_s: float  # how long a round is spun for while work is in flight (coordinator.control_spin_s)
     timeline: TimelineSlot
     fail: Callable[[BaseException], None]  # what a failure does to the whole job: every set's work fails
+
+
+class _Lone:
+    """A blocking collective in the lone lane (SetRounds.run_lone): its cache bit once found, and the submission
+    it becomes if the lane's round does not decide it alone."""
+
+    __slots__ = ("request", "input", "output", "bit", "work")
+
+    def __init__(self, request: Request, input: np.ndarray, output: np.ndarray) -> None:
+        self.request, self.input, self.output = request, input, output
+        self.bit = -1
+        self.work: Submission | None = None
+
+    def submission(self, new_handle: Callable[[str], Handle]) -> Submission:
+        self.work = Submission(self.request, new_handle(self.request.name), self.input, self.output)
+        return self.work
 
 
 class SetRounds:
@@ -90,6 +107,8 @@ class SetRounds:
         self._frozen = FrozenPeerInspector(engine, settings, set_id, None if set_id == 0 else self.ranks)
         self._idle = IdleSpells(doorbell, wake, self.ranks.index(engine.rank), self._has_own_work, self._between_wakes)
         self.rounds = 0  # control rounds run so far (a test checks that idle ranks run none)
+        # Lone lane rounds (run_lone) that decided their collective alone, and those that went on as a full cycle.
+        self.lone_runs = self.lone_fallbacks = 0
         self.joined = False  # this rank called join() and these rounds have not agreed the join yet
         self._stop_requested = False
         self._stop_reason = ""
@@ -112,6 +131,62 @@ class SetRounds:
         if not self._wake.is_set() and not self.cycles.waiters_drive:
             self._wake.set()
         return work.handle
+
+    def run_lone(self, request: Request, input: np.ndarray, output: np.ndarray) -> Work | None:
+        """The lone lane: run a blocking allreduce (its name reserved) of host buffers from the calling thread, in a
+        round of its own, when the ranks are busy, nothing else of this rank is queued or in flight here, and the
+        collective is cached as it is. Its work: done, unless the round did not decide it alone (a peer was not
+        ready, or announced more), or the job failed. None: the lane was not open (submit it instead).
+
+        The lane makes no submission, handle or batch: announced by its cache bit, the collective runs once every
+        member sent the same words, which decides it as a full cycle would (Agreement.lone_response). Horovod's
+        rules hold: the order is agreed, and a mismatch is an uncached request that takes the full cycle."""
+        lone = _Lone(request, input, output)
+        if not self.cycles.run_now(partial(self._lone_ready, lone), partial(self._lone_cycle, lone)):
+            return None
+        if lone.work is None:
+            return Completed()
+        handle = lone.work.handle
+        while not handle.done() and self.cycles.drive(handle, True):  # its first cycle ran: as a wait's later ones
+            pass
+        return handle
+
+    def _lone_ready(self, lone: _Lone) -> bool:
+        """Whether the lone lane may run `lone` now (the cycle lock held)."""
+        if (
+            self._stop_requested
+            or self._in_flight.queued
+            or self._in_flight
+            or not self._agreement.quiet
+            or self._config() is not None
+            or self._joined()
+            or not self._timeline_off()
+        ):
+            return False
+        lone.bit = self._agreement.cached_bit(lone.request)
+        return lone.bit >= 0
+
+    def _lone_cycle(self, lone: _Lone, spin: bool) -> bool | None:
+        """The lone lane's cycle: its round, then its data call, or the rest of a full cycle."""
+        try:
+            self.rounds += 1
+            words = self._agreement.lone_words(lone.bit)
+            words = self._agreement.exchange(words, self._spin_s if spin else 0.0, self._frozen, self.rounds)
+            response = self._agreement.lone_response(words, lone.bit)
+            if response is None:  # the round goes on as any, with the collective announced by its bit
+                self.lone_fallbacks += 1
+                self._agreement.announce(self._in_flight.hold(lone.submission(self.new_handle)))
+                return self._decided(words, None)
+            names = self._in_flight.names
+            names.agreed((response.key,))
+            self._watched(partial(self.executor.reduce_alone, response, lone.input, lone.output))
+            names.release([lone.request.name])
+            self.lone_runs += 1
+            return True
+        except BaseException:  # the job's failure reaches the collective as it reaches any in flight
+            if lone.work is None:
+                self._in_flight.hold(lone.submission(self.new_handle))
+            raise
 
     def new_handle(self, name: str) -> Handle:
         """A handle whose waiting thread may run these rounds' cycles."""
@@ -175,6 +250,10 @@ class SetRounds:
         view = current.tolerant()
         view.flush_if_due()  # the world's thread, idle while these rounds work, would not write the events
         return view
+
+    def _timeline_off(self) -> bool:
+        """Whether no timeline is written now (the lone lane writes none)."""
+        return self._timeline.current is None
 
     def _between_wakes(self) -> None:
         """What an idle rank does at each wake-up that needs no round."""
@@ -252,6 +331,10 @@ class SetRounds:
         flags = (SHUTDOWN if self._stop_requested else 0) | (BUSY if self._in_flight or joined else 0)
         words = self._agreement.words(flags, joined, self._config())
         words = self._agreement.exchange(words, self._spin_s if spin else 0.0, self._frozen, self.rounds)
+        return self._decided(words, timeline)
+
+    def _decided(self, words: np.ndarray, timeline: Timeline | None) -> bool | None:
+        """The rest of a cycle, once its round's words are in: stop, or run what the round agreed."""
         flags = self._agreement.flags(words)
         if flags & (SHUTDOWN | STALL_ABORT):
             self._stopped(flags)
@@ -270,10 +353,14 @@ class SetRounds:
         freezes inside one is named as in a round (the engine calls `alive` while a call waits), and a member
         blocked in one answers the beacons of the members already waiting in the next round, whose number it
         beacons, so that they name the frozen member only."""
+        self._watched(partial(self._dispatcher.run, responses, timeline))
+
+    def _watched(self, run: Callable[[], None]) -> None:
+        """`run()` the round's data calls, watched as the next round (`_run`)."""
         round_number, started = self.rounds + 1, time.monotonic()
         self._engine.watch(lambda: self._frozen.waiting(round_number, time.monotonic() - started))
         try:
-            self._dispatcher.run(responses, timeline)
+            run()
         except Exception as exc:  # Gloo's own timeout (at the stall shutdown time) may end the wait first
             self._frozen.raise_if_stalled(round_number, time.monotonic() - started, exc)
             raise

@@ -49,6 +49,11 @@ class StallInspector:
                 stale |= 1 << bit
         return stale
 
+    @property
+    def counting(self) -> bool:
+        """Whether a cached collective only some ranks announced is being counted."""
+        return bool(self._partial_cycles)
+
     def forget(self, bit: int) -> None:
         """A cache bit was evicted: stop counting its partial announcements."""
         self._partial_cycles.pop(bit, None)

@@ -103,6 +103,9 @@ class WorldRounds(SetRounds):
             timeline.cycle()
         return timeline
 
+    def _timeline_off(self) -> bool:
+        return self._timeline.settle() is None  # a timeline started meanwhile: the next cycle writes it
+
     def _between_wakes(self) -> None:
         self._timeline.settle()  # a timeline swap asked for while idle needs no round
 

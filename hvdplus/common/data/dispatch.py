@@ -83,7 +83,7 @@ class Dispatcher:
             for pairs in batches:
                 for _, work in pairs:
                     if work is not None and not work.handle.done():
-                        self._in_flight.put_back(work)
+                        self._in_flight.hold(work)
             raise
         finally:
             self._executor.trace(None, [])  # the timeline may be replaced before the next cycle

@@ -178,20 +178,31 @@ class Executor:
         plane = self._plane(first)
         ops = plane.ops
         self._engine_call(plane, works)  # before anything reads the inputs
-        source = None
         if len(works) == 1:
-            buffer = ops.flat(works[0].output)
-            source = None if works[0].input is works[0].output else ops.flat(works[0].input)
+            buffer = self._reduce_one(plane, batch[0][0], works[0].input, works[0].output)
         else:
             inputs = [ops.flat(w.input) for w in works]
             buffer = self._fusion_buffer(plane, sum(ops.numel(i) for i in inputs), inputs[0])
             with self._activity("MEMCPY_IN_FUSION_BUFFER"):
                 ops.pack(inputs, buffer)
-        self._reduce(plane, buffer, first, len(members), self._set_of(batch[0][0].key[0]), source)
-        if len(works) > 1:
+            self._reduce(plane, buffer, first, len(members), self._set_of(batch[0][0].key[0]), None)
             with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
                 ops.unpack(buffer, [ops.flat(w.output) for w in works])
         self._complete(plane, works, [work.output for work in works], buffer)
+
+    def reduce_alone(self, response: Response, input: np.ndarray, output: np.ndarray) -> None:
+        """One agreed allreduce (not Adasum) of host buffers, reduced into `output`: what `run_allreduce` does for a
+        batch of one, without a submission to complete (set_rounds.py's lone lane)."""
+        self._count(OpKind.ALLREDUCE, [response])
+        self._reduce_one(self._host, response, input, output)
+
+    def _reduce_one(self, plane: DataPlane, response: Response, input: Any, output: Any) -> Any:
+        """Reduce one collective's `input` into `output`, with no fusion buffer; `output`'s flat view."""
+        ops = plane.ops
+        buffer = ops.flat(output)
+        source = None if input is output else ops.flat(input)
+        self._reduce(plane, buffer, response.first, len(response.members), self._set_of(response.key[0]), source)
+        return buffer
 
     def _run_adasum(self, batch: list[tuple[Response, Submission]]) -> None:
         """Adasum of the batch's tensors (hvdplus.common.data.adasum), each with its own dot product and norms."""
