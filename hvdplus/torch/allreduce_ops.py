@@ -20,6 +20,7 @@ from hvdplus.common.ops import ReduceOp
 from hvdplus.torch.buffers import as_numpy, collective_buffers, device_label, dtype_name, plane_kind
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.op_base import differentiable, synchronize
+from hvdplus.torch.packing import flat_views, packed_buffers
 
 __all__ = [
     "allreduce",
@@ -80,31 +81,46 @@ def _start_packed_allreduce(
     process_set: ProcessSet,
 ) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
     """One request for the whole group: packed by one torch kernel, reduced in place in one engine call,
-    unpacked as views of the buffer (copied into the inputs when in place)."""
+    unpacked as views of the buffer (copied into the inputs when in place: a named in-place group packs into a
+    buffer it keeps, packing.py)."""
+    parts = tuple(tuple(t.shape) for t in tensors)
+    views: list[torch.Tensor] | None = None
+    kept = False
     with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
-        flat = torch._utils._flatten_dense_tensors(tensors)
+        if inplace and name is not None:
+            flat, views, kept = packed_buffers.borrow(name, tensors, parts)
+            torch._foreach_copy_(views, list(tensors))
+        else:
+            flat = torch._utils._flatten_dense_tensors(tensors)
     kind = plane_kind(flat)
-    buffer = as_numpy(flat) if kind is None else flat
-    handle = core.submit_allreduce(
-        buffer,
-        buffer,
-        dtype_name(flat),
-        name,
-        op,
-        prescale,
-        postscale,
-        process_set,
-        device_label(flat, kind),
-        parts=tuple(tuple(t.shape) for t in tensors),
-        group=len(tensors),
-    )
+    buffer: Any = as_numpy(flat) if kind is None else flat  # a device plane takes the tensor itself
+    try:
+        handle = core.submit_allreduce(
+            buffer,
+            buffer,
+            dtype_name(flat),
+            name,
+            op,
+            prescale,
+            postscale,
+            process_set,
+            device_label(flat, kind),
+            parts=parts,
+            group=len(tensors),
+        )
+    except BaseException:
+        if kept:
+            packed_buffers.give_back(str(name))
+        raise
 
     def result() -> list[torch.Tensor]:
-        outputs = torch._utils._unflatten_dense_tensors(flat, tensors)
+        outputs = flat_views(flat, tensors) if views is None else views
         if not inplace:
-            return list(outputs)
+            return outputs
         with torch.no_grad():  # in place on the inputs, leaves that require grad included
-            torch._foreach_copy_(list(tensors), list(outputs))
+            torch._foreach_copy_(list(tensors), outputs)
+        if kept:
+            packed_buffers.give_back(str(name))
         return list(tensors)
 
     return handle, result

@@ -75,7 +75,8 @@ def test_a_late_peer_sends_the_lone_round_on_as_a_full_cycle(hvd):
             time.sleep(0.03)
         got = hvd.allreduce(torch.full((2,), float(step)), op=hvd.Sum, name="lone.late")
         assert got.tolist() == [float(size * step)] * 2
-    if hvd.rank() == 0:
+    # In stress mode rank 0 sleeps before its calls too, and may then find the rounds idle (the lane closed).
+    if hvd.rank() == 0 and not stressed():
         assert counters.lone_fallbacks - fallbacks >= 1, counters.lone_fallbacks - fallbacks
 
 
