@@ -71,6 +71,41 @@ def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
     )
 
 
+class _Packed:
+    """A packable group in its flat buffer (a named in-place group's kept one, packing.py), and how its results
+    come back: views of the buffer, copied into the inputs when in place."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], name: str | None, inplace: bool) -> None:
+        self.tensors, self.name, self.inplace = list(tensors), name, inplace
+        self.parts = tuple(tuple(t.shape) for t in tensors)
+        self._views: list[torch.Tensor] | None = None
+        self._kept = False
+        with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
+            if inplace and name is not None:
+                self.flat, self._views, self._kept = packed_buffers.borrow(name, tensors, self.parts)
+                torch._foreach_copy_(self._views, self.tensors)
+            else:
+                self.flat = torch._utils._flatten_dense_tensors(tensors)
+        self.kind = plane_kind(self.flat)
+        # a device plane takes the tensor itself
+        self.buffer: Any = as_numpy(self.flat) if self.kind is None else self.flat
+
+    def result(self) -> list[torch.Tensor]:
+        outputs = flat_views(self.flat, self.tensors) if self._views is None else self._views
+        if not self.inplace:
+            return outputs
+        with torch.no_grad():  # in place on the inputs, leaves that require grad included
+            torch._foreach_copy_(self.tensors, outputs)
+        self.release()
+        return self.tensors
+
+    def release(self) -> None:
+        """Give the kept buffer back (the call is over, or never started)."""
+        if self._kept:
+            self._kept = False
+            packed_buffers.give_back(str(self.name))
+
+
 def _start_packed_allreduce(
     tensors: Sequence[torch.Tensor],
     name: str | None,
@@ -80,50 +115,55 @@ def _start_packed_allreduce(
     postscale: float,
     process_set: ProcessSet,
 ) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
-    """One request for the whole group: packed by one torch kernel, reduced in place in one engine call,
-    unpacked as views of the buffer (copied into the inputs when in place: a named in-place group packs into a
-    buffer it keeps, packing.py)."""
-    parts = tuple(tuple(t.shape) for t in tensors)
-    views: list[torch.Tensor] | None = None
-    kept = False
-    with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
-        if inplace and name is not None:
-            flat, views, kept = packed_buffers.borrow(name, tensors, parts)
-            torch._foreach_copy_(views, list(tensors))
-        else:
-            flat = torch._utils._flatten_dense_tensors(tensors)
-    kind = plane_kind(flat)
-    buffer: Any = as_numpy(flat) if kind is None else flat  # a device plane takes the tensor itself
+    """One request for the whole group: packed by one torch kernel, reduced in place in one engine call."""
+    packed = _Packed(tensors, name, inplace)
     try:
         handle = core.submit_allreduce(
-            buffer,
-            buffer,
-            dtype_name(flat),
+            packed.buffer,
+            packed.buffer,
+            dtype_name(packed.flat),
             name,
             op,
             prescale,
             postscale,
             process_set,
-            device_label(flat, kind),
-            parts=parts,
-            group=len(tensors),
+            device_label(packed.flat, packed.kind),
+            parts=packed.parts,
+            group=len(packed.tensors),
         )
     except BaseException:
-        if kept:
-            packed_buffers.give_back(str(name))
+        packed.release()
         raise
+    return handle, packed.result
 
-    def result() -> list[torch.Tensor]:
-        outputs = flat_views(flat, tensors) if views is None else views
-        if not inplace:
-            return outputs
-        with torch.no_grad():  # in place on the inputs, leaves that require grad included
-            torch._foreach_copy_(list(tensors), outputs)
-        if kept:
-            packed_buffers.give_back(str(name))
-        return list(tensors)
 
-    return handle, result
+def _packed_allreduce_now(
+    tensors: Sequence[torch.Tensor],
+    name: str | None,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    process_set: ProcessSet,
+) -> list[torch.Tensor]:
+    """A blocking in-place grouped allreduce of host tensors: the core's blocking call (its lone lane)."""
+    packed = _Packed(tensors, name, True)
+    try:
+        core.allreduce_now(
+            packed.buffer,
+            packed.buffer,
+            dtype_name(packed.flat),
+            name,
+            op,
+            prescale,
+            postscale,
+            process_set,
+            packed.parts,
+            len(packed.tensors),
+        )
+    except BaseException:
+        packed.release()
+        raise
+    return packed.result()
 
 
 def _grouped_allreduce_async(
@@ -369,6 +409,9 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """In-place grouped allreduce."""
+    resolved = core.resolve_op(average, op)
+    if _packable(tensors, resolved) and tensors[0].is_cpu and plane_kind(tensors[0]) is None:
+        return _packed_allreduce_now(tensors, name, resolved, prescale_factor, postscale_factor, process_set)
     return synchronize(
         grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     )

@@ -44,6 +44,22 @@ def test_back_to_back_blocking_allreduces_take_the_lone_lane(hvd, pset):
         assert counters.lone_runs - runs >= CALLS, (counters.lone_runs - runs, counters.lone_fallbacks)
 
 
+def test_a_blocking_in_place_group_takes_the_lone_lane(hvd):
+    """grouped_allreduce_ of host tensors of one dtype travels as one packed request: through the lane too, with
+    every member's sum right."""
+    counters, size = _counters(), hvd.size()
+    shapes = [(2, 3), (5,), (1,)]
+    hvd.grouped_allreduce_([torch.ones(shape) for shape in shapes], op=hvd.Sum, name="lone.group")
+    runs = counters.lone_runs
+    for step in range(CALLS // 2):
+        tensors = [torch.full(shape, float(hvd.rank() + step)) for shape in shapes]
+        assert hvd.grouped_allreduce_(tensors, op=hvd.Sum, name="lone.group")[0] is tensors[0]
+        for tensor in tensors:
+            assert torch.all(tensor == float(sum(range(size)) + size * step))
+    if not stressed():
+        assert counters.lone_runs - runs >= CALLS // 4, (counters.lone_runs - runs, counters.lone_fallbacks)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int32])
 def test_the_lone_lane_averages_and_scales_as_the_full_cycle(hvd, dtype):
     """Average divides by the set's size, and the scale factors apply, in the lane as in the executor's batches
