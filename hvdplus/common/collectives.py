@@ -128,15 +128,16 @@ def allreduce_now(
     prescale: float = 1.0,
     postscale: float = 1.0,
     process_set: ProcessSet = global_process_set,
+    device: str = "cpu",
     parts: tuple[tuple[int, ...], ...] | None = None,
     group: int = 0,
 ) -> None:
-    """`submit_allreduce(...).wait()` for one host buffer (`parts`, `group`: as there): a named allreduce checked
-    before takes the lone lane when its rounds have nothing else to do (control/set_rounds.py), with no handle of
-    its own.
+    """`submit_allreduce(...).wait()` for host buffers (`device`: the tensor's device, which a tensor staged through
+    host memory keeps): a named allreduce checked before takes the lone lane when its rounds have nothing else to
+    do (control/set_rounds.py), with no handle of its own.
 
     Collective: every rank in the process set must call this, in the same order."""
-    request = _allreduce_request(array, dtype, name, op, prescale, postscale, process_set, "cpu", parts, group)
+    request = _allreduce_request(array, dtype, name, op, prescale, postscale, process_set, device, parts, group)
     coordinator = runtime().coordinator
     if op == ReduceOp.ADASUM:  # reduced tensor by tensor, by the batch's own code (executor.py)
         coordinator.submit(request, array, output).wait()

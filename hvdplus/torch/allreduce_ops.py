@@ -8,7 +8,7 @@ tensor without a plane, goes through host memory. The work itself is `hvdplus.co
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -71,6 +71,9 @@ def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
     )
 
 
+_Done = TypeVar("_Done")
+
+
 class _Packed:
     """A packable group in its flat buffer (a named in-place group's kept one, packing.py), and how its results
     come back: views of the buffer, copied into the inputs when in place."""
@@ -89,6 +92,29 @@ class _Packed:
         self.kind = plane_kind(self.flat)
         # a device plane takes the tensor itself
         self.buffer: Any = as_numpy(self.flat) if self.kind is None else self.flat
+
+    def reduce(
+        self, call: Callable[..., _Done], op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet
+    ) -> _Done:
+        """`call` (core.submit_allreduce or core.allreduce_now) on the buffer, as one request for the group; the
+        kept buffer is given back if the call fails to start."""
+        try:
+            return call(
+                self.buffer,
+                self.buffer,
+                dtype_name(self.flat),
+                self.name,
+                op,
+                prescale,
+                postscale,
+                process_set,
+                device_label(self.flat, self.kind),
+                parts=self.parts,
+                group=len(self.tensors),
+            )
+        except BaseException:
+            self.release()
+            raise
 
     def result(self) -> list[torch.Tensor]:
         outputs = flat_views(self.flat, self.tensors) if self._views is None else self._views
@@ -117,24 +143,7 @@ def _start_packed_allreduce(
 ) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
     """One request for the whole group: packed by one torch kernel, reduced in place in one engine call."""
     packed = _Packed(tensors, name, inplace)
-    try:
-        handle = core.submit_allreduce(
-            packed.buffer,
-            packed.buffer,
-            dtype_name(packed.flat),
-            name,
-            op,
-            prescale,
-            postscale,
-            process_set,
-            device_label(packed.flat, packed.kind),
-            parts=packed.parts,
-            group=len(packed.tensors),
-        )
-    except BaseException:
-        packed.release()
-        raise
-    return handle, packed.result
+    return packed.reduce(core.submit_allreduce, op, prescale, postscale, process_set), packed.result
 
 
 def _packed_allreduce_now(
@@ -147,22 +156,7 @@ def _packed_allreduce_now(
 ) -> list[torch.Tensor]:
     """A blocking in-place grouped allreduce of host tensors: the core's blocking call (its lone lane)."""
     packed = _Packed(tensors, name, True)
-    try:
-        core.allreduce_now(
-            packed.buffer,
-            packed.buffer,
-            dtype_name(packed.flat),
-            name,
-            op,
-            prescale,
-            postscale,
-            process_set,
-            packed.parts,
-            len(packed.tensors),
-        )
-    except BaseException:
-        packed.release()
-        raise
+    packed.reduce(core.allreduce_now, op, prescale, postscale, process_set)
     return packed.result()
 
 
@@ -220,8 +214,8 @@ def _allreduce_now(
     """A blocking allreduce: host tensors take the core's blocking call (its lone lane, with no handle), device
     tensors the asynchronous path without the handle a caller would hold."""
     if plane_kind(tensor) is None:
-        output, in_array, out_array, _ = collective_buffers(tensor, inplace, None)
-        core.allreduce_now(in_array, out_array, dtype_name(tensor), name, op, prescale, postscale, process_set)
+        output, in_array, out_array, label = collective_buffers(tensor, inplace, None)
+        core.allreduce_now(in_array, out_array, dtype_name(tensor), name, op, prescale, postscale, process_set, label)
         return _result(tensor, output, inplace)
     handle, result = _start_allreduce(tensor, name, inplace, op, prescale, postscale, process_set)
     handle.wait()
