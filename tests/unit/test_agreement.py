@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdplus.common.control.agreement import HAS_UNCACHED, Agreement
+from hvdplus.common.control.agreement import BUSY, HAS_UNCACHED, Agreement
 from hvdplus.common.control.messages import Request
 from hvdplus.common.data.executor import Submission
 from hvdplus.common.engines.threads import ThreadWorld
@@ -156,3 +156,60 @@ def test_a_rank_outside_a_set_lets_the_members_cached_collectives_run():
         assert not flags & HAS_UNCACHED
         assert [[r.key for r in rank] for rank in responses] == [[(1, "solo")]] * 2
     assert [engine.exchanges for engine in engines] == [1, 1]
+
+
+def _two_rank_agreements_with(request: Request) -> list[Agreement]:
+    """Two ranks (both in every set used here) that negotiated `request` once, so it is cached."""
+    agreements = ranks()[1]
+    for agreement in agreements:
+        announce(agreement, request)
+    round_of(agreements)
+    return agreements
+
+
+def test_a_lone_round_decides_its_collective_as_a_full_round_would():
+    """Rank 0 in the lone lane (its cache bit alone), rank 1 in a full cycle with the same collective announced:
+    they sent the same words, so rank 0's lone decision is the response rank 1's full decoding finds; then both
+    go on agreeing by the bit alone."""
+    request = Request("grad", OpKind.ALLREDUCE, shape=(4,))
+    agreements = _two_rank_agreements_with(request)
+    lane, full = agreements
+    assert lane.quiet
+    bit = lane.cached_bit(request)
+    assert bit >= 0 and bit == full.cached_bit(request)
+    announce(full, request)
+    words = [lane.lone_words(bit), full.words(BUSY, False, None)]
+    assert words[0].tobytes() == words[1].tobytes()
+    combined = np.bitwise_and.reduce(np.stack(words))
+    decided = lane.lone_response(combined, bit)
+    assert decided is not None and decided.key == (0, "grad")
+    assert [r.key for r in full.responses(combined)] == [(0, "grad")]
+    assert Agreement.flags(combined) == BUSY and lane.quiet and full.quiet
+    for agreement in agreements:
+        announce(agreement, request)
+    assert [[r.key for r in rank] for rank in round_of(agreements)[1]] == [[(0, "grad")]] * 2
+
+
+def test_a_lone_round_a_peer_sent_other_words_in_goes_on_as_a_full_round():
+    """Rank 1's round came without the collective: rank 0's lone round decides nothing alone; announced by its
+    bit, it waits in a full decoding as any, and runs once rank 1 announces it too."""
+    request = Request("grad", OpKind.ALLREDUCE, shape=(4,))
+    lane, full = _two_rank_agreements_with(request)
+    bit = lane.cached_bit(request)
+    combined = np.bitwise_and.reduce(np.stack([lane.lone_words(bit), full.words(0, False, None)]))
+    assert lane.lone_response(combined, bit) is None
+    announce(lane, request)
+    assert lane.responses(combined) == [] and full.responses(combined) == []
+    assert not lane.quiet  # the collective is announced and the partial hit is counted
+    announce(full, request)
+    assert [[r.key for r in rank] for rank in round_of([lane, full])[1]] == [[(0, "grad")]] * 2
+
+
+def test_the_lone_lane_needs_a_quiet_agreement_and_a_cached_request():
+    """Anything announced, or a changed request (not a hit), closes the lane; an uncached one has no bit."""
+    request = Request("grad", OpKind.ALLREDUCE, shape=(4,))
+    lane, _ = _two_rank_agreements_with(request)
+    assert lane.cached_bit(Request("grad", OpKind.ALLREDUCE, shape=(5,))) == -1
+    assert lane.cached_bit(Request("other", OpKind.ALLREDUCE, shape=(4,))) == -1
+    announce(lane, Request("other", OpKind.ALLREDUCE, shape=(4,)))
+    assert not lane.quiet

@@ -197,3 +197,35 @@ def test_a_cycle_run_by_a_waiting_thread_does_not_take_its_numpy_error_state(mon
         assert cycles.drive(Handle("x"), False)
     assert failures == [] and not cycles.stopped
     assert seen == [{"divide": "warn", "over": "warn", "under": "ignore", "invalid": "warn"}]
+
+
+def test_a_submitting_thread_runs_a_lone_cycle_only_when_the_lane_is_open():
+    """run_now: the lane's cycle runs on the calling thread while the ranks are busy, its outcome settling the
+    state as a cycle's does; not when `ready()` says no (nothing runs), in an idle spell, once stopped, or while
+    another thread holds the cycle lock. A failure in it fails the job."""
+    script = Script()
+    cycles, failures = cycles_for(script)
+    lane = Script(True, False, RuntimeError("peer lost"))
+    lane.cycles = cycles
+    assert not cycles.run_now(lambda: False, lane) and lane.threads == []
+    assert cycles.run_now(lambda: True, lane) and lane.inside == [True] and not cycles.idle
+    assert cycles.run_now(lambda: True, lane) and cycles.idle  # its round showed no work: an idle spell
+    assert not cycles.run_now(lambda: True, lane) and len(lane.threads) == 2
+    cycles.idle = False
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold_a_cycle(spin: bool) -> bool:
+        held.set()
+        release.wait(10)
+        return True
+
+    other = threading.Thread(target=lambda: cycles.run_now(lambda: True, hold_a_cycle))
+    other.start()
+    assert held.wait(10)
+    assert not cycles.run_now(lambda: True, lane) and len(lane.threads) == 2  # the lock is taken: submit instead
+    release.set()
+    other.join(10)
+    assert cycles.run_now(lambda: True, lane)  # the cycle raised: the job fails
+    assert cycles.stopped and [str(f) for f in failures] == ["peer lost"]
+    assert not cycles.run_now(lambda: True, lane)
