@@ -97,13 +97,18 @@ def test_a_late_peer_sends_the_lone_round_on_as_a_full_cycle(hvd):
 
 
 def test_the_lone_lane_stays_closed_while_the_rank_has_work_in_flight(hvd):
-    """An asynchronous allreduce in flight closes the lane (its round would announce two collectives): the blocking
-    call behind it takes the full cycle, and both complete with the right sums, in the order submitted."""
+    """An asynchronous allreduce in flight closes the lane (its round would announce two collectives): rank 0's
+    blocking call behind it takes the full cycle. The peers submit the asynchronous one only after the blocking
+    one, so it is still in flight on rank 0 whatever the timing. Both complete with the right sums."""
     counters, size = _counters(), hvd.size()
     for step in range(3):
-        handle = hvd.allreduce_async(torch.full((2,), float(step)), op=hvd.Sum, name="lone.async")
-        runs = counters.lone_runs
-        got = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="lone.after.async")
-        assert counters.lone_runs == runs
+        if hvd.rank() == 0:
+            handle = hvd.allreduce_async(torch.full((2,), float(step)), op=hvd.Sum, name="lone.async")
+            runs = counters.lone_runs
+            got = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="lone.after.async")
+            assert counters.lone_runs == runs
+        else:
+            got = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="lone.after.async")
+            handle = hvd.allreduce_async(torch.full((2,), float(step)), op=hvd.Sum, name="lone.async")
         assert got.tolist() == [float(size)] * 3
         assert hvd.synchronize(handle).tolist() == [float(size * step)] * 2
