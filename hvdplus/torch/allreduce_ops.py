@@ -20,7 +20,6 @@ from hvdplus.common.ops import ReduceOp
 from hvdplus.torch.buffers import as_numpy, collective_buffers, device_label, dtype_name, plane_kind
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.op_base import differentiable, synchronize
-from hvdplus.torch.packing import flat_views, packed_buffers
 
 __all__ = [
     "allreduce",
@@ -75,61 +74,49 @@ _Done = TypeVar("_Done")
 
 
 class _Packed:
-    """A packable group in its flat buffer (a named in-place group's kept one, packing.py), and how its results
-    come back: views of the buffer, copied into the inputs when in place."""
+    """A packable group in one flat buffer, and how its results come back: views of the buffer, copied into the
+    inputs when in place."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], name: str | None, inplace: bool) -> None:
-        self.tensors, self.name, self.inplace = list(tensors), name, inplace
+    def __init__(self, tensors: Sequence[torch.Tensor], inplace: bool) -> None:
+        self.tensors, self.inplace = list(tensors), inplace
         self.parts = tuple(tuple(t.shape) for t in tensors)
-        self._views: list[torch.Tensor] | None = None
-        self._kept = False
         with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
-            if inplace and name is not None:
-                self.flat, self._views, self._kept = packed_buffers.borrow(name, tensors, self.parts)
-                torch._foreach_copy_(self._views, self.tensors)
-            else:
-                self.flat = torch._utils._flatten_dense_tensors(tensors)
+            self.flat = torch._utils._flatten_dense_tensors(tensors)
         self.kind = plane_kind(self.flat)
         # a device plane takes the tensor itself
         self.buffer: Any = as_numpy(self.flat) if self.kind is None else self.flat
 
     def reduce(
-        self, call: Callable[..., _Done], op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet
+        self,
+        call: Callable[..., _Done],
+        name: str | None,
+        op: ReduceOp,
+        prescale: float,
+        postscale: float,
+        process_set: ProcessSet,
     ) -> _Done:
-        """`call` (core.submit_allreduce or core.allreduce_now) on the buffer, as one request for the group; the
-        kept buffer is given back if the call fails to start."""
-        try:
-            return call(
-                self.buffer,
-                self.buffer,
-                dtype_name(self.flat),
-                self.name,
-                op,
-                prescale,
-                postscale,
-                process_set,
-                device_label(self.flat, self.kind),
-                parts=self.parts,
-                group=len(self.tensors),
-            )
-        except BaseException:
-            self.release()
-            raise
+        """`call` (core.submit_allreduce or core.allreduce_now) on the buffer, as one request for the group."""
+        return call(
+            self.buffer,
+            self.buffer,
+            dtype_name(self.flat),
+            name,
+            op,
+            prescale,
+            postscale,
+            process_set,
+            device_label(self.flat, self.kind),
+            parts=self.parts,
+            group=len(self.tensors),
+        )
 
     def result(self) -> list[torch.Tensor]:
-        outputs = flat_views(self.flat, self.tensors) if self._views is None else self._views
+        outputs = list(torch._utils._unflatten_dense_tensors(self.flat, self.tensors))
         if not self.inplace:
             return outputs
         with torch.no_grad():  # in place on the inputs, leaves that require grad included
             torch._foreach_copy_(self.tensors, outputs)
-        self.release()
         return self.tensors
-
-    def release(self) -> None:
-        """Give the kept buffer back (the call is over, or never started)."""
-        if self._kept:
-            self._kept = False
-            packed_buffers.give_back(str(self.name))
 
 
 def _start_packed_allreduce(
@@ -142,8 +129,8 @@ def _start_packed_allreduce(
     process_set: ProcessSet,
 ) -> tuple[Handle, Callable[[], list[torch.Tensor]]]:
     """One request for the whole group: packed by one torch kernel, reduced in place in one engine call."""
-    packed = _Packed(tensors, name, inplace)
-    return packed.reduce(core.submit_allreduce, op, prescale, postscale, process_set), packed.result
+    packed = _Packed(tensors, inplace)
+    return packed.reduce(core.submit_allreduce, name, op, prescale, postscale, process_set), packed.result
 
 
 def _packed_allreduce_now(
@@ -155,8 +142,8 @@ def _packed_allreduce_now(
     process_set: ProcessSet,
 ) -> list[torch.Tensor]:
     """A blocking in-place grouped allreduce of host tensors: the core's blocking call (its lone lane)."""
-    packed = _Packed(tensors, name, True)
-    packed.reduce(core.allreduce_now, op, prescale, postscale, process_set)
+    packed = _Packed(tensors, True)
+    packed.reduce(core.allreduce_now, name, op, prescale, postscale, process_set)
     return packed.result()
 
 

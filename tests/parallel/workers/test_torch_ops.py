@@ -109,41 +109,6 @@ def test_grouped_allreduce_is_one_packed_request(hvd):
     assert [t.tolist() for t in hvd.synchronize(mixed)] == [[float(hvd.size())] * 2] * 2
 
 
-def test_a_named_in_place_group_keeps_its_buffer(hvd):
-    """A named in-place group packs into the buffer it kept from its last call (torch/packing.py): the same
-    buffer call after call, right sums each time; new shapes under the name get a new buffer; a second call under
-    the name while the first is in flight raises a duplicate-name error and leaves the first call's values alone
-    (the second packs into a buffer of its own)."""
-    from hvdplus.torch.packing import packed_buffers
-
-    size, shapes = hvd.size(), [(2, 3), (5,), (1,)]
-    kept = None
-    for step in range(3):
-        tensors = [torch.full(shape, float(hvd.rank() + step)) for shape in shapes]
-        assert hvd.grouped_allreduce_(tensors, op=hvd.Sum, name="kept.group")[0] is tensors[0]
-        for tensor in tensors:
-            assert torch.all(tensor == float(sum(range(size)) + size * step))
-        kept = kept if kept is not None else packed_buffers.kept("kept.group")
-        assert kept is not None and packed_buffers.kept("kept.group") is kept
-    reshaped = [torch.ones(4), torch.ones(2, 2)]
-    hvd.grouped_allreduce_(reshaped, op=hvd.Sum, name="kept.group")
-    assert all(torch.all(t == float(size)) for t in reshaped)
-    assert packed_buffers.kept("kept.group") is not kept
-    # Rank 0's first call is surely in flight at its second: the others submit theirs after a barrier that rank 0
-    # enters after its second call (as test_errors.py's duplicate-name test).
-    first = [torch.full((3,), float(hvd.rank())), torch.full((2,), 1.0)]
-    if hvd.rank() == 0:
-        handle = hvd.grouped_allreduce_async_(first, op=hvd.Sum, name="kept.twice")
-        with pytest.raises(ValueError, match="duplicate name"):
-            hvd.grouped_allreduce_async_([torch.full((3,), 9.0), torch.full((2,), 9.0)], op=hvd.Sum, name="kept.twice")
-        hvd.barrier()
-    else:
-        hvd.barrier()
-        handle = hvd.grouped_allreduce_async_(first, op=hvd.Sum, name="kept.twice")
-    hvd.synchronize(handle)
-    assert first[0].tolist() == [float(sum(range(size)))] * 3 and first[1].tolist() == [float(size)] * 2
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("op_name", ["Min", "Max"])
 def test_min_and_max_propagate_nan_on_every_engine(hvd, dtype, op_name):
