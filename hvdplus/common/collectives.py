@@ -138,11 +138,7 @@ def allreduce_now(
 
     Collective: every rank in the process set must call this, in the same order."""
     request = _allreduce_request(array, dtype, name, op, prescale, postscale, process_set, device, parts, group)
-    coordinator = runtime().coordinator
-    if op == ReduceOp.ADASUM:  # reduced tensor by tensor, by the batch's own code (executor.py)
-        coordinator.submit(request, array, output).wait()
-    else:
-        coordinator.allreduce_now(request, array, output)
+    runtime().coordinator.allreduce_now(request, array, output)
 
 
 def _allreduce_request(

@@ -390,6 +390,7 @@ def grouped_allreduce_(
     process_set: ProcessSet = global_process_set,
 ) -> list[torch.Tensor]:
     """In-place grouped allreduce."""
+    tensors = list(tensors)
     resolved = core.resolve_op(average, op)
     if _packable(tensors, resolved) and tensors[0].is_cpu and plane_kind(tensors[0]) is None:
         return _packed_allreduce_now(tensors, name, resolved, prescale_factor, postscale_factor, process_set)

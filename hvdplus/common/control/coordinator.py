@@ -32,6 +32,7 @@ from hvdplus.common.data.executor import Submission
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.handles import Handle
+from hvdplus.common.ops import ReduceOp
 from hvdplus.common.set_table import ProcessSetTable
 from hvdplus.common.settings import Settings
 from hvdplus.common.timeline import Timeline, TimelineSlot
@@ -119,11 +120,13 @@ class Coordinator:
         return self._queue(rounds, request, input, output, on_device)
 
     def allreduce_now(self, request: Request, input: np.ndarray, output: np.ndarray) -> None:
-        """A blocking allreduce of host buffers (not Adasum) into `output`: in its rounds' lone lane where it is
-        open (set_rounds.py: SetRounds.run_lone), else submitted and waited for."""
+        """A blocking allreduce into `output`: in its rounds' lone lane where it is open (set_rounds.py:
+        SetRounds.run_lone; host buffers, and not Adasum, which the executor reduces tensor by tensor), else
+        submitted and waited for."""
         rounds, on_device = self._route(request, input)
         self._names.reserve(request)
-        work = None if on_device else rounds.run_lone(request, input, output)
+        lone = not on_device and request.op != ReduceOp.ADASUM
+        work = rounds.run_lone(request, input, output) if lone else None
         (self._queue(rounds, request, input, output, on_device) if work is None else work).wait()
 
     def _route(self, request: Request, input: Any) -> tuple[SetRounds, bool]:
