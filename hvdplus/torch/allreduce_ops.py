@@ -13,13 +13,14 @@ from typing import Any, TypeVar
 import torch
 
 from hvdplus.common import collectives as core
-from hvdplus.common.basics import ProcessSet, global_process_set
+from hvdplus.common.basics import ProcessSet, global_process_set, runtime
 from hvdplus.common.handles import Completion, Handle
 from hvdplus.common.naming import group_size, member_names
 from hvdplus.common.ops import ReduceOp
 from hvdplus.torch.buffers import as_numpy, collective_buffers, device_label, dtype_name, plane_kind
 from hvdplus.torch.compression import Compression, Compressor
 from hvdplus.torch.op_base import differentiable, synchronize
+from hvdplus.torch.packing import KeptBuffer, kept_buffers
 
 __all__ = [
     "allreduce",
@@ -77,11 +78,21 @@ class _Packed:
     """A packable group in one flat buffer, and how its results come back: views of the buffer, copied into the
     inputs when in place."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], inplace: bool) -> None:
-        self.tensors, self.inplace = list(tensors), inplace
+    def __init__(self, tensors: Sequence[torch.Tensor], inplace: bool, keep: tuple[str, int] | None = None) -> None:
+        """`keep`: the (name, process set id) under which an in-place group's buffer is kept for its next call
+        (packing.py); None: a new buffer."""
+        self.tensors, self.inplace, self.keep = list(tensors), inplace, keep
         self.parts = tuple(tuple(t.shape) for t in tensors)
+        self.kept: KeptBuffer | None = None
         with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
-            self.flat = torch._utils._flatten_dense_tensors(tensors)
+            if keep is None:
+                self.flat = torch._utils._flatten_dense_tensors(tensors)
+            else:
+                self.kept = kept_buffers.borrow(keep, self.tensors, self.parts) or kept_buffers.make(
+                    self.tensors, self.parts
+                )
+                torch._foreach_copy_(self.kept.views, self.tensors)
+                self.flat = self.kept.flat
         self.kind = plane_kind(self.flat)
         # a device plane takes the tensor itself
         self.buffer: Any = as_numpy(self.flat) if self.kind is None else self.flat
@@ -111,11 +122,16 @@ class _Packed:
         )
 
     def result(self) -> list[torch.Tensor]:
-        outputs = list(torch._utils._unflatten_dense_tensors(self.flat, self.tensors))
+        if self.kept is None:
+            outputs = list(torch._utils._unflatten_dense_tensors(self.flat, self.tensors))
+        else:
+            outputs = self.kept.views
         if not self.inplace:
             return outputs
         with torch.no_grad():  # in place on the inputs, leaves that require grad included
             torch._foreach_copy_(self.tensors, outputs)
+        if self.keep is not None and self.kept is not None:  # kept only once the call succeeded
+            kept_buffers.give_back(self.keep, self.kept, runtime().settings.fusion_threshold)
         return self.tensors
 
 
@@ -141,8 +157,9 @@ def _packed_allreduce_now(
     postscale: float,
     process_set: ProcessSet,
 ) -> list[torch.Tensor]:
-    """A blocking in-place grouped allreduce of host tensors: the core's blocking call (its lone lane)."""
-    packed = _Packed(tensors, True)
+    """A blocking in-place grouped allreduce of host tensors: the core's blocking call (its lone lane), in the
+    buffer kept for the group's name (packing.py)."""
+    packed = _Packed(tensors, True, None if name is None else (name, process_set.process_set_id or 0))
     packed.reduce(core.allreduce_now, name, op, prescale, postscale, process_set)
     return packed.result()
 
@@ -394,6 +411,8 @@ def grouped_allreduce_(
     resolved = core.resolve_op(average, op)
     if _packable(tensors, resolved) and tensors[0].is_cpu and plane_kind(tensors[0]) is None:
         return _packed_allreduce_now(tensors, name, resolved, prescale_factor, postscale_factor, process_set)
+    if len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):  # a group of one is named as a plain call
+        return [_allreduce_now(tensors[0], True, name, resolved, prescale_factor, postscale_factor, process_set)]
     return synchronize(
         grouped_allreduce_async_(tensors, average, name, op, prescale_factor, postscale_factor, process_set)
     )
