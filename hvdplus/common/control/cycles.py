@@ -65,6 +65,7 @@ class Cycles:
         self._last_submit = 0.0  # when this rank last submitted to these rounds (time.monotonic)
         self._owner: int | None = None  # the thread running a cycle now
         self.driven = 0  # cycles run by waiting threads so far (tests check that lone collectives ran them)
+        self.last_lone = False  # whether the last cycle was a submitting thread's (run_now: the lone lane)
 
     @property
     def waiters_drive(self) -> bool:
@@ -82,6 +83,7 @@ class Cycles:
         with self._lock:
             if not self.stopped:
                 self._run()
+                self.last_lone = False
 
     def until_due(self) -> float:
         """Seconds until the background thread's next cycle is due (a cycle time after the last, whoever ran it)."""
@@ -108,6 +110,7 @@ class Cycles:
         with self._lock:
             if not (self.stopped or self.idle) and (urgent() or self.until_background_due() == 0.0):
                 self._run()
+                self.last_lone = False
 
     def drive(self, handle: Handle, again: bool) -> bool:
         """From a thread waiting for `handle`: run the next cycle here while the ranks are busy (after the one
@@ -124,6 +127,7 @@ class Cycles:
                 return False
             self.driven += 1
             _run_in_own_state(self._run)
+            self.last_lone = False
             return True
 
     def run_now(self, ready: Callable[[], bool], cycle: Callable[[bool], bool | None]) -> bool:
@@ -136,6 +140,7 @@ class Cycles:
             if self.idle or self.stopped or not ready():
                 return False
             _run_in_own_state(partial(self._run, cycle))
+            self.last_lone = True
             return True
         finally:
             self._lock.release()

@@ -45,6 +45,10 @@ __all__ = ["RoundsContext", "SetRounds"]
 
 log = logging.getLogger("hvdplus")
 
+# How many cycle times the background thread sleeps while other threads run the cycles and it has nothing to run
+# (SetRounds._background_wait): a bound on how late it notices a failure then, or the ranks' going idle.
+_RESTING_CYCLES = 20
+
 
 @dataclass(frozen=True)
 class RoundsContext:
@@ -112,6 +116,7 @@ class SetRounds:
         self.joined = False  # this rank called join() and these rounds have not agreed the join yet
         self._stop_requested = False
         self._stop_reason = ""
+        self._resting = False  # the background thread sleeps longer than a cycle time (_background_wait)
         # Device planes stay on the background thread: a waiting thread's current stream may be the user's.
         self.cycles = Cycles(
             self._cycle, self._failed, inline=not self._planes_possible(), period_s=lambda: tunables.cycle_time_ms / 1e3
@@ -128,7 +133,7 @@ class SetRounds:
             self._in_flight.fail_all(HorovodInternalError(f"process set {self.set_id}'s rounds stopped: {reason}"))
         # Event.set costs more than the check, and bursts need only one. Read after the put: a thread that goes idle
         # after this check finds the work queued (IdleSpells.wait_for_work looks before it sleeps).
-        if not self._wake.is_set() and not self.cycles.waiters_drive:
+        if not self._wake.is_set() and (self._resting or not self.cycles.waiters_drive):
             self._wake.set()
         return work.handle
 
@@ -289,13 +294,30 @@ class SetRounds:
                     self._idle.wait_for_work(self.rounds + 1)
                     self.cycles.run()
                 else:
-                    self._wake.wait(self.cycles.until_background_due())  # a submit nobody waits for ends it
+                    self._wake.wait(self._background_wait())  # a submit nobody waits for ends it
+                    self._resting = False
                     self._wake.clear()
                     self.cycles.run_if_due(self._has_urgent_work)
         except BaseException as exc:  # the doorbell failed
             self._failed(exc)
         finally:
             self._release()
+
+    def _background_wait(self) -> float:
+        """How long the background thread sleeps before its next cycle: until it is due, or, while blocking calls
+        run their cycles in the lone lane and this rank has nothing queued or in flight here, _RESTING_CYCLES cycle
+        times, unless a submit wakes it first. Its cycles are then for the peers alone, which need none of this
+        rank's rounds to complete anything before it submits (it has nothing of theirs), and its wake-ups, one
+        each cycle time, cost a loop of lone blocking allreduces a fifth of its speed on two shared cores. (Not
+        after a cycle that a waiting thread drove: asynchronous bursts would then pay a wake-up each.)"""
+        due = self.cycles.until_background_due()
+        if not self.cycles.last_lone:
+            return due
+        self._resting = True  # before the look below: a submit either sees it or is seen (submit's wake)
+        if self.busy or self._stop_requested or self.cycles.stopped:
+            self._resting = False
+            return due
+        return max(due, _RESTING_CYCLES * self.tunables.cycle_time_ms / 1e3)
 
     def _failed(self, exc: BaseException) -> None:
         """A cycle or the doorbell failed: every set's work fails. A verdict of a set's own rounds (a member frozen or
