@@ -88,7 +88,7 @@ class _Packed:
             if keep is None:
                 self.flat = torch._utils._flatten_dense_tensors(tensors)
             else:
-                self.kept = kept_buffers.borrow(keep, self.tensors, self.parts) or kept_buffers.make(
+                self.kept = kept_buffers.borrow(keep, self.tensors, self.parts, runtime()) or kept_buffers.make(
                     self.tensors, self.parts
                 )
                 torch._foreach_copy_(self.kept.views, self.tensors)
@@ -131,7 +131,8 @@ class _Packed:
         with torch.no_grad():  # in place on the inputs, leaves that require grad included
             torch._foreach_copy_(self.tensors, outputs)
         if self.keep is not None and self.kept is not None:  # kept only once the call succeeded
-            kept_buffers.give_back(self.keep, self.kept, runtime().settings.fusion_threshold)
+            owner = runtime()
+            kept_buffers.give_back(self.keep, self.kept, owner.settings.fusion_threshold, owner)
         return self.tensors
 
 

@@ -1,8 +1,9 @@
-"""The background thread rests while the threads that call collectives run the cycles (set_rounds.py:
-SetRounds._background_wait): it then sleeps 20 cycle times instead of one, and a submit nobody waits for wakes it.
+"""The background thread rests while the lone lane runs the cycles (set_rounds.py: SetRounds._background_wait): it
+then sleeps 20 cycle times (at most 1 s) instead of one, and a submit nobody waits for wakes it.
 
-One rank (the one-rank engine) with a cycle time of 1 s: a rest is 20 s, so an asynchronous allreduce submitted
-during one completes within the test's few seconds only because its submit woke the background thread."""
+One rank (the one-rank engine) with a cycle time of 100 ms: a rest is 1 s, in which the thread runs no round, and
+an asynchronous allreduce submitted during one completes within the test's 0.5 s only because its submit woke the
+background thread."""
 
 from __future__ import annotations
 
@@ -22,22 +23,26 @@ def _request(name: str) -> Request:
     return Request(name, OpKind.ALLREDUCE, 0, "float32", (4,), op=ReduceOp.SUM)
 
 
-def test_an_asynchronous_submit_wakes_a_resting_background_thread():
-    coordinator = Coordinator(LocalEngine(), Settings(cycle_time_ms=1000.0), Topology(0, ("host",)))
+def test_the_background_thread_rests_beside_the_lone_lane_and_a_submit_wakes_it():
+    coordinator = Coordinator(LocalEngine(), Settings(cycle_time_ms=100.0), Topology(0, ("host",)))
     try:
         data = np.ones(4, dtype=np.float32)
-        # Blocking allreduces for longer than a cycle time, a millisecond apart (so that the background thread gets
-        # the cycle lock between them): the first is checked and cached, the later ones take the lone lane, and
-        # meanwhile the background thread wakes, finds the last cycle was the caller's and nothing of its own to
-        # run, and rests.
-        until = time.monotonic() + 1.5
-        while time.monotonic() < until:
+        # Blocking allreduces a millisecond apart (so that the background thread gets the cycle lock between them):
+        # the first is checked and cached, the later ones take the lone lane, and meanwhile the background thread
+        # wakes, finds the last cycle was the lane's and nothing of its own to run, and rests, 1 s at a time. The
+        # calls go on until a rest has just begun (the second: the first may have begun before the lane ran).
+        counters, until = coordinator.counters, time.monotonic() + 10.0
+        while counters.background_rests < 2 and time.monotonic() < until:
             coordinator.allreduce_now(_request("rest.lone"), data, data)
             time.sleep(1e-3)
-        assert coordinator.counters.lone_runs >= 2, coordinator.counters.lone_runs
+        assert counters.lone_runs >= 2, counters.lone_runs
+        assert counters.background_rests >= 2, "the background thread never rested beside the lone lane"
+        rounds = counters.rounds
+        time.sleep(0.25)  # 2.5 cycle times: a thread that did not rest would have run its due round
+        assert counters.rounds == rounds, "the background thread ran rounds while it should rest"
+        start = time.monotonic()
         handle = coordinator.submit(_request("rest.async"), data, data)
-        deadline = time.monotonic() + 5.0  # a cycle time and some; a rest would be 20 s
-        while not handle.done() and time.monotonic() < deadline:
+        while not handle.done() and time.monotonic() < start + 0.5:  # a cycle time and some; the rest has 0.75 s left
             time.sleep(0.01)
         assert handle.done(), "the asynchronous allreduce waited for the background thread's rest to end"
     finally:

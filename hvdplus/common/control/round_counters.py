@@ -53,6 +53,11 @@ class RoundCounters:
         return sum(rounds.lone_runs for rounds in self._all)
 
     @property
+    def background_rests(self) -> int:
+        """Times a background thread rested while the lone lane ran the cycles (SetRounds._background_wait)."""
+        return sum(rounds.rests for rounds in self._all)
+
+    @property
     def lone_fallbacks(self) -> int:
         """Lone lane rounds that did not decide their collective alone and went on as a full cycle."""
         return sum(rounds.lone_fallbacks for rounds in self._all)

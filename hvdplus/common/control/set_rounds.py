@@ -45,9 +45,10 @@ __all__ = ["RoundsContext", "SetRounds"]
 
 log = logging.getLogger("hvdplus")
 
-# How many cycle times the background thread sleeps while other threads run the cycles and it has nothing to run
-# (SetRounds._background_wait): a bound on how late it notices a failure then, or the ranks' going idle.
-_RESTING_CYCLES = 20
+# How long the background thread sleeps while the lone lane runs the cycles and it has nothing to run
+# (SetRounds._background_wait): 20 cycle times, at most a second (how late it then notices a failure, or the
+# ranks' going idle; a frozen peer is named after a second of silence too).
+_RESTING_CYCLES, _MOST_REST_S = 20, 1.0
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,7 @@ class SetRounds:
         self.rounds = 0  # control rounds run so far (a test checks that idle ranks run none)
         # Lone lane rounds (run_lone) that decided their collective alone, and those that went on as a full cycle.
         self.lone_runs = self.lone_fallbacks = 0
+        self.rests = 0  # times the background thread went to rest (_background_wait)
         self.joined = False  # this rank called join() and these rounds have not agreed the join yet
         self._stop_requested = False
         self._stop_reason = ""
@@ -306,10 +308,10 @@ class SetRounds:
     def _background_wait(self) -> float:
         """How long the background thread sleeps before its next cycle: until it is due, or, while blocking calls
         run their cycles in the lone lane and this rank has nothing queued or in flight here, _RESTING_CYCLES cycle
-        times, unless a submit wakes it first. Its cycles are then for the peers alone, which need none of this
-        rank's rounds to complete anything before it submits (it has nothing of theirs), and its wake-ups, one
-        each cycle time, cost a loop of lone blocking allreduces a fifth of its speed on two shared cores. (Not
-        after a cycle that a waiting thread drove: asynchronous bursts would then pay a wake-up each.)"""
+        times (at most _MOST_REST_S), unless a submit wakes it first. Its cycles are then for the peers alone, which
+        need none of this rank's rounds to complete anything before it submits (it has nothing of theirs), and its
+        wake-ups, one each cycle time, cost a loop of lone blocking allreduces a fifth of its speed on two shared
+        cores. (Not after a cycle that a waiting thread drove: asynchronous bursts would then pay a wake-up each.)"""
         due = self.cycles.until_background_due()
         if not self.cycles.last_lone:
             return due
@@ -317,7 +319,8 @@ class SetRounds:
         if self.busy or self._stop_requested or self.cycles.stopped:
             self._resting = False
             return due
-        return max(due, _RESTING_CYCLES * self.tunables.cycle_time_ms / 1e3)
+        self.rests += 1
+        return max(due, min(_RESTING_CYCLES * self.tunables.cycle_time_ms / 1e3, _MOST_REST_S))
 
     def _failed(self, exc: BaseException) -> None:
         """A cycle or the doorbell failed: every set's work fails. A verdict of a set's own rounds (a member frozen or

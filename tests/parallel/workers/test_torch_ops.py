@@ -135,13 +135,17 @@ def test_a_named_blocking_group_packs_into_the_buffer_it_kept(hvd, dtype):
     hvd.grouped_allreduce_(reshaped, op=hvd.Sum, name=name)
     assert all(torch.all(t == float(size)) for t in reshaped)
     assert kept_buffers.reuses - reuses == (3 if host else 0)
+    groups = len(kept_buffers)
     for _ in range(2):
         asynchronous = [torch.ones(3, dtype=dtype), torch.ones(2, dtype=dtype)]
         hvd.synchronize(hvd.grouped_allreduce_async_(asynchronous, op=hvd.Sum, name=f"{name}.async"))
         unnamed = [torch.ones(3, dtype=dtype), torch.ones(2, dtype=dtype)]
         hvd.grouped_allreduce_(unnamed, op=hvd.Sum)
         assert all(torch.all(t == float(size)) for t in asynchronous + unnamed)
+        (alone,) = hvd.grouped_allreduce_([torch.full((3,), float(hvd.rank()), dtype=dtype)], op=hvd.Sum, name=name)
+        assert torch.all(alone == float(sum(range(size))))  # a group of one: the plain blocking call
     assert kept_buffers.reuses - reuses == (3 if host else 0)
+    assert len(kept_buffers) == groups  # none of those kept a buffer
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
