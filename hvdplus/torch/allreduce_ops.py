@@ -81,7 +81,7 @@ class _Packed:
     def __init__(self, tensors: Sequence[torch.Tensor], inplace: bool, keep: tuple[str, int] | None = None) -> None:
         """`keep`: the (name, process set id) under which an in-place group's buffer is kept for its next call
         (packing.py); None: a new buffer."""
-        self.tensors, self.inplace, self.keep = list(tensors), inplace, keep
+        self.tensors, self.inplace = list(tensors), inplace
         self.parts = tuple(tuple(t.shape) for t in tensors)
         self.kept: KeptBuffer | None = None
         with torch.no_grad():  # no autograd record, and no detached copy of every tensor to make one
@@ -89,7 +89,7 @@ class _Packed:
                 self.flat = torch._utils._flatten_dense_tensors(tensors)
             else:
                 self.kept = kept_buffers.borrow(keep, self.tensors, self.parts, runtime()) or kept_buffers.make(
-                    self.tensors, self.parts
+                    keep, self.tensors, self.parts
                 )
                 torch._foreach_copy_(self.kept.views, self.tensors)
                 self.flat = self.kept.flat
@@ -130,9 +130,9 @@ class _Packed:
             return outputs
         with torch.no_grad():  # in place on the inputs, leaves that require grad included
             torch._foreach_copy_(self.tensors, outputs)
-        if self.keep is not None and self.kept is not None:  # kept only once the call succeeded
+        if self.kept is not None:  # kept only once the call succeeded
             owner = runtime()
-            kept_buffers.give_back(self.keep, self.kept, owner.settings.fusion_threshold, owner)
+            kept_buffers.give_back(self.kept, owner.settings.fusion_threshold, owner)
         return self.tensors
 
 

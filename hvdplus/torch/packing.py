@@ -35,20 +35,18 @@ _MAX_GROUPS = 64
 
 
 class KeptBuffer:
-    """A group's buffer, its views in the group's shapes, and the layout they were made for."""
+    """A group's buffer, its views in the group's shapes, the key it is kept under and the layout it fits."""
 
-    __slots__ = ("layout", "flat", "views", "nbytes")
+    __slots__ = ("key", "layout", "flat", "views", "nbytes")
 
-    def __init__(self, layout: tuple[Any, ...], flat: torch.Tensor, views: list[torch.Tensor]) -> None:
-        self.layout, self.flat, self.views = layout, flat, views
-        size = flat.numel() * flat.element_size()
-        self.nbytes = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE  # what its map takes: whole pages
+    def __init__(self, key: _Key, layout: tuple[Any, ...], flat: torch.Tensor, views: list[torch.Tensor]) -> None:
+        self.key, self.layout, self.flat, self.views = key, layout, flat, views
+        self.nbytes = -(-flat.nbytes // mmap.PAGESIZE) * mmap.PAGESIZE  # what its map takes: whole pages
 
 
 def _mapped(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat tensor in a private anonymous memory map of its own (unmapped once the tensor is freed)."""
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel)
+    return torch.frombuffer(mmap.mmap(-1, numel * dtype.itemsize, flags=mmap.MAP_PRIVATE), dtype=dtype, count=numel)
 
 
 class KeptBuffers:
@@ -89,24 +87,24 @@ class KeptBuffers:
         return entry
 
     @staticmethod
-    def make(tensors: Sequence[torch.Tensor], parts: tuple[Any, ...]) -> KeptBuffer:
-        """A new buffer (and views) for the group, to give back once the call completes."""
+    def make(key: _Key, tensors: Sequence[torch.Tensor], parts: tuple[Any, ...]) -> KeptBuffer:
+        """A new buffer (and views) for the group under `key`, to give back once the call completes."""
         dtype = tensors[0].dtype
         numel = sum(t.numel() for t in tensors)
         flat = _mapped(numel, dtype) if numel else torch.empty(0, dtype=dtype)
-        return KeptBuffer((parts, dtype), flat, list(torch._utils._unflatten_dense_tensors(flat, tensors)))
+        return KeptBuffer(key, (parts, dtype), flat, list(torch._utils._unflatten_dense_tensors(flat, tensors)))
 
-    def give_back(self, key: _Key, entry: KeptBuffer, limit: int, owner: Any) -> None:
-        """Keep `entry` for `key`'s next call under the runtime `owner`, dropping the least recently used beyond
+    def give_back(self, entry: KeptBuffer, limit: int, owner: Any) -> None:
+        """Keep `entry` for its key's next call under the runtime `owner`, dropping the least recently used beyond
         `limit` bytes or _MAX_GROUPS groups in all."""
         if entry.nbytes > limit:
             return
         with self._lock:
             self._serve(owner)
-            old = self._free.pop(key, None)  # another thread's buffer for the same name, given back first
+            old = self._free.pop(entry.key, None)  # another thread's buffer for the same name, given back first
             if old is not None:
                 self._bytes -= old.nbytes
-            self._free[key] = entry
+            self._free[entry.key] = entry
             self._bytes += entry.nbytes
             while self._bytes > limit or len(self._free) > _MAX_GROUPS:
                 _, dropped = self._free.popitem(last=False)

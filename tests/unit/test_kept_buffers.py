@@ -28,11 +28,11 @@ def test_a_buffer_given_back_is_borrowed_again_with_views_in_the_groups_shapes()
     kept = KeptBuffers()
     tensors, parts = _group((2, 3), (4,))
     assert kept.borrow(("g", 0), tensors, parts, RUNTIME) is None
-    entry = kept.make(tensors, parts)
+    entry = kept.make(("g", 0), tensors, parts)
     assert entry.flat.numel() == 10 and [tuple(v.shape) for v in entry.views] == [(2, 3), (4,)]
     entry.views[1].fill_(7.0)
     assert entry.flat[6:].tolist() == [7.0] * 4  # the views are the buffer's memory
-    kept.give_back(("g", 0), entry, 1 << 20, RUNTIME)
+    kept.give_back(entry, 1 << 20, RUNTIME)
     assert kept.borrow(("g", 0), tensors, parts, RUNTIME) is entry and kept.reuses == 1
     assert kept.borrow(("g", 0), tensors, parts, RUNTIME) is None  # lent: the next call packs into its own
 
@@ -40,12 +40,12 @@ def test_a_buffer_given_back_is_borrowed_again_with_views_in_the_groups_shapes()
 def test_another_layout_process_set_or_dtype_gets_a_new_buffer():
     kept = KeptBuffers()
     tensors, parts = _group((2, 3), (4,))
-    kept.give_back(("g", 0), kept.make(tensors, parts), 1 << 20, RUNTIME)
+    kept.give_back(kept.make(("g", 0), tensors, parts), 1 << 20, RUNTIME)
     assert kept.borrow(("g", 1), tensors, parts, RUNTIME) is None
     other, other_parts = _group((3, 2), (4,))
     assert kept.borrow(("g", 0), other, other_parts, RUNTIME) is None  # dropped: the name now has another layout
     assert len(kept) == 0
-    kept.give_back(("g", 0), kept.make(tensors, parts), 1 << 20, RUNTIME)
+    kept.give_back(kept.make(("g", 0), tensors, parts), 1 << 20, RUNTIME)
     halves, half_parts = _group((2, 3), (4,), dtype=torch.float16)
     assert kept.borrow(("g", 0), halves, half_parts, RUNTIME) is None
     assert kept.reuses == 0
@@ -56,12 +56,12 @@ def test_at_most_limit_bytes_in_whole_pages_are_kept_least_recently_used_first()
     tensors, parts = _group((4,))  # 16 bytes, one page
     limit = 2 * mmap.PAGESIZE + 100
     for name in "abc":
-        kept.give_back((name, 0), kept.make(tensors, parts), limit, RUNTIME)
+        kept.give_back(kept.make((name, 0), tensors, parts), limit, RUNTIME)
     assert len(kept) == 2
     assert kept.borrow(("a", 0), tensors, parts, RUNTIME) is None  # dropped for c
     assert kept.borrow(("b", 0), tensors, parts, RUNTIME) is not None
     big, big_parts = _group((mmap.PAGESIZE,))
-    kept.give_back(("big", 0), kept.make(big, big_parts), limit, RUNTIME)  # 4 pages: more than the limit
+    kept.give_back(kept.make(("big", 0), big, big_parts), limit, RUNTIME)  # 4 pages: more than the limit
     assert kept.borrow(("big", 0), big, big_parts, RUNTIME) is None
 
 
@@ -69,7 +69,7 @@ def test_at_most_max_groups_are_kept():
     kept = KeptBuffers()
     tensors, parts = _group((4,))
     for number in range(packing._MAX_GROUPS + 10):
-        kept.give_back((f"step.{number}", 0), kept.make(tensors, parts), 1 << 30, RUNTIME)
+        kept.give_back(kept.make((f"step.{number}", 0), tensors, parts), 1 << 30, RUNTIME)
     assert len(kept) == packing._MAX_GROUPS
     assert kept.borrow(("step.0", 0), tensors, parts, RUNTIME) is None
 
@@ -77,14 +77,14 @@ def test_at_most_max_groups_are_kept():
 def test_another_runtime_drops_every_kept_buffer():
     kept = KeptBuffers()
     tensors, parts = _group((4,))
-    kept.give_back(("g", 0), kept.make(tensors, parts), 1 << 20, RUNTIME)
+    kept.give_back(kept.make(("g", 0), tensors, parts), 1 << 20, RUNTIME)
     assert kept.borrow(("g", 0), tensors, parts, _Runtime()) is None and len(kept) == 0
 
 
 def test_buffers_are_private_maps_and_empty_groups_empty():
     kept = KeptBuffers()
     tensors, parts = _group((3,), (5,), dtype=torch.bfloat16)
-    entry = kept.make(tensors, parts)
+    entry = kept.make(("g", 0), tensors, parts)
     address = entry.flat.data_ptr()
     with open("/proc/self/maps") as maps:
         (line,) = [
@@ -92,4 +92,4 @@ def test_buffers_are_private_maps_and_empty_groups_empty():
         ]
     assert line.split()[1] == "rw-p", line  # private: a fork()ed child does not share it
     empty, empty_parts = _group((0,), (0, 3))
-    assert kept.make(empty, empty_parts).flat.numel() == 0
+    assert kept.make(("e", 0), empty, empty_parts).flat.numel() == 0

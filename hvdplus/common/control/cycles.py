@@ -83,7 +83,6 @@ class Cycles:
         with self._lock:
             if not self.stopped:
                 self._run()
-                self.last_lone = False
 
     def until_due(self) -> float:
         """Seconds until the background thread's next cycle is due (a cycle time after the last, whoever ran it)."""
@@ -110,7 +109,6 @@ class Cycles:
         with self._lock:
             if not (self.stopped or self.idle) and (urgent() or self.until_background_due() == 0.0):
                 self._run()
-                self.last_lone = False
 
     def drive(self, handle: Handle, again: bool) -> bool:
         """From a thread waiting for `handle`: run the next cycle here while the ranks are busy (after the one
@@ -127,7 +125,6 @@ class Cycles:
                 return False
             self.driven += 1
             _run_in_own_state(self._run)
-            self.last_lone = False
             return True
 
     def run_now(self, ready: Callable[[], bool], cycle: Callable[[bool], bool | None]) -> bool:
@@ -140,7 +137,6 @@ class Cycles:
             if self.idle or self.stopped or not ready():
                 return False
             _run_in_own_state(partial(self._run, cycle))
-            self.last_lone = True
             return True
         finally:
             self._lock.release()
@@ -160,6 +156,7 @@ class Cycles:
         finally:
             self._owner = None
         self._last = time.monotonic()
+        self.last_lone = cycle is not None
         if busy is None:
             self.stopped = True
         else:
