@@ -44,18 +44,27 @@ def test_back_to_back_blocking_allreduces_take_the_lone_lane(hvd, pset):
         assert counters.lone_runs - runs >= CALLS, (counters.lone_runs - runs, counters.lone_fallbacks)
 
 
-def test_a_blocking_in_place_group_takes_the_lone_lane(hvd):
-    """grouped_allreduce_ of host tensors of one dtype travels as one packed request: through the lane too, with
-    every member's sum right."""
-    counters, size = _counters(), hvd.size()
+def test_a_blocking_in_place_group_takes_the_lone_lane(hvd, pset):
+    """grouped_allreduce_ of host tensors of one dtype travels as one packed request: through the lane too, in the
+    buffer kept under its name and set (torch/packing.py), with every member's sum right, on the global set and on
+    one without rank 0 (the same name on both)."""
+    from hvdplus.torch.buffers import plane_kind
+    from hvdplus.torch.packing import kept_buffers
+
+    ranks = global_ranks(hvd, pset)
+    if hvd.rank() not in ranks:
+        return
+    counters, size, index = _counters(), len(ranks), ranks.index(hvd.rank())
     shapes = [(2, 3), (5,), (1,)]
-    hvd.grouped_allreduce_([torch.ones(shape) for shape in shapes], op=hvd.Sum, name="lone.group")
-    runs = counters.lone_runs
+    hvd.grouped_allreduce_([torch.ones(shape) for shape in shapes], op=hvd.Sum, name="lone.group", process_set=pset)
+    runs, reuses = counters.lone_runs, kept_buffers.reuses
     for step in range(CALLS // 2):
-        tensors = [torch.full(shape, float(hvd.rank() + step)) for shape in shapes]
-        assert hvd.grouped_allreduce_(tensors, op=hvd.Sum, name="lone.group")[0] is tensors[0]
+        tensors = [torch.full(shape, float(index + step)) for shape in shapes]
+        assert hvd.grouped_allreduce_(tensors, op=hvd.Sum, name="lone.group", process_set=pset)[0] is tensors[0]
         for tensor in tensors:
             assert torch.all(tensor == float(sum(range(size)) + size * step))
+    if plane_kind(torch.ones(1)) is None:  # host tensors: every call after the first packs into the kept buffer
+        assert kept_buffers.reuses - reuses == CALLS // 2, kept_buffers.reuses - reuses
     if not stressed():
         assert counters.lone_runs - runs >= CALLS // 4, (counters.lone_runs - runs, counters.lone_fallbacks)
 
