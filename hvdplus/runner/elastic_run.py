@@ -54,6 +54,7 @@ from hvdplus.runner.supervise import POLL_SECONDS, Process, Supervisor, describe
 __all__ = ["ElasticOptions", "run_elastic"]
 
 DISCOVERY_SECONDS = 1.0
+LEFT_OUT_GRACE_SECONDS = 5.0  # how long a worker the plan left out may take to exit by itself
 
 
 class ElasticJobError(RuntimeError):
@@ -114,6 +115,8 @@ class ElasticDriver:
         self._failure_uncounted = False  # a worker failed since the last counted reset
         self._hosts_seen: dict[str, int] = {}  # the usable hosts when the driver last planned
         self._bridging = False  # the plan keeps workers of removed hosts until the state is handed over
+        self._synced_at: tuple[int, float] | None = None  # (generation, when every worker of it had synced)
+        self._stopped: set[int] = set()  # ids of the left-out processes the driver stopped
         self._finishing = False
 
     def run(self) -> int:
@@ -391,14 +394,25 @@ class ElasticDriver:
         self._plan_version = -1  # look again at the next round
 
     def _stop_left_out(self) -> None:
-        """Once every worker of the plan has synced in its generation, stop the workers it left out that still run
-        (before that, they may still be in a collective of the generation before)."""
+        """Stop the workers the plan left out that still run LEFT_OUT_GRACE_SECONDS after every worker of the plan
+        has synced in its generation. Before that they may still be in a collective of the generation before; a
+        left-out worker that is not stuck exits by itself (status 0, saying why) once it sees the plan."""
         plan = self.plan
         if plan is None or any(self._synced_in.get(w, -1) < plan.generation for w in plan.workers):
             return
+        if self._synced_at is None or self._synced_at[0] != plan.generation:
+            self._synced_at = (plan.generation, time.monotonic())
+        if time.monotonic() - self._synced_at[1] < LEFT_OUT_GRACE_SECONDS:
+            return
         for wid, process in self.workers.items():
-            if wid not in plan.workers and wid not in self._joining and not process.exited.is_set():
-                process.stop()
+            if wid in plan.workers or wid in self._joining or process.exited.is_set() or id(process) in self._stopped:
+                continue
+            self.say(
+                f"hvdplusrun: stopping worker {wid}: generation {plan.generation} left it out, and it still runs "
+                f"{LEFT_OUT_GRACE_SECONDS:g} s after that generation's workers synced"
+            )
+            self._stopped.add(id(process))
+            process.stop()
 
     def _start(self, wid: str, generation: int, workers: list[str]) -> None:
         """Start worker `wid` to join generation `generation` or a later one; `workers`: the planned ranks."""

@@ -317,6 +317,12 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
             lambda output: any(s["size"] == slots and s["generation"] > added for s in _steps(output)),
             "step after the host's removal",
         )
+        job.wait_until(
+            lambda output: all(
+                f"elastic worker 127.0.0.1/{s} is not part of generation 2" in output for s in range(slots)
+            ),
+            "the removed workers' exit",
+        )
         code = job.stop(stop)
     output = job.output
     assert code == 0, output[-4000:]
@@ -360,6 +366,39 @@ def test_every_original_host_replaced_the_job_goes_on(tmp_path):
     assert final["final"] == pytest.approx(_reference(final["steps"]), abs=1e-6), final
 
 
+def test_a_left_out_worker_that_does_not_exit_is_stopped(tmp_path):
+    """127.0.0.1 is added, then removed; its worker sees that the plan left it out but hangs at exit (as one stuck
+    in a collective of the generation before would). hvdplusrun stops it 5 s after the new generation synced,
+    saying so, and the job goes on and ends well."""
+    hosts, script = discovery_script(tmp_path, "localhost:1\n")
+    stop = tmp_path / "stop"
+    with _LiveJob(
+        [HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
+        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), HANG_AT_EXIT="127.0.0.1/0"),
+    ) as job:
+        job.wait_for_size(1)
+        hosts.write_text("localhost:1\n127.0.0.1:1\n")
+        job.wait_for_size(2)
+        hosts.write_text("localhost:1\n")
+        job.wait_until(lambda output: "hvdplusrun: generation 2 (" in output, "the generation without it")
+        planned_at = time.monotonic()  # the plan comes before its sync, so the stop is due 5 s after this or later
+        job.wait_until(lambda output: "stopping worker 127.0.0.1/0" in output, "the driver's stop")
+        stopped_after = time.monotonic() - planned_at
+        steps_before_stop = len(_steps(job.output))
+        job.wait_until(lambda output: len(_steps(output)) > steps_before_stop + 3, "steps after the stop")
+        code = job.stop(stop)
+    output = job.output
+    assert code == 0, output[-4000:]
+    assert (
+        "hvdplusrun: stopping worker 127.0.0.1/0: generation 2 left it out, and it still runs 5 s after that "
+        "generation's workers synced" in output
+    ), output[-4000:]
+    assert "elastic worker 127.0.0.1/0 is not part of generation 2" in output, output[-4000:]
+    assert stopped_after > 4.5, stopped_after  # the grace, less the 0.05 s the test polls at
+    [final] = _finals(output)
+    assert final["worker"] == "localhost/0" and final["size"] == 1, final
+
+
 def _rank0_steps(output: str) -> list[int]:
     """The steps rank 0 committed, in the order it printed them, whatever generation it was in."""
     return [line["step"] for line in _steps(output) if line["rank"] == 0]
@@ -391,6 +430,10 @@ def test_removing_every_host_that_holds_the_state_never_restarts_training(tmp_pa
             lambda output: any(s["worker"] == "127.0.0.1/0" and s["size"] == 1 for s in _steps(output)),
             "step on 127.0.0.1 alone",
         )
+        job.wait_until(
+            lambda output: "elastic worker localhost/0 is not part of generation 2 of the job" in output,
+            "the bridge's exit",
+        )
         code = job.stop(tmp_path / "stop")
     output = job.output
     assert code == 0, output[-4000:]
@@ -402,7 +445,6 @@ def test_removing_every_host_that_holds_the_state_never_restarts_training(tmp_pa
     assert (
         "generation 2 (the state was handed over to the remaining hosts' workers): 1 worker(s): 127.0.0.1/0" in output
     ), output[-4000:]
-    assert "elastic worker localhost/0 is not part of generation 2 of the job" in output, output[-4000:]
     steps = _rank0_steps(output)
     assert steps == sorted(set(steps)) and steps[0] == 1, steps  # never back to an earlier step
     [final] = _finals(output)
