@@ -36,6 +36,23 @@ __all__ = [
 ]
 
 
+class _Started:
+    """One submitted allreduce and how its result reaches the caller, in one object rather than closures (this runs
+    once per tensor of every asynchronous call). Called with the core's results, as a `Completion`'s finish."""
+
+    __slots__ = ("handle", "_tensor", "_output", "_inplace")
+
+    def __init__(self, handle: Handle, tensor: torch.Tensor, output: torch.Tensor, inplace: bool) -> None:
+        self.handle, self._tensor, self._output, self._inplace = handle, tensor, output, inplace
+
+    def result(self) -> torch.Tensor:
+        """The result as the caller gets it (once the handle is done): `_result`."""
+        return _result(self._tensor, self._output, self._inplace)
+
+    def __call__(self, _results: list[Any]) -> torch.Tensor:
+        return _result(self._tensor, self._output, self._inplace)
+
+
 def _start_allreduce(
     tensor: torch.Tensor,
     name: str | None,
@@ -45,16 +62,15 @@ def _start_allreduce(
     postscale: float,
     process_set: ProcessSet,
     group: int = 0,
-) -> tuple[Handle, Callable[[], torch.Tensor]]:
-    """Submit one allreduce (a member of a grouped call of `group` tensors, if not 0); return its handle and the
-    function that gives the result once it is done."""
+) -> _Started:
+    """Submit one allreduce (a member of a grouped call of `group` tensors, if not 0)."""
     # Adasum reduces tensor by tensor on the host engine (common/data/adasum.py)
     kind = None if op == ReduceOp.ADASUM else plane_kind(tensor)
     output, in_array, out_array, label = collective_buffers(tensor, inplace, kind)
     handle = core.submit_allreduce(
         in_array, out_array, dtype_name(tensor), name, op, prescale, postscale, process_set, label, group=group
     )
-    return handle, lambda: _result(tensor, output, inplace)
+    return _Started(handle, tensor, output, inplace)
 
 
 def _packable(tensors: Sequence[torch.Tensor], op: ReduceOp) -> bool:
@@ -187,7 +203,7 @@ def _grouped_allreduce_async(
         _start_allreduce(tensor, tensor_name, inplace, op, prescale_factor, postscale_factor, process_set, group)
         for tensor, tensor_name in zip(tensors, member_names(name, len(tensors)))
     ]
-    return Completion([handle for handle, _ in started], lambda _: [result() for _, result in started])
+    return Completion([one.handle for one in started], lambda _: [one.result() for one in started])
 
 
 def _allreduce_async(
@@ -201,10 +217,10 @@ def _allreduce_async(
     process_set: ProcessSet,
 ) -> Completion[torch.Tensor]:
     """One tensor: the grouped path without its lists (this runs once per gradient per step)."""
-    handle, result = _start_allreduce(
+    started = _start_allreduce(
         tensor, name, inplace, core.resolve_op(average, op), prescale_factor, postscale_factor, process_set
     )
-    return Completion([handle], lambda _: result())
+    return Completion([started.handle], started)
 
 
 def _allreduce_now(
@@ -222,9 +238,9 @@ def _allreduce_now(
         output, in_array, out_array, label = collective_buffers(tensor, inplace, None)
         core.allreduce_now(in_array, out_array, dtype_name(tensor), name, op, prescale, postscale, process_set, label)
         return _result(tensor, output, inplace)
-    handle, result = _start_allreduce(tensor, name, inplace, op, prescale, postscale, process_set)
-    handle.wait()
-    return result()
+    started = _start_allreduce(tensor, name, inplace, op, prescale, postscale, process_set)
+    started.handle.wait()
+    return started.result()
 
 
 def _result(tensor: torch.Tensor, output: torch.Tensor, inplace: bool) -> torch.Tensor:

@@ -64,7 +64,7 @@ def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous CPU tensor with the same values (the tensor itself when it already is one)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.device.type == "cpu" and tensor.is_contiguous():  # the common case, with no dispatcher calls
+    if tensor.is_cpu and tensor.is_contiguous():  # the common case, with no dispatcher calls (device.type: 6x)
         return tensor.detach() if tensor.requires_grad else tensor
     return tensor.detach().cpu().contiguous()
 
