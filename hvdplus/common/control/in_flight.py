@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from hvdplus.common.control.messages import Key, Request
 from hvdplus.common.data.executor import Submission
@@ -91,16 +91,19 @@ class InFlight:
         """Whether work waits for the next cycle."""
         return not self._queue.empty()
 
-    def take_queued(self) -> Iterator[Submission]:
+    def take_queued(self) -> list[Submission]:
         """Take every work queued since the last call, recording it as in flight."""
+        taken: list[Submission] = []
         while not self._queue.empty():  # cheaper than get_nowait's Empty, which every cycle would raise
             try:
-                work = self._queue.get_nowait()
+                taken.append(self._queue.get_nowait())
             except queue.Empty:  # another thread (failing them all) took the last one
-                return
+                break
+        if taken:
             with self._lock:
-                self._by_key[work.request.key] = work
-            yield work
+                for work in taken:
+                    self._by_key[work.request.key] = work
+        return taken
 
     def take(self, key: Key) -> Submission | None:
         """The work of an agreed response, if this rank submitted it; its name is free again."""
@@ -119,7 +122,7 @@ class InFlight:
 
     def fail_all(self, error: HorovodInternalError) -> None:
         """Every queued and in-flight collective fails with `error`."""
-        list(self.take_queued())
+        self.take_queued()
         with self._lock:
             failed, self._by_key = list(self._by_key.values()), {}
         for work in failed:

@@ -13,6 +13,10 @@ __all__ = ["Request", "Response", "Key", "SameRequest"]
 
 Key = tuple[int, str]  # (process set id, tensor name)
 
+# Reduce-scatters fuse for the linear ops only: Min and Max need a NaN pass of their own (data/nan.py).
+_FUSED_SCATTER_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
+_FUSED_KINDS = (OpKind.ALLREDUCE, OpKind.REDUCESCATTER, OpKind.ALLGATHER)
+
 
 class Request(NamedTuple):
     """One rank's announcement that a named collective is ready on its side.
@@ -124,6 +128,18 @@ class Response:
     def nbytes(self) -> int:
         """Bytes of one rank's tensor (remembered: fusion asks every cycle of a cached response)."""
         return self.first.nelements * storage_dtype(self.first.dtype).itemsize
+
+    @cached_property
+    def fusion_key(self) -> tuple | None:
+        """What responses must share to fuse into one buffer (data/fusion.py): kind, set, dtype, device, op and
+        scales; None for one that runs alone (an error, which may lack a joined rank's request, or a kind that does
+        not fuse). Remembered: fusion asks every cycle of a cached response."""
+        if self.error is not None or self.kind not in _FUSED_KINDS:
+            return None
+        first = self.first
+        if self.kind == OpKind.REDUCESCATTER and first.op not in _FUSED_SCATTER_OPS:
+            return None
+        return (self.kind, self.key[0], first.dtype, first.device, first.op, first.prescale, first.postscale)
 
     @cached_property
     def fused_nbytes(self) -> int:

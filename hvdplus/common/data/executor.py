@@ -88,10 +88,12 @@ class Executor:
         """Record the next batch's activities on `timeline` (None: no timeline) under the tensors' names."""
         self._timeline, self._traced = timeline, names
 
-    def _activity(self, phase: str) -> AbstractContextManager[None]:
-        """A timeline span around one activity of the running batch; without a timeline a shared no-op, so the
-        hot path makes no generator per batch."""
-        return _NO_SPAN if self._timeline is None else self._span(self._timeline, phase)
+    def _activity(self, phase: str, plane: DataPlane | None = None) -> AbstractContextManager[None]:
+        """A timeline span around one activity of the running batch (`plane`'s engine call: the phase after the
+        plane's name); without a timeline a shared no-op, so the hot path makes no generator or name per batch."""
+        if self._timeline is None:
+            return _NO_SPAN
+        return self._span(self._timeline, phase if plane is None else f"{plane.name.upper()}_{phase}")
 
     @contextmanager
     def _span(self, timeline: Timeline, phase: str) -> Iterator[None]:
@@ -252,7 +254,7 @@ class Executor:
                 )
             self._ran_hierarchical(f"allreduce/{ran}")
         else:
-            with self._activity(f"{plane.name.upper()}_ALLREDUCE"):
+            with self._activity("ALLREDUCE", plane):
                 plane.engine.allreduce(buffer, request.dtype, op, group, send=source)
         if nans is not None:
             plane.engine.allreduce(nans, "uint8", ReduceOp.MAX, group)
@@ -270,7 +272,7 @@ class Executor:
                 hierarchical_allgather(self._engine, hierarchy, send, recv, counts, mark)
             self._ran_hierarchical("allgather")
         else:
-            with self._activity(f"{plane.name.upper()}_ALLGATHER"):
+            with self._activity("ALLGATHER", plane):
                 plane.engine.allgather(send, recv, counts, self._group(plane, process_set))
 
     def _fusion_buffer(self, plane: DataPlane, count: int, like: Any) -> Any:
@@ -290,7 +292,7 @@ class Executor:
         self._engine_call(plane, [work])  # before the root reads its input
         if response.members[root] == self._engine.rank and work.input is not work.output:
             plane.ops.copy(work.output, work.input)
-        with self._activity(f"{plane.name.upper()}_BROADCAST"):
+        with self._activity("BROADCAST", plane):
             plane.engine.broadcast(plane.ops.flat(work.output), root, self._group(plane, self._set_of(response.key[0])))
         self._complete(plane, [work], [work.output], work.output)
 
@@ -370,7 +372,7 @@ class Executor:
                 layout.pack(inputs, buffer)
             ops.scale(buffer, request.dtype, request.prescale)
             mine = ops.empty((layout.rank_totals[set_rank],), buffer)
-            with self._activity(f"{plane.name.upper()}_REDUCESCATTER"):
+            with self._activity("REDUCESCATTER", plane):
                 plane.engine.reducescatter(buffer, mine, layout.rank_totals, request.dtype, op, group)
             with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
                 ops.unpack(mine, [ops.flat(out) for out in outputs])
@@ -400,7 +402,7 @@ class Executor:
         ops.scale(send, request.dtype, request.prescale)
         nans = ops.nan_positions(send, request.dtype) if propagates_nan(request.dtype, op) else None
         recv = send if inplace else (out if size else ops.empty((0,), send))  # empty views may alias
-        with self._activity(f"{plane.name.upper()}_REDUCESCATTER"):
+        with self._activity("REDUCESCATTER", plane):
             engine.reducescatter(None if inplace else send, recv, counts, request.dtype, op, group)
         if nans is not None:
             flags = ops.empty((size,), nans)

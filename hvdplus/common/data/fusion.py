@@ -6,37 +6,26 @@ runs alone."""
 from __future__ import annotations
 
 from hvdplus.common.control.messages import Response
-from hvdplus.common.ops import OpKind, ReduceOp
 
 __all__ = ["plan_batches"]
 
-# Reduce-scatters fuse for the linear ops only: Min and Max need a NaN pass of their own (nan.py).
-_FUSED_SCATTER_OPS = (ReduceOp.SUM, ReduceOp.AVERAGE)
-
-
-def _fusable(response: Response) -> bool:
-    if response.error is not None or response.kind not in (OpKind.ALLREDUCE, OpKind.REDUCESCATTER, OpKind.ALLGATHER):
-        return False
-    return response.kind != OpKind.REDUCESCATTER or response.first.op in _FUSED_SCATTER_OPS
-
 
 def plan_batches(responses: list[Response], threshold: int, alone_bytes: int | None) -> list[list[Response]]:
-    """Group successful responses of one kind with the same set, dtype, device, op and scales, up to `threshold`
-    bytes each (an allgather counts the bytes it gathers); every other response, any larger than `threshold`, and
-    any of `alone_bytes` or more (the engine's policy, Engine.alone_bytes; None: no limit) runs alone, leaving the
-    open batch of its kind open. Batches keep the order of their first response."""
+    """Group successful responses of one kind with the same set, dtype, device, op and scales (`fusion_key`), up to
+    `threshold` bytes each (an allgather counts the bytes it gathers); every other response, any larger than
+    `threshold`, and any of `alone_bytes` or more (the engine's policy, Engine.alone_bytes; None: no limit) runs
+    alone, leaving the open batch of its kind open. Batches keep the order of their first response."""
     batches: list[list[Response]] = []
     open_batch: dict[tuple, tuple[list[Response], int]] = {}
     for response in responses:
-        if threshold <= 0 or not _fusable(response):  # an error response may lack a joined rank's request
+        key = response.fusion_key
+        if threshold <= 0 or key is None:
             batches.append([response])
             continue
         size = response.fused_nbytes
         if size > threshold or (alone_bytes is not None and size >= alone_bytes):
             batches.append([response])
             continue
-        first = response.first
-        key = (response.kind, response.key[0], first.dtype, first.device, first.op, first.prescale, first.postscale)
         current = open_batch.get(key)
         if current is not None and current[1] + size <= threshold:
             current[0].append(response)
