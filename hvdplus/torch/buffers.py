@@ -138,7 +138,7 @@ def collective_buffers(tensor: torch.Tensor, inplace: bool, kind: str | None) ->
         return output, source, output, device_label(tensor, kind)
     host = host_tensor(tensor)
     in_array = as_numpy(host)
-    if inplace and host.data_ptr() == tensor.data_ptr():
+    if inplace and (host is tensor or host.data_ptr() == tensor.data_ptr()):
         return host, in_array, in_array, "cpu"
     out_array = np.empty(in_array.shape, dtype=in_array.dtype)
     return from_numpy(out_array, tensor.dtype, _CPU), in_array, out_array, device_label(tensor, None)

@@ -134,6 +134,9 @@ class Coordinator:
         cannot submit it, HorovodInternalError if collectives can no longer run."""
         if self._fatal is not None:
             raise HorovodInternalError(f"hvdplus can no longer run collectives: {self._fatal}")
+        on_device = input is not None and not isinstance(input, np.ndarray)
+        if request.process_set == 0:  # every rank is a member of the whole job's set, which is never removed
+            return self._world, on_device
         if request.process_set not in self._sets:
             raise ValueError(f"process set {request.process_set} does not exist (it was removed or never added)")
         if self._sets[request.process_set].index is None:
@@ -141,9 +144,8 @@ class Coordinator:
                 f"rank {self.rank} is not a member of process set {request.process_set} "
                 f"(ranks {list(self._sets[request.process_set].ranks)}); only members may submit"
             )
-        on_device = input is not None and not isinstance(input, np.ndarray)
         # Device tensors travel in the world's rounds, which own the device planes.
-        rounds = self._world if request.process_set == 0 or on_device else self._member.get(request.process_set)
+        rounds = self._world if on_device else self._member.get(request.process_set)
         if rounds is None:  # removed since the check above
             raise ValueError(f"process set {request.process_set} does not exist (it was removed or never added)")
         return rounds, on_device

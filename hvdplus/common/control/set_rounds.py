@@ -123,6 +123,7 @@ class SetRounds:
         self.cycles = Cycles(
             self._cycle, self._failed, inline=not self._planes_possible(), period_s=lambda: tunables.cycle_time_ms / 1e3
         )
+        self._drive = self.cycles.drive  # every handle's (one bound method, not one per handle)
         self.thread = threading.Thread(target=self._loop, name=f"hvdplus-rounds-{set_id}", daemon=True)
 
     # ----------------------------------------------------------------- any thread
@@ -197,7 +198,7 @@ class SetRounds:
 
     def new_handle(self, name: str) -> Handle:
         """A handle whose waiting thread may run these rounds' cycles."""
-        return Handle(name, self.cycles.drive)
+        return Handle(name, self._drive)
 
     def join(self) -> Handle:
         """This rank called join(): contribute zeros to the set's allreduces until every member has joined."""
