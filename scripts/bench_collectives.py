@@ -16,7 +16,7 @@ What is measured (float32, op=Sum, on every rank of one job):
   The ratio column is hvdplus busbw / raw busbw (1.0 = no overhead, higher is better).
 * Tensor fusion: 100 tensors of 4 KiB (1024 float32) started with `hvd.allreduce_async` and then
   all synchronized, against 100 raw blocking per-tensor calls. Speedup = raw time / hvdplus time
-  (the target is >= 5x).
+  (the target is >= 0.5x: each tensor's Python, submit to synchronize, costs more than the raw call).
 * Per-tensor cost: rounds of N = 1, 4, 16, 64 and 256 tensors of 4 KiB, three ways:
     - async: N `hvd.allreduce_async_(t, op=hvd.Sum, name=...)` calls, then `hvd.synchronize` of every handle;
     - grouped: one `hvd.grouped_allreduce_(tensors, op=hvd.Sum, name=...)` of the N tensors;
@@ -84,7 +84,7 @@ FULL_SIZES = (4 * KIB, 64 * KIB, 1 * MIB, 16 * MIB, 64 * MIB)
 QUICK_SIZES = (4 * KIB, 64 * KIB, 1 * MIB)
 SMALL_BYTES = 4 * KIB  # the tensors of the fusion test and of the per-tensor-cost sweep
 FUSION_TENSORS = 100
-FUSION_TARGET = 5.0
+FUSION_TARGET = 0.5  # issue 46: 100 x 4 KiB async at least half the speed of 100 raw calls
 SWEEP_TENSORS = (1, 4, 16, 64, 256)  # tensors per round in the per-tensor-cost sweep
 SWEEP_BLOCK_TENSORS, SWEEP_BLOCK_TENSORS_QUICK = 64, 16  # a timed block holds at least this many tensors
 # (reps, warmup) of the fusion rounds and of each sweep item; a quick sweep round of 256 Gloo calls takes ~1 s.
