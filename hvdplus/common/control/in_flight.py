@@ -106,12 +106,10 @@ class InFlight:
         return taken
 
     def take(self, key: Key) -> Submission | None:
-        """The work of an agreed response, if this rank submitted it; its name is free again."""
+        """The work of an agreed response, if this rank submitted it; its name stays held until the cycle releases
+        the names of all it took at once (`names.release`)."""
         with self._lock:
-            work = self._by_key.pop(key, None)
-        if work is not None:
-            self.names.release([work.request.name])
-        return work
+            return self._by_key.pop(key, None)
 
     def hold(self, work: Submission) -> Submission:
         """Record `work` as in flight without queueing it: a cycle took it at once (the lone lane), or took it and

@@ -10,7 +10,7 @@ import enum
 import heapq
 from collections import OrderedDict
 
-from hvdplus.common.control.messages import Key, Request, Response
+from hvdplus.common.control.messages import Key, Request, Response, SameRequest
 from hvdplus.common.ops import OpKind
 
 __all__ = ["ResponseCache", "Lookup", "CACHEABLE"]
@@ -47,7 +47,9 @@ class ResponseCache:
         bit = self._bit_of.get(request.key)
         if bit is None or set_rank is None:
             return Lookup.MISS, -1
-        cached = self._by_bit[bit].requests[set_rank]
+        requests = self._by_bit[bit].requests
+        # Every rank announced the same request (the usual case): read it without SameRequest's indexing call.
+        cached = requests.request if type(requests) is SameRequest else requests[set_rank]
         return (Lookup.HIT if cached is request or cached == request else Lookup.INVALID), bit
 
     def bit_of(self, key: Key) -> int | None:

@@ -56,12 +56,14 @@ class Dispatcher:
             else plan_batches(runnable, self._tunables.fusion_threshold, self._engine.alone_bytes)
         )
         batches: list[list[tuple[Response, Submission | None]]] = []
+        taken: list[str] = []  # the names of the collectives this rank submitted
         try:
             for batch in planned:
                 pairs: list[tuple[Response, Submission | None]] = []
                 batches.append(pairs)
                 for response in batch:  # one by one: a failure puts back what was taken so far
-                    pairs.append((response, self._take_work(response)))
+                    pairs.append((response, self._take_work(response, taken)))
+            self._in_flight.names.release(taken)  # free again before any of them completes, in one call
             names = [
                 [work.request.name for _, work in pairs if work is not None] if timeline else [] for pairs in batches
             ]
@@ -108,13 +110,16 @@ class Dispatcher:
         elif work is not None:
             work.handle.set_result(self._run_control(head, work))
 
-    def _take_work(self, response: Response) -> Submission | None:
-        """This rank's work for a response; a joined rank contributes zeros to an allreduce. A rank that has not
-        joined always has its work for a response that runs, unless a failure elsewhere failed it meanwhile: then it
-        raises rather than send zeros for a collective it submitted."""
+    def _take_work(self, response: Response, taken: list[str]) -> Submission | None:
+        """This rank's work for a response (its name added to `taken`); a joined rank contributes zeros to an
+        allreduce. A rank that has not joined always has its work for a response that runs, unless a failure
+        elsewhere failed it meanwhile: then it raises rather than send zeros for a collective it submitted."""
         work = self._in_flight.take(response.key)
-        if work is not None or response.error is not None:
+        if work is not None:
+            taken.append(work.request.name)
             return work
+        if response.error is not None:
+            return None
         if not self._joined():
             raise HorovodInternalError(
                 f"{response.first.describe()} was agreed, but it is no longer in flight on rank {self._rank} "

@@ -188,8 +188,9 @@ class Executor:
             with self._activity("MEMCPY_IN_FUSION_BUFFER"):
                 ops.pack(inputs, buffer)
             self._reduce(plane, buffer, first, len(members), self._set_of(batch[0][0].key[0]), None)
+            outputs = [flat if w.output is w.input else ops.flat(w.output) for flat, w in zip(inputs, works)]
             with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
-                ops.unpack(buffer, [ops.flat(w.output) for w in works])
+                ops.unpack(buffer, outputs)
         self._complete(plane, works, [work.output for work in works], buffer)
 
     def reduce_alone(self, response: Response, input: np.ndarray, output: np.ndarray) -> None:
