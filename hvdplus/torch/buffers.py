@@ -105,9 +105,9 @@ def planned_buffer_of(host: bool) -> Callable[[torch.Tensor], Any]:
 def from_numpy(array: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of `dtype` on `device` with `array`'s values (zero-copy on the CPU; bfloat16 from its bits)."""
     tensor = torch.from_numpy(array)
-    if dtype == torch.bfloat16:
+    if dtype is torch.bfloat16:  # dtypes are singletons
         tensor = tensor.view(torch.bfloat16)
-    return tensor if device.type == "cpu" else tensor.to(device)
+    return tensor if device is _CPU or device.type == "cpu" else tensor.to(device)  # device.type: 0.28 us
 
 
 def collective_input(tensor: torch.Tensor) -> tuple[Any, str]:
