@@ -92,17 +92,19 @@ class InFlight:
         return not self._queue.empty()
 
     def take_queued(self) -> list[Submission]:
-        """Take every work queued since the last call, recording it as in flight."""
+        """Take every work queued since the last call, recording it as in flight. Under the lock throughout, so that
+        `fail_all` from another thread finds each work either queued or in flight."""
         taken: list[Submission] = []
-        while not self._queue.empty():  # cheaper than get_nowait's Empty, which every cycle would raise
-            try:
-                taken.append(self._queue.get_nowait())
-            except queue.Empty:  # another thread (failing them all) took the last one
-                break
-        if taken:
-            with self._lock:
-                for work in taken:
-                    self._by_key[work.request.key] = work
+        if self._queue.empty():  # the usual answer between bursts, with no lock
+            return taken
+        with self._lock:
+            while not self._queue.empty():  # cheaper than get_nowait's Empty, which every cycle would raise
+                try:
+                    work = self._queue.get_nowait()
+                except queue.Empty:  # another thread (failing them all) took the last one
+                    break
+                self._by_key[work.request.key] = work
+                taken.append(work)
         return taken
 
     def take(self, key: Key) -> Submission | None:

@@ -48,7 +48,8 @@ class ResponseCache:
         if bit is None or set_rank is None:
             return Lookup.MISS, -1
         requests = self._by_bit[bit].requests
-        # Every rank announced the same request (the usual case): read it without SameRequest's indexing call.
+        # Every rank announced the same request (the usual case): read it without SameRequest's indexing call (and
+        # its range check: `set_rank` is this rank's index in the set, in range by construction).
         cached = requests.request if type(requests) is SameRequest else requests[set_rank]
         return (Lookup.HIT if cached is request or cached == request else Lookup.INVALID), bit
 
