@@ -20,7 +20,8 @@ The job runs in generations. Each is a plan (hvdplus/common/elastic/plan.py): th
   holding the state is left, fewer than --min-np slots stay available for --elastic-timeout seconds, or the
   resets pass --reset-limit.
 The job succeeds once a worker of the current generation exits 0 and the rest of that generation ends the same
-way; a worker that a plan left out exits by itself (status 0) and counts for nothing.
+way; a worker that a plan left out exits by itself (status 0) and counts for nothing (one still running 5 s after
+the new generation synced is stopped), and its id is planned again only once it has ended.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class ElasticDriver:
         self.server = RendezvousServer(["127.0.0.1"], self.secret)
         self.supervisor = Supervisor(spec.output_dir)
         self.workers: dict[str, Process] = {}  # the latest process of each worker id, running or ended
-        self._handled: set[int] = set()  # ids of the ended processes already acted on
+        self._handled: dict[int, Process] = {}  # the ended processes already acted on, by id (kept: ids stay unique)
         self._holders: set[str] = set()  # workers that hold the training state (the first generation's, or synced)
         self._synced_in: dict[str, int] = {}  # the latest generation in which each worker's process marked a sync
         self._joining: set[str] = set()  # started, in no generation yet: they join one once they reach hvd.init
@@ -116,7 +117,8 @@ class ElasticDriver:
         self._hosts_seen: dict[str, int] = {}  # the usable hosts when the driver last planned
         self._bridging = False  # the plan keeps workers of removed hosts until the state is handed over
         self._synced_at: tuple[int, float] | None = None  # (generation, when every worker of it had synced)
-        self._stopped: set[int] = set()  # ids of the left-out processes the driver stopped
+        self._stopped: dict[int, Process] = {}  # the left-out processes the driver stopped, by id
+        self._leaving: set[str] = set()  # left out by a plan, still running: not planned again until they end
         self._finishing = False
 
     def run(self) -> int:
@@ -204,7 +206,10 @@ class ElasticDriver:
         for wid, process in list(self.workers.items()):
             if not process.exited.is_set() or id(process) in self._handled:
                 continue
-            self._handled.add(id(process))
+            self._handled[id(process)] = process
+            if wid in self._leaving:  # gone at last: its id may be planned again (a new process)
+                self._leaving.discard(wid)
+                self._plan_version = -1
             code = process.proc.returncode
             if wid not in members:
                 continue  # left out of the plan (it exits by itself) or stopped by the driver
@@ -327,7 +332,8 @@ class ElasticDriver:
             raise ElasticJobError(self._nobody_left())
         wanted = self._candidates(holding)
         self._count_reset(wanted, reason)
-        candidates = self._bridged(wanted, holding)
+        # A process the last plan left out is on its way out (it saw the plan): its id waits for its exit.
+        candidates = [w for w in self._bridged(wanted, holding) if w not in self._leaving]
         generation = 0 if self.plan is None else self.plan.generation + 1
         for wid in candidates:
             if wid not in self.workers or self.workers[wid].exited.is_set():
@@ -344,6 +350,10 @@ class ElasticDriver:
         self._short_since = None
         self.plan = Plan(generation, tuple(workers))
         self._joining -= set(workers)
+        self._holders &= set(workers)  # a holder the plan leaves out exits: it can bridge nothing any more
+        self._leaving |= {
+            w for w, p in self.workers.items() if w not in workers and w not in self._joining and not p.exited.is_set()
+        }
         self._plan_version = version
         self.server.put(plan_key(generation), self.plan.encode())
         self.server.put(LATEST_KEY, str(generation).encode())
@@ -411,7 +421,7 @@ class ElasticDriver:
                 f"hvdplusrun: stopping worker {wid}: generation {plan.generation} left it out, and it still runs "
                 f"{LEFT_OUT_GRACE_SECONDS:g} s after that generation's workers synced"
             )
-            self._stopped.add(id(process))
+            self._stopped[id(process)] = process
             process.stop()
 
     def _start(self, wid: str, generation: int, workers: list[str]) -> None:

@@ -9,8 +9,8 @@ process set registered before the first reset after it), ZERO=1 (print the error
 and exit), KILL_IN_RESET=<worker id> (that worker is killed by its reset callback: after it joined the next
 generation, before the state sync), WAIT_AT_STEP (after that step's commit, every rank waits for
 a host change with state.wait_for_host_updates), LATE_START_DELAY (a worker started for a later generation
-sleeps that long before hvd.init, as a slow import would), HANG_AT_EXIT=<worker id> (that worker hangs at exit,
-as one stuck in a collective would).
+sleeps that long before hvd.init, as a slow import would), HANG_AT_EXIT=<worker id> (that worker hangs at exit
+unless it finished training, as one stuck in a collective would).
 Prints one JSON line per committed step: {"step", "rank", "size", "worker", "generation", "t"}, and {"final": ...}.
 """
 
@@ -58,8 +58,9 @@ if os.environ.get("ZERO"):
 sampler = hvd.elastic.ElasticSampler(list(range(103)), shuffle=True, seed=7) if os.environ.get("SAMPLER") else None
 extra = {"sampler": sampler} if sampler is not None else {}
 state = hvd.elastic.TorchState(model, optimizer, step=0, epoch=0, **extra)
+finished = False
 if os.environ.get("HANG_AT_EXIT") == WORKER:
-    atexit.register(time.sleep, 600)
+    atexit.register(lambda: finished or time.sleep(600))
 if os.environ.get("KILL_IN_RESET") == WORKER:  # dies in the new generation, before its state sync
     state.register_reset_callbacks([lambda: os.kill(os.getpid(), signal.SIGKILL)])
 process_set = hvd.add_process_set([0, 1]) if os.environ.get("PROCESS_SET") and hvd.size() > 1 else None
@@ -147,6 +148,7 @@ def train(state):
 
 
 train(state)
+finished = True
 say(
     final=[round(v, 7) for v in model.weight.flatten().tolist() + model.bias.tolist()],
     rank=hvd.rank(),
