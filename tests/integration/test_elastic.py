@@ -366,20 +366,28 @@ def test_every_original_host_replaced_the_job_goes_on(tmp_path):
     assert final["final"] == pytest.approx(_reference(final["steps"]), abs=1e-6), final
 
 
+def _remove_a_host_whose_worker_hangs_at_exit(tmp_path: Path) -> tuple[_LiveJob, Path]:
+    """Start a job on localhost, add 127.0.0.1 (its worker hangs at exit unless it finished training), wait for
+    size 2, then remove 127.0.0.1; the running job and its host list."""
+    hosts, script = discovery_script(tmp_path, "localhost:1\n")
+    job = _LiveJob(
+        [HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
+        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(tmp_path / "stop"), HANG_AT_EXIT="127.0.0.1/0"),
+    )
+    job.wait_for_size(1)
+    hosts.write_text("localhost:1\n127.0.0.1:1\n")
+    job.wait_for_size(2)
+    hosts.write_text("localhost:1\n")
+    return job, hosts
+
+
 def test_a_left_out_worker_that_does_not_exit_is_stopped(tmp_path):
     """127.0.0.1 is added, then removed; its worker sees that the plan left it out but hangs at exit (as one stuck
     in a collective of the generation before would). hvdplusrun stops it 5 s after the new generation synced,
     saying so, and the job goes on and ends well."""
-    hosts, script = discovery_script(tmp_path, "localhost:1\n")
+    job, hosts = _remove_a_host_whose_worker_hangs_at_exit(tmp_path)
     stop = tmp_path / "stop"
-    with _LiveJob(
-        [HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
-        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), HANG_AT_EXIT="127.0.0.1/0"),
-    ) as job:
-        job.wait_for_size(1)
-        hosts.write_text("localhost:1\n127.0.0.1:1\n")
-        job.wait_for_size(2)
-        hosts.write_text("localhost:1\n")
+    with job:
         job.wait_until(lambda output: "hvdplusrun: generation 2 (" in output, "the generation without it")
         planned_at = time.monotonic()  # the plan comes before its sync, so the stop is due 5 s after this or later
         job.wait_until(lambda output: "stopping worker 127.0.0.1/0" in output, "the driver's stop")
@@ -404,16 +412,9 @@ def test_a_host_added_back_while_its_old_worker_still_runs_gets_a_new_worker(tmp
     the 5 s grace: hvdplusrun does not plan the old process again (it would never join, and the job would wait for
     it until HOROVOD_ELASTIC_TIMEOUT); it stops it after the grace, starts a new worker, which joins, and the job
     ends well at size 2."""
-    hosts, script = discovery_script(tmp_path, "localhost:1\n")
+    job, hosts = _remove_a_host_whose_worker_hangs_at_exit(tmp_path)
     stop = tmp_path / "stop"
-    with _LiveJob(
-        [HVDPLUSRUN, "-np", "1", "--min-np", "1", "--host-discovery-script", str(script), PY, TRAIN],
-        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), HANG_AT_EXIT="127.0.0.1/0"),
-    ) as job:
-        job.wait_for_size(1)
-        hosts.write_text("localhost:1\n127.0.0.1:1\n")
-        job.wait_for_size(2)
-        hosts.write_text("localhost:1\n")
+    with job:
         job.wait_until(
             lambda output: "elastic worker 127.0.0.1/0 is not part of generation 2" in output, "the removed worker"
         )
