@@ -45,12 +45,11 @@ class _Started:
     def __init__(self, handle: Handle, tensor: torch.Tensor, output: torch.Tensor, inplace: bool) -> None:
         self.handle, self._tensor, self._output, self._inplace = handle, tensor, output, inplace
 
-    def result(self) -> torch.Tensor:
+    def __call__(self, _results: list[Any] | None = None) -> torch.Tensor:
         """The result as the caller gets it (once the handle is done): `_result`."""
         return _result(self._tensor, self._output, self._inplace)
 
-    def __call__(self, _results: list[Any]) -> torch.Tensor:
-        return _result(self._tensor, self._output, self._inplace)  # not self.result(): one call less per tensor
+    result = __call__
 
 
 def _start_allreduce(
