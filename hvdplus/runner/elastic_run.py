@@ -117,8 +117,8 @@ class ElasticDriver:
         self._hosts_seen: dict[str, int] = {}  # the usable hosts when the driver last planned
         self._bridging = False  # the plan keeps workers of removed hosts until the state is handed over
         self._synced_at: tuple[int, float] | None = None  # (generation, when every worker of it had synced)
-        self._stopped: dict[int, Process] = {}  # the left-out processes the driver stopped, by id
         self._leaving: set[str] = set()  # left out by a plan, still running: not planned again until they end
+        self._stopped: set[str] = set()  # those of them the driver stopped (_stop_left_out)
         self._finishing = False
 
     def run(self) -> int:
@@ -209,6 +209,7 @@ class ElasticDriver:
             self._handled[id(process)] = process
             if wid in self._leaving:  # gone at last: its id may be planned again (a new process)
                 self._leaving.discard(wid)
+                self._stopped.discard(wid)
                 self._plan_version = -1
             code = process.proc.returncode
             if wid not in members:
@@ -414,14 +415,15 @@ class ElasticDriver:
             self._synced_at = (plan.generation, time.monotonic())
         if time.monotonic() - self._synced_at[1] < LEFT_OUT_GRACE_SECONDS:
             return
-        for wid, process in self.workers.items():
-            if wid in plan.workers or wid in self._joining or process.exited.is_set() or id(process) in self._stopped:
+        for wid in sorted(self._leaving - self._stopped):
+            process = self.workers[wid]
+            if process.exited.is_set():
                 continue
             self.say(
                 f"hvdplusrun: stopping worker {wid}: generation {plan.generation} left it out, and it still runs "
                 f"{LEFT_OUT_GRACE_SECONDS:g} s after that generation's workers synced"
             )
-            self._stopped[id(process)] = process
+            self._stopped.add(wid)
             process.stop()
 
     def _start(self, wid: str, generation: int, workers: list[str]) -> None:
