@@ -87,7 +87,7 @@ def run_job(
             output = done.stdout + done.stderr
             if attempt == 1 and done.returncode != 0 and _LAUNCH_FAILED_BEFORE_RANKS in output:
                 continue  # Open MPI's own start failed before any rank ran: launch it once more
-            return done.returncode, output
+            return done.returncode, output + failure_digest(engine, output)
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
         for rank in range(np):
@@ -121,7 +121,7 @@ def run_job(
             log.seek(0)
             output += f"----- rank {rank} -----\n{log.read()}"
             log.close()
-        return max(codes, key=abs), output
+        return max(codes, key=abs), output + failure_digest(engine, output)
 
 
 def stress_job(
@@ -140,7 +140,11 @@ def assert_stress_ran(np: int, output: str) -> None:
 
 
 def pytest_argv(*paths: str) -> list[str]:
-    return ["-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=90", "-W", "ignore::FutureWarning", *paths]
+    """A worker pytest session's arguments: short tracebacks, which `failure_digest` repeats after the output."""
+    return [
+        *("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=90", "--tb=short"),
+        *("-W", "ignore::FutureWarning", *paths),
+    ]
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -154,6 +158,50 @@ _RANK_SUMMARY = {  # how each launcher tags a rank's pytest summary line ("44 pa
 def passed_per_rank(engine: str, output: str) -> dict[int, int]:
     """{rank: number of tests that passed there}, read from each rank's pytest summary in a job's output."""
     return {int(rank): int(count) for rank, count in _RANK_SUMMARY[engine].findall(_ANSI.sub("", output))}
+
+
+_RANK_LINE = {  # how each launcher tags a line of a rank's output (Gloo jobs print each rank's log whole)
+    "mpi": re.compile(r"^\[1,(\d+)\]<std(?:out|err)>: ?(.*)$"),
+    "mpich": re.compile(r"^\[(\d+)\] ?(.*)$"),
+}
+_GLOO_RANK_HEADER = re.compile(r"^----- rank (\d+) -----$")
+_FAILURES_START = re.compile(r"^=+ FAILURES =+$")
+_FAILURES_END = re.compile(r"^(-+ Captured \w+ \w+ -+|=+ short test summary info =+)$")
+_DIGEST_LINES = 30  # of each rank's failure report: its innermost frames (where it failed or waited) and its error
+
+
+def rank_outputs(engine: str, output: str) -> dict[int, list[str]]:
+    """Each rank's lines of a job's output, untagged."""
+    lines: dict[int, list[str]] = {}
+    rank: int | None = None
+    for line in _ANSI.sub("", output).splitlines():
+        if engine == "gloo":
+            header = _GLOO_RANK_HEADER.match(line)
+            if header:
+                rank = int(header.group(1))
+            elif rank is not None:
+                lines.setdefault(rank, []).append(line)
+        elif tagged := _RANK_LINE[engine].match(line):
+            lines.setdefault(int(tagged.group(1)), []).append(tagged.group(2))
+    return lines
+
+
+def failure_digest(engine: str, output: str) -> str:
+    """Each rank's first failure as pytest reported it (its traceback's last lines), after a job's output: CI shows a
+    failure's last lines, and a timed-out test's dump of every other thread comes after its traceback, and is longer."""
+    digest = []
+    for rank, lines in sorted(rank_outputs(engine, output).items()):
+        report: list[str] | None = None
+        for line in lines:
+            if report is None and _FAILURES_START.match(line):
+                report = []
+            elif report is not None:
+                if _FAILURES_END.match(line):
+                    break
+                report.append(line)
+        if report:
+            digest += [f"----- rank {rank}: its failure -----", *report[-_DIGEST_LINES:]]
+    return "\n" + "\n".join(digest) + "\n" if digest else ""
 
 
 def assert_every_rank_ran(engine: str, np: int, output: str, at_least: int = 1) -> None:

@@ -280,3 +280,37 @@ def test_mpi_below_thread_multiple_is_refused_on_every_rank(engine):
     assert sorted(rank for rank, _ in refusals) == ["0", "1", "2"], output
     assert max(float(seconds) for _, seconds in refusals) < 30, output
     assert "went on" not in output, output
+
+
+_HUNG_TEST = """
+import threading
+import time
+
+
+def wait_for_a_peer_that_never_comes():
+    time.sleep(60)
+
+
+def test_hangs():
+    threading.Thread(target=time.sleep, args=(60,), name="busy-elsewhere", daemon=True).start()
+    wait_for_a_peer_that_never_comes()
+"""
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("engine", ["mpi", "gloo"])
+def test_a_job_that_hangs_ends_with_where_each_rank_waited(engine, tmp_path):
+    """A worker test that times out is reported, at the end of the job's output (what CI shows), with each rank's
+    own traceback: where its main thread waited, not only the dump of every other thread that pytest-timeout prints
+    after it."""
+    _skip_if_missing(engine)
+    (tmp_path / "test_hung.py").write_text(_HUNG_TEST)
+    code, output = run_job(engine, 2, [*pytest_argv(str(tmp_path / "test_hung.py")), "--timeout=3"], timeout=60)
+    assert code != 0, output
+    digest = output[output.index("----- rank 0: its failure -----") :]  # the output's end
+    for rank in (0, 1):
+        own = digest[digest.index(f"----- rank {rank}: its failure -----") :]
+        assert "in wait_for_a_peer_that_never_comes" in own and "Timeout (>3.0s)" in own, digest
+    assert "Stack of busy-elsewhere" in output and "Stack of busy-elsewhere" not in digest, digest
+    assert len(digest) < 3000, digest
