@@ -177,8 +177,12 @@ def init(
         _runtime = _elastic_runtime(settings, comm) if settings.launch.elastic_worker else Runtime(settings, comm)
     global_process_set.ranks = list(range(_runtime.size))
     if process_sets is not None and process_sets != "dynamic":
-        for process_set in process_sets:
-            register_process_set(process_set)
+        for process_set in process_sets:  # the same ranks twice share one set, as in Horovod's init
+            same = registered_process_set(process_set.ranks)
+            if same is None:
+                register_process_set(process_set)
+            else:
+                process_set.process_set_id, process_set.registered_in = same.process_set_id, _runtime
 
 
 def _elastic_runtime(settings: Settings, comm: Any) -> Runtime:
@@ -276,10 +280,27 @@ def register_process_set(process_set: ProcessSet) -> ProcessSet:
     bad = [r for r in process_set.ranks if not 0 <= r < rt.size]
     if bad or not process_set.ranks:
         raise ValueError(f"process set ranks must be non-empty and within 0..{rt.size - 1}, got {process_set.ranks}")
+    existing = rt.coordinator.process_set_id_of(tuple(process_set.ranks))
+    if existing is not None:  # every rank sees the same sets here: adding and removing them are collective
+        raise ValueError(
+            f"Attempted to add a duplicate process set: {process_set} has the ranks of process set {existing}"
+        )
     request = Request(rt.auto_name("add_process_set", 0), OpKind.ADD_PROCESS_SET, ranks=tuple(process_set.ranks))
     process_set.process_set_id = rt.coordinator.submit(request).wait()
     process_set.registered_in = rt
     return process_set
+
+
+def registered_process_set(ranks: Sequence[int]) -> ProcessSet | None:
+    """The process set registered in this job with exactly `ranks` (the global set for every rank), if any: a
+    set's ranks are registered once (Horovod's rule), so code that needs a set of given ranks may find it here."""
+    rt = runtime()
+    set_id = rt.coordinator.process_set_id_of(tuple(sorted(ranks)))
+    if set_id is None or set_id == 0:
+        return None if set_id is None else global_process_set
+    found = ProcessSet(ranks)
+    found.process_set_id, found.registered_in = set_id, rt
+    return found
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:

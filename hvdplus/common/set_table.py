@@ -51,6 +51,15 @@ class ProcessSetTable:
         entry = self._sets.get(set_id)
         return entry.ranks if entry else None
 
+    def ids(self) -> list[int]:
+        """The ids of the sets registered now, 0 first."""
+        return list(self._sets)
+
+    def id_of(self, ranks: tuple[int, ...]) -> int | None:
+        """The id of the set of exactly these (sorted) ranks, if one exists: 0 for every rank."""
+        entries = list(self._sets.items())  # one C call: the world's rounds may add a set meanwhile
+        return next((set_id for set_id, entry in entries if entry.ranks == ranks), None)
+
     def members(self, set_id: int) -> tuple[int, ...]:
         """A set's ranks; empty if it does not exist."""
         return self.ranks(set_id) or ()

@@ -314,3 +314,29 @@ def test_a_job_that_hangs_ends_with_where_each_rank_waited(engine, tmp_path):
         assert "in wait_for_a_peer_that_never_comes" in own and "Timeout (>3.0s)" in own, digest
     assert "Stack of busy-elsewhere" in output and "Stack of busy-elsewhere" not in digest, digest
     assert len(digest) < 3000, digest
+
+
+_INIT_WITH_REPEATED_RANKS = """
+import torch
+import hvdplus.torch as hvd
+
+first, again, everyone = hvd.ProcessSet([0]), hvd.ProcessSet([0]), hvd.ProcessSet([1, 0])
+hvd.init(process_sets=[first, again, everyone])
+assert first.process_set_id == again.process_set_id not in (None, 0), (first, again)
+assert everyone.process_set_id == 0, everyone
+if hvd.rank() == 0:
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=again).item() == 1
+assert hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=everyone).item() == 2
+print(f"rank {hvd.rank()}: shared", flush=True)
+hvd.shutdown()
+"""
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(120)
+def test_init_gives_repeated_ranks_one_process_set():
+    """As Horovod's init: sets of the same ranks passed to `hvd.init(process_sets=...)` share one id (every rank:
+    the global set's), where `add_process_set` refuses a duplicate (test_errors.py)."""
+    _skip_if_missing("gloo")
+    code, output = run_job("gloo", 2, ["-c", _INIT_WITH_REPEATED_RANKS], timeout=60)
+    assert code == 0 and output.count(": shared") == 2, output

@@ -189,6 +189,14 @@ class Coordinator:
     def process_set_ranks(self, set_id: int) -> tuple[int, ...] | None:
         return self._sets.ranks(set_id)
 
+    def process_set_ids(self) -> list[int]:
+        """The ids of the process sets registered now, 0 first."""
+        return self._sets.ids()
+
+    def process_set_id_of(self, ranks: tuple[int, ...]) -> int | None:
+        """The id of the registered set of exactly these (sorted) ranks, if any (0: every rank)."""
+        return self._sets.id_of(ranks)
+
     def shutdown(self) -> None:
         """Stop the threads once every rank's world round sees the request (any rank's request stops all)."""
         self._world.request_stop()

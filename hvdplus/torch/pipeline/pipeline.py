@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from hvdplus.common import collectives as core
-from hvdplus.common.basics import ProcessSet, global_process_set, open_channel, register_process_set, runtime
+from hvdplus.common.basics import ProcessSet, open_channel, register_process_set, registered_process_set, runtime
 from hvdplus.common.data.p2p import TAGS_PER_MESSAGE, PeerError, recv_arrays, send_arrays, send_error
 from hvdplus.common.exceptions import HorovodInternalError
 from hvdplus.common.plans.pipeline_schedules import Action, Op, build_schedule, chunk_stages, message_lanes
@@ -108,7 +108,7 @@ class Pipeline(torch.nn.Module):
             for index in range(starts[c], starts[c + 1]):
                 self.add_module(names[index], layers[index])
         self.chunk_bounds = [(starts[c], starts[c + 1]) for c in range(chunks)]
-        self.pipeline_set, self.data_parallel_set = self._process_sets(world)
+        self.pipeline_set, self.data_parallel_set = self._process_sets()
         self._channel = open_channel()
         self._lanes: dict[tuple[int, int, bool], Any] | None = None  # device-plane channels, from the first step
         self._plane: str | None = None  # the device kind they move
@@ -120,11 +120,13 @@ class Pipeline(torch.nn.Module):
             )
         self.last_timings: list[tuple[Action, float, float]] = []
 
-    def _process_sets(self, world: int) -> tuple[ProcessSet, ProcessSet]:
-        """Register every pipeline's and every stage's process set (all ranks, same order); return this rank's."""
+    def _process_sets(self) -> tuple[ProcessSet, ProcessSet]:
+        """Every pipeline's and every stage's process set (all ranks, same order); return this rank's. A set of the
+        same ranks registered before (by the user, or by an earlier pipeline of the same layout) is used as it is:
+        a pipeline built again, as in rebalancing, adds no sets (and no threads or groups with them)."""
 
         def register(ranks: list[int]) -> ProcessSet:
-            return global_process_set if len(ranks) == world else register_process_set(ProcessSet(ranks))
+            return registered_process_set(ranks) or register_process_set(ProcessSet(ranks))
 
         pipelines = [register([s * self.replicas + r for s in range(self.num_stages)]) for r in range(self.replicas)]
         stages = [register([s * self.replicas + r for r in range(self.replicas)]) for s in range(self.num_stages)]

@@ -266,6 +266,20 @@ def test_balance_by_parameters_and_by_measured_time(hvd):
     assert all(b == everyone[0] for b in everyone)  # measured on every rank, agreed by all
 
 
+def test_a_pipeline_built_again_reuses_the_process_sets_of_its_layout(hvd):
+    """A second pipeline of the same layout (a rebalance, another model) registers no sets of its own: it takes the
+    ones registered before, so that building pipelines adds no rounds threads or groups, and Horovod's rule of one
+    set per list of ranks holds."""
+    import threading
+
+    first = hvd.pipeline.Pipeline(make_model(), num_stages=hvd.size(), micro_batches=2)
+    rounds_threads = sum(thread.name.startswith("hvdplus-rounds-") for thread in threading.enumerate())
+    second = hvd.pipeline.Pipeline(make_model(seed=1), num_stages=hvd.size(), micro_batches=2)
+    assert second.data_parallel_set.process_set_id == first.data_parallel_set.process_set_id
+    assert second.pipeline_set.process_set_id == first.pipeline_set.process_set_id == 0  # every rank: the global set
+    assert sum(thread.name.startswith("hvdplus-rounds-") for thread in threading.enumerate()) == rounds_threads
+
+
 def test_parameters_keep_the_names_of_the_unpartitioned_model(hvd):
     import collections
 
