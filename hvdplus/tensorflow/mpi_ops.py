@@ -22,6 +22,7 @@ from hvdplus.tensorflow._graph import (
     Finish,
     InvalidArgument,
     collective_names,
+    differentiable,
     dtype_name,
     execute,
     storage,
@@ -59,19 +60,26 @@ def _same_shape_op(
     submit: Callable[..., Any],
     gradient: Callable[[list[tf.Tensor]], list[tf.Tensor]],
     chain: str = "",
+    now: Callable[[np.ndarray, np.ndarray, str, str | None], None] | None = None,
 ) -> list[tf.Tensor]:
     """One collective whose outputs have the inputs' shapes (allreduce, broadcast); `submit(source, output, dtype,
-    name, group)` starts one member, `gradient(output_grads)` differentiates it; `chain` as in `execute`."""
+    name, group)` starts one member, `gradient(output_grads)` differentiates it; `chain` as in `execute`.
+    `now(source, output, dtype, name)`, if given, runs a lone eager tensor to completion on this thread instead (the
+    core's lone lane: no handle, and no cycle of its own when the request is cached)."""
     dtypes = [dtype_name(t.dtype) for t in tensors]
     group = group_size(len(tensors))
+    alone_now = now if len(tensors) == 1 and tf.executing_eagerly() else None  # graphs submit, then wait
 
     def start(*arrays: np.ndarray) -> Finish:
         sources = [storage(a) for a in arrays]
         outputs = [np.empty_like(s) for s in sources]
+        if alone_now is not None:
+            alone_now(sources[0], outputs[0], dtypes[0], names[0])
+            return Completion([], lambda _: [values(outputs[0], dtypes[0])])
         handles = [submit(s, o, d, n, group) for s, o, d, n in zip(sources, outputs, dtypes, names)]
         return Completion(handles, lambda _: [values(o, d) for o, d in zip(outputs, dtypes)])
 
-    @tf.custom_gradient
+    @differentiable
     def forward(*xs: tf.Tensor) -> Any:
         ys = execute(start, xs, [x.dtype for x in xs], [x.shape for x in xs], chain)
         return ys, lambda *dys: gradient(as_tensors(dys))
@@ -94,6 +102,7 @@ def allreduce_op(
         names,
         lambda s, o, d, n, g: core.submit_allreduce(s, o, d, n, op, prescale, postscale, process_set, group=g),
         gradient,
+        now=lambda s, o, d, n: core.allreduce_now(s, o, d, n, op, prescale, postscale, process_set),
     )
 
 
@@ -214,7 +223,7 @@ def _resizing_op(
         handles = [submit(storage(a), d, n, group) for a, d, n in zip(arrays, dtypes, names)]
         return Completion(handles, lambda results: [values(r, d) for r, d in zip(results, dtypes)])
 
-    @tf.custom_gradient
+    @differentiable
     def forward(*xs: tf.Tensor) -> Any:
         ys = execute(start, xs, [x.dtype for x in xs], [tf.TensorShape([None]).concatenate(x.shape[1:]) for x in xs])
         return ys, lambda *dys: gradient(xs, as_tensors(dys))
@@ -382,7 +391,7 @@ def _alltoall_op(
         handle = core.submit_alltoall(storage(sent), dtype, split_list, name, process_set)
         return Completion([handle], lambda results: [values(results[0][0], dtype), results[0][1].astype(np.int32)])
 
-    @tf.custom_gradient
+    @differentiable
     def forward(value: tf.Tensor) -> Any:
         output, received = execute(
             start,
