@@ -177,12 +177,19 @@ def init(
         _runtime = _elastic_runtime(settings, comm) if settings.launch.elastic_worker else Runtime(settings, comm)
     global_process_set.ranks = list(range(_runtime.size))
     if process_sets is not None and process_sets != "dynamic":
-        for process_set in process_sets:  # the same ranks twice share one set, as in Horovod's init
-            same = registered_process_set(process_set.ranks)
-            if same is None:
+        duplicates = []  # as in Horovod's init: the others are registered, then the first duplicate raises
+        for index, process_set in enumerate(process_sets):
+            if registered_process_set(process_set.ranks) is None:
                 register_process_set(process_set)
             else:
-                process_set.process_set_id, process_set.registered_in = same.process_set_id, _runtime
+                process_set.process_set_id = None
+                duplicates.append((index, process_set))
+        if duplicates:
+            index, process_set = duplicates[0]
+            raise ValueError(
+                f"Horovod could not be initialized because process_sets entry number {index} is a duplicate: "
+                f"{process_set}"
+            )
 
 
 def _elastic_runtime(settings: Settings, comm: Any) -> Runtime:
@@ -325,6 +332,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set. Collective: every rank of the job must call this, in the same order."""
     rt = runtime()
     if process_set.process_set_id in (None, 0):
+        return False
+    if rt.coordinator.process_set_ranks(process_set.process_set_id) is None:  # removed already (under another object)
+        process_set.process_set_id = None
         return False
     request = Request(rt.auto_name("remove_process_set", 0), OpKind.REMOVE_PROCESS_SET, root=process_set.process_set_id)
     rt.coordinator.submit(request).wait()

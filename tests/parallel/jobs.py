@@ -82,8 +82,9 @@ def run_job(
         for attempt in (1, 2):
             try:
                 done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            except subprocess.TimeoutExpired as exc:
-                return 124, f"job timed out after {timeout} s\n{exc.stdout or ''}{exc.stderr or ''}"
+            except subprocess.TimeoutExpired as exc:  # its captured output is bytes, even with text=True
+                output = "".join(part.decode(errors="replace") for part in (exc.stdout, exc.stderr) if part)
+                return 124, f"job timed out after {timeout} s\n{output}{failure_digest(engine, output)}"
             output = done.stdout + done.stderr
             if attempt == 1 and done.returncode != 0 and _LAUNCH_FAILED_BEFORE_RANKS in output:
                 continue  # Open MPI's own start failed before any rank ran: launch it once more
@@ -165,8 +166,9 @@ _RANK_LINE = {  # how each launcher tags a line of a rank's output (Gloo jobs pr
     "mpich": re.compile(r"^\[(\d+)\] ?(.*)$"),
 }
 _GLOO_RANK_HEADER = re.compile(r"^----- rank (\d+) -----$")
-_FAILURES_START = re.compile(r"^=+ FAILURES =+$")
-_FAILURES_END = re.compile(r"^(-+ Captured \w+ \w+ -+|=+ short test summary info =+)$")
+_REPORTS_START = re.compile(r"^=+ (FAILURES|ERRORS) =+$")
+_REPORT_END = re.compile(r"^(-+ Captured .+ -+|=+ .+ =+)$")  # its captured output, or pytest's next section
+_NEXT_REPORT = re.compile(r"^_{3,} .+ _{3,}$")
 _DIGEST_LINES = 30  # of each rank's failure report: its innermost frames (where it failed or waited) and its error
 
 
@@ -187,17 +189,18 @@ def rank_outputs(engine: str, output: str) -> dict[int, list[str]]:
 
 
 def failure_digest(engine: str, output: str) -> str:
-    """Each rank's first failure as pytest reported it (its traceback's last lines), after a job's output: CI shows a
-    failure's last lines, and a timed-out test's dump of every other thread comes after its traceback, and is longer."""
+    """Each rank's first failure or error as pytest reported it (its traceback's last lines), after a job's output:
+    CI shows a failure's last lines, and a timed-out test's dump of every other thread comes after its traceback, and
+    is longer."""
     digest = []
     for rank, lines in sorted(rank_outputs(engine, output).items()):
         report: list[str] | None = None
         for line in lines:
-            if report is None and _FAILURES_START.match(line):
-                report = []
-            elif report is not None:
-                if _FAILURES_END.match(line):
-                    break
+            if report is None:
+                report = [] if _REPORTS_START.match(line) else None
+            elif _REPORT_END.match(line) or (report and _NEXT_REPORT.match(line)):
+                break
+            else:
                 report.append(line)
         if report:
             digest += [f"----- rank {rank}: its failure -----", *report[-_DIGEST_LINES:]]

@@ -13,11 +13,18 @@ import pytest
 
 @pytest.fixture(scope="module")
 def rest(hvd: Any) -> Any:
-    """Every rank but 0 (Horovod's process sets need registering on every rank)."""
-    process_set = hvd.add_process_set(list(range(1, hvd.size())))
+    """Every rank but 0 (Horovod's process sets need registering on every rank): the set of those ranks if one is
+    registered already (a pipeline's stage set at 2 ranks, when tests run in another order), else one added here
+    and removed after the module."""
+    from hvdplus.common.basics import registered_process_set
+
+    ranks = list(range(1, hvd.size()))
+    found = registered_process_set(ranks)
+    process_set = found or hvd.add_process_set(ranks)
     yield process_set
     hvd.barrier()
-    hvd.remove_process_set(process_set)
+    if found is None:
+        hvd.remove_process_set(process_set)
 
 
 @pytest.fixture(params=["global", "rest"])

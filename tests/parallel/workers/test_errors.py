@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hvdplus.common.basics import registered_process_set
 from hvdplus.common.exceptions import CollectiveMismatchError
 from tests.parallel.process_sets import global_ranks, pset, rest  # noqa: F401 (fixtures)
 
@@ -195,5 +196,8 @@ def test_a_process_set_with_the_ranks_of_another_is_refused_on_every_rank(hvd, r
     hvd.remove_process_set(first)
     again = hvd.add_process_set([0])
     assert again.process_set_id is not None and again.process_set_id > first_id  # ids are not reused
-    hvd.remove_process_set(again)
+    twin = registered_process_set([0])  # the same set under another object, as a pipeline holds one
+    assert twin is not None and twin.process_set_id == again.process_set_id
+    assert hvd.remove_process_set(again) is True
+    assert hvd.remove_process_set(twin) is False  # gone already: Horovod's answer for an unknown set
     _after_error_job_still_works(hvd)
