@@ -177,15 +177,16 @@ def init(
         _runtime = _elastic_runtime(settings, comm) if settings.launch.elastic_worker else Runtime(settings, comm)
     global_process_set.ranks = list(range(_runtime.size))
     if process_sets is not None and process_sets != "dynamic":
-        duplicates = []  # as in Horovod's init: the others are registered, then the first duplicate raises
+        # As in Horovod's init: the others are registered, then the first duplicate raises.
+        first_duplicate: tuple[int, ProcessSet] | None = None
         for index, process_set in enumerate(process_sets):
             if registered_process_set(process_set.ranks) is None:
                 register_process_set(process_set)
             else:
                 process_set.process_set_id = None
-                duplicates.append((index, process_set))
-        if duplicates:
-            index, process_set = duplicates[0]
+                first_duplicate = first_duplicate or (index, process_set)
+        if first_duplicate is not None:
+            index, process_set = first_duplicate
             raise ValueError(
                 f"Horovod could not be initialized because process_sets entry number {index} is a duplicate: "
                 f"{process_set}"
@@ -303,8 +304,10 @@ def registered_process_set(ranks: Sequence[int]) -> ProcessSet | None:
     set's ranks are registered once (Horovod's rule), so code that needs a set of given ranks may find it here."""
     rt = runtime()
     set_id = rt.coordinator.process_set_id_of(tuple(sorted(ranks)))
-    if set_id is None or set_id == 0:
-        return None if set_id is None else global_process_set
+    if set_id is None:
+        return None
+    if set_id == 0:
+        return global_process_set
     found = ProcessSet(ranks)
     found.process_set_id, found.registered_in = set_id, rt
     return found

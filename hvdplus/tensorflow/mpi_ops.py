@@ -73,10 +73,11 @@ def _same_shape_op(
     def start(*arrays: np.ndarray) -> Finish:
         sources = [storage(a) for a in arrays]
         outputs = [np.empty_like(s) for s in sources]
-        if alone_now is not None:
+        if alone_now is not None:  # done when it returns: no handle to wait for
             alone_now(sources[0], outputs[0], dtypes[0], names[0])
-            return Completion([], lambda _: [values(outputs[0], dtypes[0])])
-        handles = [submit(s, o, d, n, group) for s, o, d, n in zip(sources, outputs, dtypes, names)]
+            handles = []
+        else:
+            handles = [submit(s, o, d, n, group) for s, o, d, n in zip(sources, outputs, dtypes, names)]
         return Completion(handles, lambda _: [values(o, d) for o, d in zip(outputs, dtypes)])
 
     @differentiable
