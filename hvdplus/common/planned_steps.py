@@ -24,7 +24,7 @@ import numpy as np
 
 from hvdplus.common import basics, collectives
 from hvdplus.common.control.frozen import FrozenPeerInspector, failure_of
-from hvdplus.common.engines.base import PlannedGroup
+from hvdplus.common.engines.base import DataEngine, PlannedGroup
 from hvdplus.common.exceptions import HorovodInternalError, PlanMismatchError
 from hvdplus.common.handles import ALIVE_EVERY_S, Work
 from hvdplus.common.ops import ReduceOp
@@ -114,6 +114,7 @@ class PlannedStep:
 
     def __init__(
         self,
+        engine: DataEngine,
         group: PlannedGroup,
         ranks: Sequence[int],
         digest: int,
@@ -121,13 +122,14 @@ class PlannedStep:
         buffer_of: Callable[[Any], Any],
         guard_group: PlannedGroup | None = None,
     ) -> None:
-        """`ranks`: the process set's global ranks. `host`: whether `group` is the host engine's (else a device
-        plane's). `buffer_of`: the framework's buffer as `group` takes it (a numpy view of a host tensor for the
-        host engine; a device plane's tensor as it is). `guard_group`: a planned group of the host engine that sums
+        """`engine`: the engine whose collectives run on `group` (the host engine, or a device plane's). `ranks`: the
+        process set's global ranks. `host`: whether `engine` is the host engine (else a device plane's).
+        `buffer_of`: the framework's buffer as `engine` takes it (a numpy view of a host tensor for the host
+        engine; a device plane's tensor as it is). `guard_group`: a planned group of the host engine that sums
         the step's guard as a host word, for a device plane's plan (reading a reduced device element would hold the
         training thread until the GPU drained: reducer.py)."""
         self.runtime = basics.runtime()
-        self._group, self._ranks, self._digest = group, tuple(ranks), digest
+        self._engine, self._group, self._ranks, self._digest = engine, group, tuple(ranks), digest
         self._set_rank = self._ranks.index(self.runtime.rank)
         # A member that stops answering (frozen, hung) is named as in the control rounds: each member counts the
         # plan's waits alike (they run in plan order everywhere) and beacons on the plan's own stream, which is the
@@ -177,7 +179,7 @@ class PlannedStep:
         """Start summing this rank's guard `value` as a host word on the guard group (there must be one)."""
         assert self._guard_group is not None
         self._guard_word[0] = value
-        return self._guard_group.start_allreduce(self._guard_word, "float32", ReduceOp.SUM)
+        return self.runtime.engine.start_allreduce(self._guard_word, "float32", ReduceOp.SUM, self._guard_group)
 
     def _abandon(self) -> None:
         """Forget the work in flight (each kind of plan keeps its own)."""
@@ -266,7 +268,7 @@ class PlannedStep:
             host_group = self._group if self._guard_group is None else self._guard_group
             alive = self._alive()
             with self._engine_errors(alive):
-                host_group.start_allreduce(words, "int64", ReduceOp.SUM).wait(alive)
+                self.runtime.engine.start_allreduce(words, "int64", ReduceOp.SUM, host_group).wait(alive)
         consistency = read_consistency(words, self._group.size, self._digest)
         who = [self._ranks[i] for i in consistency.differing]
         text = (

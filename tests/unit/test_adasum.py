@@ -6,6 +6,7 @@ import pytest
 from hvdplus.common.data import halfops
 from hvdplus.common.data.adasum import adasum_allreduce, check_adasum_size, combine, partners
 from hvdplus.common.engines.local import LocalEngine
+from hvdplus.common.engines.waited import Waited
 
 
 def formula(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -82,6 +83,6 @@ def test_non_power_of_two_sizes_are_rejected_with_the_size(size):
 
 def test_one_rank_is_the_identity():
     buffer = np.array([1.0, 2.0, 3.0])
-    adasum_allreduce(LocalEngine(), "world", 0, 1, buffer, [3], "float64")
+    adasum_allreduce(Waited(LocalEngine()), "world", 0, 1, buffer, [3], "float64")
     np.testing.assert_array_equal(buffer, [1.0, 2.0, 3.0])
     assert partners(0, 1) == []

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from hvdplus.common.engines.blocked_calls import BlockedCalls
+from hvdplus.common.engines.blocked_calls import BlockedCalls, CallAtWait
 from hvdplus.common.handles import ALIVE_EVERY_S
 
 
@@ -60,3 +60,23 @@ def test_each_thread_has_its_own_call():
     finally:
         watcher.close()
     assert seen == {"a", "b"}
+
+
+def test_a_call_at_wait_runs_once_on_the_waiting_thread_watched_with_its_alive():
+    ran: list[int] = []
+    seen: list[str] = []
+    watcher = BlockedCalls("test-watch", lambda error: None)
+
+    def call() -> None:
+        ran.append(threading.get_ident())
+        time.sleep(1.6 * ALIVE_EVERY_S)  # long enough for the watcher to call the wait's alive
+
+    work = CallAtWait(call, watcher)
+    try:
+        assert not work.done() and ran == []  # started, not run: it runs when it is waited for
+        work.wait(lambda: seen.append("alive"))
+        work.wait()  # once only
+    finally:
+        watcher.close()
+    assert ran == [threading.get_ident()] and work.done()
+    assert seen, "the wait's alive was not called while the call blocked"

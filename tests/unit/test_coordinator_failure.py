@@ -22,7 +22,7 @@ from hvdplus.common.topology import Topology
 
 
 class RefusingEngine(LocalEngine):
-    def allreduce(self, buf, dtype, op, group, send=None):
+    def start_allreduce(self, buf, dtype, op, group, send=None):
         raise RuntimeError("Invalid scalar type")
 
 

@@ -8,6 +8,7 @@ from hvdplus.common.data.halfops import bfloat16_to_float32, float32_to_bfloat16
 from hvdplus.common.data.hierarchical import cross_allreduce, hierarchical_groups, p2p_reducescatter, resolve_algorithm
 from hvdplus.common.data.layout import balanced_counts
 from hvdplus.common.engines.threads import ThreadWorld
+from hvdplus.common.engines.waited import Waited
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.topology import Topology
 from tests.unit.test_announcements import run_ranks
@@ -37,7 +38,7 @@ def test_cross_allreduce_equals_a_flat_reduction(algorithm, sizes, dtype, op):
             ran = run_ranks(
                 size,
                 lambda rank: cross_allreduce(
-                    world.engines[rank], "world", rank, size, buffers[rank], dtype, op, algorithm
+                    Waited(world.engines[rank]), "world", rank, size, buffers[rank], dtype, op, algorithm
                 ),
             )
             expected = NUMPY_OPS[op].reduce(np.stack(values), axis=0)
@@ -91,7 +92,7 @@ def test_p2p_reducescatter_leaves_each_rank_its_reduced_part_for_uneven_counts(a
     run_ranks(
         size,
         lambda rank: p2p_reducescatter(
-            world.engines[rank], "world", rank, size, buffers[rank], counts, "float32", ReduceOp.SUM, algorithm
+            Waited(world.engines[rank]), "world", rank, size, buffers[rank], counts, "float32", ReduceOp.SUM, algorithm
         ),
     )
     expected = np.sum(values, axis=0)

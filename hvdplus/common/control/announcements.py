@@ -84,8 +84,8 @@ def _swap(engine: Engine, group: Any, merged: _Merged, peer: int) -> _Merged:
     entries = [(request, masks.setdefault(mask, len(masks)), order) for request, (mask, order) in merged.items()]
     data = pickled((list(masks), entries))
     lengths = np.empty(1, dtype=np.int64)
-    engine.sendrecv(np.array([data.size], dtype=np.int64), lengths, peer, group)
+    engine.start_sendrecv(np.array([data.size], dtype=np.int64), lengths, peer, group).wait()
     received = np.empty(int(lengths[0]), dtype=np.uint8)
-    engine.sendrecv(data, received, peer, group)
+    engine.start_sendrecv(data, received, peer, group).wait()
     mask_list, their_entries = pickle.loads(received.tobytes())
     return {request: (mask_list[index], order) for request, index, order in their_entries}

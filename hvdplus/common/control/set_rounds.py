@@ -384,14 +384,14 @@ class SetRounds:
     def _watched(self, run: Callable[[], None]) -> None:
         """`run()` the round's data calls, watched as the next round (`_run`)."""
         round_number, started = self.rounds + 1, time.monotonic()
-        self._engine.watch(lambda: self._frozen.waiting(round_number, time.monotonic() - started))
+        self.executor.alive = lambda: self._frozen.waiting(round_number, time.monotonic() - started)
         try:
             run()
         except Exception as exc:  # Gloo's own timeout (at the stall shutdown time) may end the wait first
             self._frozen.raise_if_stalled(round_number, time.monotonic() - started, exc)
             raise
         finally:
-            self._engine.watch(None)
+            self.executor.alive = None
 
     def _run_control(self, response: Response, work: Submission) -> Any:
         """A control collective's result, or a data one the executor runs alone (alltoall, barrier)."""

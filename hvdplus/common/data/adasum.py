@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from hvdplus.common.data import halfops
-from hvdplus.common.engines.base import Engine
+from hvdplus.common.engines.waited import Waited
 
 __all__ = ["check_adasum_size", "partners", "combine", "adasum_allreduce", "adasum_tensors"]
 
@@ -66,7 +66,7 @@ def combine(a: np.ndarray, b: np.ndarray, counts: Sequence[int], dtype: str, out
 
 
 def adasum_allreduce(
-    engine: Engine, group: Any, set_rank: int, set_size: int, buffer: np.ndarray, counts: Sequence[int], dtype: str
+    engine: Waited, group: Any, set_rank: int, set_size: int, buffer: np.ndarray, counts: Sequence[int], dtype: str
 ) -> None:
     """Replace `buffer` (tensors of `counts` elements, packed) by the Adasum of every rank's buffer.
 
@@ -80,7 +80,7 @@ def adasum_allreduce(
 
 
 def adasum_tensors(
-    engine: Engine,
+    engine: Waited,
     group: Any,
     set_rank: int,
     set_size: int,

@@ -17,8 +17,9 @@ from hvdplus.common.data.hierarchical import hierarchical_allgather, hierarchica
 from hvdplus.common.data.layout import Layout, balanced_counts
 from hvdplus.common.data.nan import propagates_nan
 from hvdplus.common.engines.base import Engine
+from hvdplus.common.engines.waited import Waited
 from hvdplus.common.exceptions import CollectiveMismatchError
-from hvdplus.common.handles import Handle
+from hvdplus.common.handles import Handle, Work
 from hvdplus.common.ops import OpKind, ReduceOp
 from hvdplus.common.timeline import Timeline
 from hvdplus.common.tunables import Tunables
@@ -83,6 +84,13 @@ class Executor:
         self.hierarchical_runs: dict[str, int] = {}
         self._timeline: Timeline | None = None
         self._traced: list[str] = []  # the tensor names of the batch running now, when a timeline is on
+        # What the engine calls' waits call about once a second (control/set_rounds.py sets it for each round's
+        # calls: a peer that freezes inside one is named as in a control round).
+        self.alive: Callable[[], None] | None = None
+
+    def _wait(self, work: Work) -> None:
+        """Wait for an engine call this executor started, as the round it runs in allows (`alive`)."""
+        work.wait(self.alive)
 
     def trace(self, timeline: Timeline | None, names: list[str]) -> None:
         """Record the next batch's activities on `timeline` (None: no timeline) under the tensors' names."""
@@ -211,7 +219,7 @@ class Executor:
         """Adasum of the batch's tensors (hvdplus.common.data.adasum), each with its own dot product and norms."""
         response, works = batch[0][0], [work for _, work in batch]
         adasum_tensors(
-            self._engine,
+            Waited(self._engine, self.alive),
             self._group_of(response.key[0]),
             response.members.index(self._engine.rank),
             len(response.members),
@@ -244,7 +252,7 @@ class Executor:
         if hierarchical:
             with self._activity("HIERARCHICAL_ALLREDUCE"), self._substeps() as mark:
                 ran = hierarchical_allreduce(
-                    self._engine,
+                    Waited(self._engine, self.alive),
                     process_set.hierarchy,
                     buffer,
                     request.dtype,
@@ -256,9 +264,9 @@ class Executor:
             self._ran_hierarchical(f"allreduce/{ran}")
         else:
             with self._activity("ALLREDUCE", plane):
-                plane.engine.allreduce(buffer, request.dtype, op, group, send=source)
+                self._wait(plane.engine.start_allreduce(buffer, request.dtype, op, group, send=source))
         if nans is not None:
-            plane.engine.allreduce(nans, "uint8", ReduceOp.MAX, group)
+            self._wait(plane.engine.start_allreduce(nans, "uint8", ReduceOp.MAX, group))
             ops.restore_nan(buffer, request.dtype, nans)
         postscale = _postscale(request, set_size)
         if postscale != 1.0:
@@ -270,11 +278,11 @@ class Executor:
         hierarchy = process_set.hierarchy
         if plane.host and self._tunables.hierarchical_allgather and hierarchy is not None and hierarchy.contiguous:
             with self._activity("HIERARCHICAL_ALLGATHER"), self._substeps() as mark:
-                hierarchical_allgather(self._engine, hierarchy, send, recv, counts, mark)
+                hierarchical_allgather(Waited(self._engine, self.alive), hierarchy, send, recv, counts, mark)
             self._ran_hierarchical("allgather")
         else:
             with self._activity("ALLGATHER", plane):
-                plane.engine.allgather(send, recv, counts, self._group(plane, process_set))
+                self._wait(plane.engine.start_allgather(send, recv, counts, self._group(plane, process_set)))
 
     def _fusion_buffer(self, plane: DataPlane, count: int, like: Any) -> Any:
         """The plane's reusable fusion buffer for `like`'s storage type, at least `count` elements long."""
@@ -294,7 +302,8 @@ class Executor:
         if response.members[root] == self._engine.rank and work.input is not work.output:
             plane.ops.copy(work.output, work.input)
         with self._activity("BROADCAST", plane):
-            plane.engine.broadcast(plane.ops.flat(work.output), root, self._group(plane, self._set_of(response.key[0])))
+            group = self._group(plane, self._set_of(response.key[0]))
+            self._wait(plane.engine.start_broadcast(plane.ops.flat(work.output), root, group))
         self._complete(plane, [work], [work.output], work.output)
 
     def run(self, response: Response, work: Submission, set_rank: int) -> Any:
@@ -303,7 +312,7 @@ class Executor:
         if response.kind == OpKind.ALLTOALL:
             return self._alltoall(response.announced, work, set_rank, group)
         if response.kind == OpKind.BARRIER:
-            self._engine.barrier(group)
+            self._wait(self._engine.start_barrier(group))
             return None
         raise RuntimeError(f"executor cannot run {response.kind.name}")
 
@@ -312,13 +321,14 @@ class Executor:
         splits = [r.splits or even_splits(r.shape[0], len(requests)) for r in requests]
         recv_rows = [splits[src][set_rank] for src in range(len(requests))]
         out = np.empty((sum(recv_rows),) + work.request.shape[1:], dtype=work.input.dtype)
-        self._engine.alltoall(
+        started = self._engine.start_alltoall(
             work.input.reshape(-1),
             [s * row for s in splits[set_rank]],
             out.reshape(-1),
             [r * row for r in recv_rows],
             group,
         )
+        self._wait(started)
         return out, np.asarray(recv_rows, dtype=np.int32)
 
     def run_allgather(self, batch: list[tuple[Response, Submission]]) -> None:
@@ -374,7 +384,7 @@ class Executor:
             ops.scale(buffer, request.dtype, request.prescale)
             mine = ops.empty((layout.rank_totals[set_rank],), buffer)
             with self._activity("REDUCESCATTER", plane):
-                plane.engine.reducescatter(buffer, mine, layout.rank_totals, request.dtype, op, group)
+                self._wait(plane.engine.start_reducescatter(buffer, mine, layout.rank_totals, request.dtype, op, group))
             with self._activity("MEMCPY_OUT_FUSION_BUFFER"):
                 ops.unpack(mine, [ops.flat(out) for out in outputs])
         postscale = _postscale(request, len(head.members))
@@ -404,10 +414,10 @@ class Executor:
         nans = ops.nan_positions(send, request.dtype) if propagates_nan(request.dtype, op) else None
         recv = send if inplace else (out if size else ops.empty((0,), send))  # empty views may alias
         with self._activity("REDUCESCATTER", plane):
-            engine.reducescatter(None if inplace else send, recv, counts, request.dtype, op, group)
+            self._wait(engine.start_reducescatter(None if inplace else send, recv, counts, request.dtype, op, group))
         if nans is not None:
             flags = ops.empty((size,), nans)
-            engine.reducescatter(nans, flags, counts, "uint8", ReduceOp.MAX, group)
+            self._wait(engine.start_reducescatter(nans, flags, counts, "uint8", ReduceOp.MAX, group))
             ops.restore_nan(out, request.dtype, flags)
 
 

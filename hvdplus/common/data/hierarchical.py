@@ -26,6 +26,7 @@ from hvdplus.common.data import halfops
 from hvdplus.common.data.cross_lane import CrossLane
 from hvdplus.common.data.layout import balanced_counts
 from hvdplus.common.engines.base import Engine
+from hvdplus.common.engines.waited import Waited
 from hvdplus.common.handles import Handle
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.topology import Topology
@@ -126,7 +127,7 @@ def resolve_algorithm(algorithm: str, hosts: int, nbytes: int, engine: str = "mp
 
 
 def hierarchical_allreduce(
-    engine: Engine,
+    engine: Waited,
     groups: HierarchicalGroups,
     buffer: np.ndarray,
     dtype: str,
@@ -151,7 +152,7 @@ def hierarchical_allreduce(
 
 
 def _reduce_within_host(
-    engine: Engine,
+    engine: Waited,
     groups: HierarchicalGroups,
     buffer: np.ndarray,
     dtype: str,
@@ -183,7 +184,7 @@ def _chunks(buffer: np.ndarray, chunk_bytes: int, local_size: int) -> list[np.nd
 
 
 def _pipelined_allreduce(
-    engine: Engine,
+    engine: Waited,
     groups: HierarchicalGroups,
     chunks: Sequence[np.ndarray],
     dtype: str,
@@ -208,7 +209,7 @@ def _pipelined_allreduce(
 
 
 def _gather_when_crossed(
-    engine: Engine,
+    engine: Waited,
     groups: HierarchicalGroups,
     chunk: np.ndarray,
     counts: list[int],
@@ -224,7 +225,7 @@ def _gather_when_crossed(
 
 
 def cross_allreduce(
-    engine: Engine, group: Any, rank: int, size: int, buffer: np.ndarray, dtype: str, op: ReduceOp, algorithm: str
+    engine: Waited, group: Any, rank: int, size: int, buffer: np.ndarray, dtype: str, op: ReduceOp, algorithm: str
 ) -> str:
     """Allreduce `buffer` in place across `group` with the named algorithm; returns the one that ran."""
     algorithm = resolve_algorithm(algorithm, size, buffer.nbytes, engine.name)
@@ -244,7 +245,7 @@ def _pieces(buffer: np.ndarray, counts: Sequence[int]) -> Callable[[int, int], n
 
 
 def p2p_reducescatter(
-    engine: Engine,
+    engine: Waited,
     group: Any,
     rank: int,
     size: int,
@@ -286,7 +287,7 @@ def p2p_reducescatter(
 
 
 def p2p_allgather(
-    engine: Engine, group: Any, rank: int, size: int, buffer: np.ndarray, counts: Sequence[int], algorithm: str
+    engine: Waited, group: Any, rank: int, size: int, buffer: np.ndarray, counts: Sequence[int], algorithm: str
 ) -> None:
     """Allgather in place from `sendrecv`: part `rank` of `buffer` is this rank's; afterwards every part is."""
     piece = _pieces(buffer, counts)
@@ -307,14 +308,14 @@ def p2p_allgather(
 
 
 def hierarchical_allgather(
-    engine: Engine,
+    engine: Waited,
     groups: HierarchicalGroups,
     send: np.ndarray | None,
     recv: np.ndarray,
     counts: Sequence[int],
     mark: Callable[[str], None] = _no_mark,
 ) -> None:
-    """`Engine.allgather` in three steps (needs `groups.contiguous`): gather within the host into the host's
+    """An allgather in three steps (needs `groups.contiguous`): gather within the host into the host's
     block of `recv`, exchange host blocks between the hosts' local rank 0s, broadcast `recv` within the host."""
     host_totals = [sum(counts[i] for i in members) for members in groups.host_members]
     start = sum(host_totals[: groups.cross_rank])

@@ -73,30 +73,28 @@ class Channel(Protocol):
 
 
 class PlannedGroup(Protocol):
-    """A communicator of one process set's ranks that only the planned path uses (torch/planned/reducer.py): its
-    collectives are started from the caller's thread, several in flight, with no negotiation. Every member
-    starts the same collectives in the same order; that is what freezing a plan agrees on."""
+    """A communicator of one process set's ranks that only the planned path uses (torch/planned/reducer.py), opened
+    with `Channels.open_planned`. Its collectives are the engine's own data calls (`DataEngine.start_allreduce` and
+    the others, in place), as every group's are; what sets it apart is that they may be started from any thread,
+    several in flight, with no negotiation, and progress while the caller computes. Every member starts the same
+    collectives in the same order; that is what freezing a plan agrees on."""
 
     size: int
-
-    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> Work:
-        """Start reducing `buf` in place across the group; `buf` stays alive and untouched until it completes."""
-
-    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> Work:
-        """Start summing `buf` across the group, of which member r keeps counts[r] elements, the r-th run of
-        `buf`: once complete, this member's run of `buf` holds its slice of the sum (the rest is undefined)."""
-
-    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> Work:
-        """Start gathering in place: member r's run of `buf` (counts[r] elements, the r-th run) is its part, and
-        once complete every run holds its member's part on every member."""
 
     def close(self) -> None:
         """Release the communicator (collectives still in flight are abandoned)."""
 
 
 class DataEngine(Protocol):
-    """The data collectives the executor runs on one kind of buffer. The host engine's buffers are flat numpy
-    arrays; a device engine's are tensors of its framework on its device (common/data/buffer_ops.py)."""
+    """The data collectives of one kind of buffer, on either path. The host engine's buffers are flat numpy arrays;
+    a device engine's are tensors of its framework on its device (common/data/buffer_ops.py).
+
+    Every data call starts the collective and returns its `Work`, whose `wait(alive)` returns once the buffers hold
+    the result; `alive` is called about once a second while it waits for the peers (a frozen peer is named as in a
+    control round). On a group from `new_group` (the negotiated path, whose rounds wait for each call at once) a
+    call may run when it is waited for, on the waiting thread: MPI's blocking collectives do, with the library's
+    tuned algorithms and no thread hop (engines/ordered_calls.py says why not MPI's non-blocking ones). On a
+    `PlannedGroup` several run at once, in the order started."""
 
     name: str
     rank: int
@@ -106,33 +104,25 @@ class DataEngine(Protocol):
     def new_group(self, ranks: Sequence[int]) -> Group:
         """Collective over all ranks: a communicator of `ranks` (None on ranks outside it)."""
 
-    def allreduce(
-        self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Group, send: np.ndarray | None = None
-    ) -> None:
+    def start_allreduce(self, buf: Any, dtype: str, op: ReduceOp, group: Group, send: Any | None = None) -> Work:
         """Reduce `send` (default: `buf` itself) across `group` into `buf` (op is SUM, MIN, MAX or PRODUCT)."""
 
-    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Group) -> None:
+    def start_allgather(self, send: Any | None, recv: Any, counts: Sequence[int], group: Group) -> Work:
         """Concatenate every rank's `send` (counts[r] elements from rank r) into `recv`; in place when `send` is
         None: this rank's part already sits at its offset in `recv`."""
 
-    def broadcast(self, buf: np.ndarray, root: int, group: Group) -> None:
+    def start_broadcast(self, buf: Any, root: int, group: Group) -> Work:
         """Copy root's `buf` into `buf` on every rank."""
 
-    def reducescatter(
-        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Group
-    ) -> None:
+    def start_reducescatter(
+        self, send: Any | None, recv: Any, counts: Sequence[int], dtype: str, op: ReduceOp, group: Group
+    ) -> Work:
         """Reduce `send` across `group`; rank r keeps the counts[r] elements of its slice in `recv`. In place when
         `send` is None: `recv` holds the whole input, and this rank's slice of the result lands at its own offset
         in `recv` (the rest of `recv` is left undefined)."""
 
-    def barrier(self, group: Group) -> None:
-        """Return once every rank of `group` has entered."""
-
-    def watch(self, alive: Callable[[], None] | None) -> None:
-        """Until watch(None), the data calls the calling thread makes wait as a `Work` given `alive` does: it is
-        called about once a second while one waits for the peers (Gloo: by the waiting thread; MPI, whose blocking
-        calls cannot: by a thread of the engine's, engines/blocked_calls.py), so that a peer that freezes inside
-        a call is named as in a control round. Device engines, whose calls return once queued, ignore it."""
+    def start_barrier(self, group: Group) -> Work:
+        """Complete once every rank of `group` has entered."""
 
     def shutdown(self) -> None:
         """Release the engine's resources (process groups, communicators)."""
@@ -204,11 +194,13 @@ class Engine(DataEngine, ControlPlane, Liveness, Channels, Protocol):
     alone_bytes: int | None
     bucket_bytes: int
 
-    def alltoall(
+    def start_alltoall(
         self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Group
-    ) -> None:
+    ) -> Work:
         """Send send_counts[r] elements to rank r and receive recv_counts[r] from it."""
 
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group, source: int | None = None) -> None:
+    def start_sendrecv(
+        self, send: np.ndarray, recv: np.ndarray, peer: int, group: Group, source: int | None = None
+    ) -> Work:
         """Point to point: send `send` to rank `peer` of `group` and receive into `recv` what rank `source`
         (default: `peer`) sends this rank in the same exchange (each message has the size its receiver expects)."""

@@ -16,10 +16,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from hvdplus.common.handles import ALIVE_EVERY_S
 
-__all__ = ["BlockedCalls"]
+__all__ = ["BlockedCalls", "CallAtWait"]
 
 
 class BlockedCalls:
@@ -66,3 +67,30 @@ class BlockedCalls:
     def close(self) -> None:
         self._closed.set()
         self._calls.clear()
+
+
+class CallAtWait:
+    """A blocking engine call started on a negotiated group (a handles.Work): it runs on the thread that waits for
+    it, watched by `calls` with the wait's `alive`. The negotiated path's rounds wait for each call as soon as they
+    start it, so the call costs no thread hop; `done()` is False until it has run."""
+
+    __slots__ = ("_call", "_calls", "_ran")
+
+    def __init__(self, call: Callable[[], Any], calls: BlockedCalls) -> None:
+        self._call, self._calls, self._ran = call, calls, False
+
+    def done(self) -> bool:
+        return self._ran
+
+    def wait(self, alive: Callable[[], None] | None = None) -> None:
+        if self._ran:
+            return
+        self._ran = True
+        if alive is None:
+            self._call()
+            return
+        self._calls.watch(alive)
+        try:
+            self._call()
+        finally:
+            self._calls.watch(None)

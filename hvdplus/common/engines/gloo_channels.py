@@ -1,7 +1,7 @@
 """Gloo's point-to-point pieces of the torch.distributed engine: the doorbell on a group of its own, the channel
-and its transfers, a collective in flight (the control round's bitwise AND), and the wait for a collective that
-calls `alive` (`wait_work`). Gloo reports their completion only through a blocking wait, so each waits on a thread
-that may sleep."""
+and its transfers, and a collective in flight (the control round's bitwise AND), whose wait calls `alive`
+(torch_collectives.py `wait_work`). Gloo reports their completion only through a blocking wait, so each waits on
+a thread that may sleep."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 
 from hvdplus.common.engines.base import bell_targets
-from hvdplus.common.engines.torch_collectives import TensorTransfer
-from hvdplus.common.handles import ALIVE_EVERY_S
+from hvdplus.common.engines.torch_collectives import TensorTransfer, wait_work
 
-__all__ = ["GlooChannel", "GlooDoorbell", "GlooRound", "wait_work"]
+__all__ = ["GlooChannel", "GlooDoorbell", "GlooRound"]
 
 log = logging.getLogger("hvdplus")
 
@@ -119,21 +118,3 @@ class GlooRound:
     def wait(self, alive: Callable[[], None] | None = None) -> np.ndarray:
         wait_work(self._work, alive)
         return self._out
-
-
-def wait_work(work: Any, alive: Callable[[], None] | None) -> None:
-    """Wait for a torch.distributed collective's work on Gloo: it sleeps on the completion, waking each
-    `ALIVE_EVERY_S` to call `alive` if given; raises the collective's error. Collectives only: a timed wait that
-    expires on a point-to-point work closes its connection ("Application timeout caused pair closure")."""
-    if alive is not None:
-        while not _completes_within(work, ALIVE_EVERY_S):
-            alive()
-    work.wait()  # returns at once once completed, or raises the collective's error
-
-
-def _completes_within(work: Any, seconds: float) -> bool:
-    try:  # Gloo's timed wait raises when the time is up, and leaves the collective running
-        work.wait(datetime.timedelta(seconds=seconds))
-    except RuntimeError:  # the time was up, or the collective failed (then it is completed)
-        return bool(work.is_completed())
-    return True

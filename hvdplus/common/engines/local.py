@@ -12,7 +12,7 @@ from hvdplus.common.ops import ReduceOp
 
 __all__ = ["LocalEngine"]
 
-_COMPLETE = Completed()  # every planned collective of one rank: the buffer already holds its result
+_COMPLETE = Completed()  # every collective of one rank: its buffers hold the result once it is started
 
 
 class LocalEngine:
@@ -28,36 +28,44 @@ class LocalEngine:
     def new_group(self, ranks: Sequence[int]) -> str:
         return "world"
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: str, send: np.ndarray | None = None) -> None:
+    def start_allreduce(
+        self, buf: np.ndarray, dtype: str, op: ReduceOp, group: object, send: np.ndarray | None = None
+    ) -> Completed:
         if send is not None:
             np.copyto(buf, send)
+        return _COMPLETE
 
-    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: str) -> None:
+    def start_allgather(
+        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: object
+    ) -> Completed:
         if send is not None:  # None: in place, this rank's part (all of it) is already in recv
             recv[...] = send
+        return _COMPLETE
 
-    def broadcast(self, buf: np.ndarray, root: int, group: str) -> None:
-        return None
+    def start_broadcast(self, buf: np.ndarray, root: int, group: object) -> Completed:
+        return _COMPLETE
 
-    def alltoall(
-        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: str
-    ) -> None:
+    def start_alltoall(
+        self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: object
+    ) -> Completed:
         recv[...] = send
+        return _COMPLETE
 
-    def reducescatter(
-        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: str
-    ) -> None:
+    def start_reducescatter(
+        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: object
+    ) -> Completed:
         if send is not None:  # None: in place, recv holds the input and this rank's slice is all of it
             recv[...] = send
+        return _COMPLETE
 
-    def barrier(self, group: str) -> None:
-        return None
+    def start_barrier(self, group: object) -> Completed:
+        return _COMPLETE
 
-    def watch(self, alive: Callable[[], None] | None) -> None:
-        return None  # one rank: no call waits for a peer
-
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: str, source: int | None = None) -> None:
+    def start_sendrecv(
+        self, send: np.ndarray, recv: np.ndarray, peer: int, group: object, source: int | None = None
+    ) -> Completed:
         recv[...] = send
+        return _COMPLETE
 
     def allgather_bytes(self, data: bytes, group: str) -> list[bytes]:
         return [data]
@@ -122,18 +130,9 @@ class LocalChannel:
 
 
 class LocalPlannedGroup:
-    """A one-rank planned group: every reduction is the buffer itself, complete at once."""
+    """A one-rank planned group: the engine's collectives on it leave every buffer as it is, complete at once."""
 
     size = 1
-
-    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> Completed:
-        return _COMPLETE
-
-    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> Completed:
-        return _COMPLETE
-
-    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> Completed:
-        return _COMPLETE
 
     def close(self) -> None:
         return None

@@ -9,15 +9,16 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from hvdplus.common.data import halfops
 from hvdplus.common.engines.base import bell_targets
-from hvdplus.common.engines.blocked_calls import BlockedCalls
-from hvdplus.common.engines.ordered_calls import CallWork, OrderedCalls
-from hvdplus.common.handles import ALIVE_EVERY_S
+from hvdplus.common.engines.blocked_calls import BlockedCalls, CallAtWait
+from hvdplus.common.engines.ordered_calls import OrderedCalls
+from hvdplus.common.handles import ALIVE_EVERY_S, Work
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["MPIEngine", "check_launcher_size", "check_thread_levels"]
@@ -117,9 +118,6 @@ class MPIEngine:
         self._planned_lock = threading.Lock()
         self._blocked = BlockedCalls(f"hvdplus-mpi-watch-{self.rank}", self._stuck)
 
-    def watch(self, alive: Callable[[], None] | None) -> None:
-        self._blocked.watch(alive)
-
     def _stuck(self, error: BaseException) -> None:
         """A blocking call's `alive` gave up (a peer froze inside the call): the call can never return, so say why
         as a traceback's last line (which hvdplusrun's blame reads) and abort the job, as MPI does on an error."""
@@ -144,44 +142,56 @@ class MPIEngine:
                     self._half_ops[(dtype, op)] = self._MPI.Op.Create(halfops.half_reducer(dtype, op), commute=True)
         return self._half_ops[(dtype, op)]
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None) -> None:
-        group.Allreduce(self._MPI.IN_PLACE if send is None else send, buf, op=self._op(dtype, op))
+    def _start(self, group: Any, call: Callable[[Any], None]) -> Work:
+        """`call(comm)`, a blocking MPI collective on the group's communicator: queued on a planned group's thread,
+        or run by the thread that waits for it on a negotiated group (DataEngine)."""
+        if isinstance(group, MPIPlannedGroup):
+            return group.calls.start(partial(call, group.comm))
+        return CallAtWait(partial(call, group), self._blocked)
 
-    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
-        group.Allgatherv(
-            self._MPI.IN_PLACE if send is None else send,
-            [recv, list(counts), _displacements(counts), _mpi_type(self._MPI, recv)],
-        )
+    def start_allreduce(
+        self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None
+    ) -> Work:
+        source, mpi_op = self._MPI.IN_PLACE if send is None else send, self._op(dtype, op)
+        return self._start(group, lambda comm: comm.Allreduce(source, buf, op=mpi_op))
 
-    def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
-        group.Bcast(buf, root=root)
+    def start_allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> Work:
+        source = self._MPI.IN_PLACE if send is None else send
+        spec = [recv, list(counts), _displacements(counts), _mpi_type(self._MPI, recv)]
+        return self._start(group, lambda comm: comm.Allgatherv(source, spec))
 
-    def alltoall(
+    def start_broadcast(self, buf: np.ndarray, root: int, group: Any) -> Work:
+        return self._start(group, lambda comm: comm.Bcast(buf, root=root))
+
+    def start_alltoall(
         self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Any
-    ) -> None:
+    ) -> Work:
         mpi_type = _mpi_type(self._MPI, send)
-        group.Alltoallv(
-            [send, list(send_counts), _displacements(send_counts), mpi_type],
-            [recv, list(recv_counts), _displacements(recv_counts), mpi_type],
-        )
+        sent = [send, list(send_counts), _displacements(send_counts), mpi_type]
+        received = [recv, list(recv_counts), _displacements(recv_counts), mpi_type]
+        return self._start(group, lambda comm: comm.Alltoallv(sent, received))
 
-    def reducescatter(
+    def start_reducescatter(
         self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
-    ) -> None:
-        group.Reduce_scatter(
-            self._MPI.IN_PLACE if send is None else [send, _mpi_type(self._MPI, send)],
-            [recv, _mpi_type(self._MPI, recv)],
-            recvcounts=list(counts),
-            op=self._op(dtype, op),
-        )
-        if send is None:
-            _to_own_run(recv, counts, group.Get_rank())
+    ) -> Work:
+        source = self._MPI.IN_PLACE if send is None else [send, _mpi_type(self._MPI, send)]
+        mpi_op = self._op(dtype, op)
 
-    def barrier(self, group: Any) -> None:
-        group.Barrier()
+        def call(comm: Any) -> None:
+            comm.Reduce_scatter(source, [recv, _mpi_type(self._MPI, recv)], recvcounts=list(counts), op=mpi_op)
+            if send is None:
+                _to_own_run(recv, counts, comm.Get_rank())
 
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
-        group.Sendrecv(send, dest=peer, recvbuf=recv, source=peer if source is None else source)
+        return self._start(group, call)
+
+    def start_barrier(self, group: Any) -> Work:
+        return self._start(group, lambda comm: comm.Barrier())
+
+    def start_sendrecv(
+        self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None
+    ) -> Work:
+        other = peer if source is None else source
+        return self._start(group, lambda comm: comm.Sendrecv(send, dest=peer, recvbuf=recv, source=other))
 
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         sizes = np.array(group.allgather(len(data)), dtype=np.int64)
@@ -257,7 +267,7 @@ class MPIEngine:
             group = self._planned_parent.Get_group().Incl(list(ranks))
             comm = self._planned_parent.Create_group(group, tag=key % int(self.world.Get_attr(self._MPI.TAG_UB)))
             group.Free()
-        return MPIPlannedGroup(comm, self)
+        return MPIPlannedGroup(comm, self._MPI)
 
     def shutdown(self) -> None:
         self._blocked.close()
@@ -338,26 +348,17 @@ class MPIChannel:
 
 
 class MPIPlannedGroup:
-    """The planned path's communicator: its collectives run as MPI's blocking ones, in the order started, on a
-    thread of its own (engines/ordered_calls.py says why not MPI's non-blocking ones)."""
+    """The planned path's communicator: the engine's collectives on it run as MPI's blocking ones, in the order
+    started, on a thread of its own (engines/ordered_calls.py says why not MPI's non-blocking ones)."""
 
-    def __init__(self, comm: Any, engine: MPIEngine) -> None:
-        self._comm, self._engine = comm, engine
+    def __init__(self, comm: Any, MPI: Any) -> None:
+        self.comm, self._MPI = comm, MPI
         self.size = comm.Get_size()
         self.calls = OrderedCalls(f"hvdplus-planned-mpi-{comm.Get_rank()}")
 
-    def start_allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp) -> CallWork:
-        return self.calls.start(lambda: self._engine.allreduce(buf, dtype, op, self._comm))
-
-    def start_reducescatter(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> CallWork:
-        return self.calls.start(lambda: self._engine.reducescatter(None, buf, counts, dtype, ReduceOp.SUM, self._comm))
-
-    def start_allgather(self, buf: np.ndarray, dtype: str, counts: Sequence[int]) -> CallWork:
-        return self.calls.start(lambda: self._engine.allgather(None, buf, counts, self._comm))
-
     def close(self) -> None:
-        if self._comm != self._engine._MPI.COMM_NULL and self.calls.close():  # closed once, by its plan or at
-            self._comm.Free()  # shutdown; a call still blocked keeps it (freeing it under the call would crash)
+        if self.comm != self._MPI.COMM_NULL and self.calls.close():  # closed once, by its plan or at shutdown; a
+            self.comm.Free()  # call still blocked keeps it (freeing it under the call would crash)
 
 
 class _MPIWork:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from hvdplus.common.engines.base import Engine
-from hvdplus.common.engines.torch_collectives import TensorTransfer, gather_bytes, reduce_scatter_single
+from hvdplus.common.engines.torch_collectives import TensorTransfer, TorchWork, reduce_options, start_gather
 from hvdplus.common.engines.torch_planned import PlannedMeeting, TorchPlannedGroup, meet_in_store, store_incarnation
 from hvdplus.common.ops import ReduceOp
 
@@ -56,8 +57,10 @@ class TorchTensorEngine:
             ReduceOp.MAX: dist.ReduceOp.MAX,
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
         }
+        self._options = reduce_options(dist.AllreduceOptions, self._ops)
+        self._scatter_options = reduce_options(dist.ReduceScatterOptions, self._ops)
         incarnation = store_incarnation(self._store, self.size)
-        self.planned_meeting = PlannedMeeting(dist, backend, self._store, incarnation, self.rank, self._ops, _as_is)
+        self.planned_meeting = PlannedMeeting(dist, backend, self._store, incarnation, self.rank)
 
     def _store_over(self, host: Engine, address: str) -> Any:
         """A TCP store served by rank 0 on a free port; its address reaches the others over the host engine."""
@@ -85,57 +88,53 @@ class TorchTensorEngine:
         """The planned path's group of `ranks` on this engine's backend: its buffers are the tensors themselves."""
         return self.planned_meeting.open(ranks, key, timeout_s, alive)
 
-    def allreduce(self, buf: Any, dtype: str, op: ReduceOp, group: Any, send: Any | None = None) -> None:
+    def start_allreduce(self, buf: Any, dtype: str, op: ReduceOp, group: Any, send: Any | None = None) -> TorchWork:
         if send is not None:  # both backends reduce in place
             buf.copy_(send)
+        pg = _process_group(group)
         if dtype in _WIDENED:
             wide = buf.to(getattr(self._torch, _WIDENED[dtype]))
-            self._dist.all_reduce(wide, op=self._ops[op], group=group)
-            buf.copy_(wide)
-            return
-        self._dist.all_reduce(buf, op=self._ops[op], group=group)
+            return TorchWork(pg.allreduce([wide], self._options[op]), wide, partial(buf.copy_, wide))
+        return TorchWork(pg.allreduce([buf], self._options[op]), buf)
 
-    def allgather(self, send: Any | None, recv: Any, counts: Sequence[int], group: Any) -> None:
+    def start_allgather(self, send: Any | None, recv: Any, counts: Sequence[int], group: Any) -> TorchWork:
         """Bytes move as uint8: neither backend gathers every dtype (Gloo has no int16, NCCL no bool)."""
-        width = recv.element_size()
+        pg, width = _process_group(group), recv.element_size()
         if send is None:
-            index = self._dist.get_group_rank(group, self.rank)
+            index = pg.rank()
             start = int(sum(counts[:index])) * width
             send_bytes = _bytes(recv)[start : start + counts[index] * width].clone()
         else:
             send_bytes = _bytes(send)
-        gather_bytes(self._dist, send_bytes, _bytes(recv), [c * width for c in counts], group)
+        return TorchWork(*start_gather(pg, send_bytes, _bytes(recv), [c * width for c in counts]))
 
-    def broadcast(self, buf: Any, root: int, group: Any) -> None:
-        self._dist.broadcast(_bytes(buf), group_src=root, group=group)
+    def start_broadcast(self, buf: Any, root: int, group: Any) -> TorchWork:
+        tensor = _bytes(buf)
+        return TorchWork(self._dist.broadcast(tensor, group_src=root, group=group, async_op=True), tensor)
 
-    def reducescatter(
+    def start_reducescatter(
         self, send: Any | None, recv: Any, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
-    ) -> None:
+    ) -> TorchWork:
         """NCCL's reduce-scatter for even slices of a type it reduces; otherwise an allreduce that keeps this
         rank's slice (Gloo's reduce-scatter measured 3x slower than its allreduce, engines/torch_dist.py)."""
-        index = self._dist.get_group_rank(group, self.rank)
+        pg = _process_group(group)
+        index = pg.rank()
         start, count = int(sum(counts[:index])), counts[index]
         if self.backend == "nccl" and dtype not in _WIDENED and len(set(counts)) == 1:
+            options = self._scatter_options[op]
             if send is None:  # in place: the output must not alias the input, so reduce into a copy of the slice
                 mine = recv[start : start + count].clone()
-                reduce_scatter_single(self._dist)(mine, recv, op=self._ops[op], group=group)
-                recv[start : start + count] = mine
-            else:
-                reduce_scatter_single(self._dist)(recv, send, op=self._ops[op], group=group)
-            return
+                work = pg._reduce_scatter_base(mine, recv, options)
+                return TorchWork(work, (mine, recv), partial(recv[start : start + count].copy_, mine))
+            return TorchWork(pg._reduce_scatter_base(recv, send, options), (recv, send))
         if send is None:  # in place: this rank's slice of the reduced buffer is already at its offset
-            self.allreduce(recv, dtype, op, group)
-            return
+            return self.start_allreduce(recv, dtype, op, group)
         reduced = send.clone()
-        self.allreduce(reduced, dtype, op, group)
-        recv.copy_(reduced[start : start + count])
+        work = self.start_allreduce(reduced, dtype, op, group)
+        return work.followed_by(partial(recv.copy_, reduced[start : start + count]))
 
-    def barrier(self, group: Any) -> None:
-        self._dist.barrier(group=group)
-
-    def watch(self, alive: Callable[[], None] | None) -> None:
-        return None  # the device plane's calls return once queued on its stream: none blocks for a peer
+    def start_barrier(self, group: Any) -> TorchWork:
+        return TorchWork(self._dist.barrier(group=group, async_op=True), None)
 
     # Point-to-point transfers started on this engine's channels so far (tests check the device path ran).
     p2p_transfers = 0
@@ -199,8 +198,9 @@ class TensorChannel:
         self._group = None  # the group's threads and connections go with its last reference
 
 
-def _as_is(tensor: Any, dtype: str) -> Any:
-    return tensor
+def _process_group(group: Any) -> Any:
+    """The process group a collective runs on: a registered group itself, or a planned group's own."""
+    return group.pg if isinstance(group, TorchPlannedGroup) else group
 
 
 def _pinned_like(tensor: Any) -> Any:

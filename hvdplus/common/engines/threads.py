@@ -26,6 +26,7 @@ from hvdplus.common.ops import ReduceOp
 
 __all__ = ["ThreadWorld", "ThreadEngine"]
 
+_DONE = Completed()  # a simulated collective has completed once its call returns
 _REDUCERS: dict[ReduceOp, np.ufunc] = {
     ReduceOp.SUM: np.add,
     ReduceOp.MIN: np.minimum,
@@ -173,36 +174,44 @@ class ThreadEngine:
     def new_group(self, ranks: Sequence[int]) -> Any:
         raise ValueError("the thread engine simulates the world group only; it has no process sets")
 
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None) -> None:
+    def start_allreduce(
+        self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None
+    ) -> Completed:
         self._check(group)
         reduce = _REDUCERS[op]
         source = buf if send is None else send
         result = self._collective(source.copy(), lambda parts: _fold(reduce, parts), self._log_size * buf.nbytes)
         np.copyto(buf, result)
+        return _DONE
 
-    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
+    def start_allgather(
+        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any
+    ) -> Completed:
         self._check(group)
         if send is None:
             start = sum(counts[: self.rank])
             send = recv[start : start + counts[self.rank]]
         recv[...] = self._collective(send.copy(), np.concatenate, recv.nbytes - send.nbytes)
+        return _DONE
 
-    def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
+    def start_broadcast(self, buf: np.ndarray, root: int, group: Any) -> Completed:
         self._check(group)
         buf[...] = self._collective(buf.copy(), lambda parts: parts[root], buf.nbytes)
+        return _DONE
 
-    def alltoall(
+    def start_alltoall(
         self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Any
-    ) -> None:
+    ) -> Completed:
         self._check(group)
         offsets = np.concatenate([[0], np.cumsum(send_counts)])
         pieces = [send[offsets[r] : offsets[r + 1]].copy() for r in range(self.size)]
         everyone = self._collective(pieces, lambda parts: parts, recv.nbytes)
         recv[...] = np.concatenate([everyone[source][self.rank] for source in range(self.size)])
+        return _DONE
 
-    def reducescatter(
+    def start_reducescatter(
         self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
-    ) -> None:
+    ) -> Completed:
         self._check(group)
         start = sum(counts[: self.rank])
         total = self._collective(
@@ -210,15 +219,16 @@ class ThreadEngine:
         )
         target = recv[start : start + counts[self.rank]] if send is None else recv
         target[...] = total[start : start + counts[self.rank]]
+        return _DONE
 
-    def barrier(self, group: Any) -> None:
+    def start_barrier(self, group: Any) -> Completed:
         self._check(group)
         self._collective(None, lambda parts: None, 0)
+        return _DONE
 
-    def watch(self, alive: Callable[[], None] | None) -> None:
-        return None  # simulated ranks are threads of one process: none freezes alone
-
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
+    def start_sendrecv(
+        self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None
+    ) -> Completed:
         self._check(group)
         started = time.thread_time()
         self._world.mailbox(self.rank, peer).put(send.copy())
@@ -226,6 +236,7 @@ class ThreadEngine:
         recv[...] = received
         self.bytes_received += received.nbytes
         self._engine_cpu[threading.get_ident()] += time.thread_time() - started
+        return _DONE
 
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         self._check(group)

@@ -9,17 +9,24 @@ import dataclasses
 import datetime
 import logging
 import os
-import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from hvdplus.common.elastic.plan import failure_key
-from hvdplus.common.engines.gloo_channels import GlooChannel, GlooDoorbell, GlooRound, wait_work
-from hvdplus.common.engines.torch_collectives import WIDENED, all_gather_single, gather_bytes
+from hvdplus.common.engines.gloo_channels import GlooChannel, GlooDoorbell, GlooRound
+from hvdplus.common.engines.torch_collectives import (
+    WIDENED,
+    TorchWork,
+    all_gather_single,
+    reduce_options,
+    start_gather,
+)
 from hvdplus.common.engines.torch_planned import PlannedMeeting, TorchPlannedGroup, store_incarnation
 from hvdplus.common.engines.torch_store import authenticated_store
+from hvdplus.common.handles import Completed
 from hvdplus.common.ops import ReduceOp
 from hvdplus.common.settings import LaunchEnv
 
@@ -93,8 +100,8 @@ class TorchDistEngine:
             ReduceOp.MAX: dist.ReduceOp.MAX,
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
         }
-        self.planned_meeting = PlannedMeeting(dist, "gloo", store, incarnation, self.rank, self._ops, self._tensor)
-        self._watched = threading.local()  # .alive: what this thread's data calls call while they wait (watch)
+        self._options = reduce_options(dist.AllreduceOptions, self._ops)
+        self.planned_meeting = PlannedMeeting(dist, "gloo", store, incarnation, self.rank)
 
     def _make_store(self, launch: LaunchEnv, timeout: datetime.timedelta) -> Any:
         """The job's store (an elastic generation's namespace of it); also kept for stall beacons and failure
@@ -170,74 +177,79 @@ class TorchDistEngine:
                 set_timeout(self._call_timeout, group)
         return group
 
-    def watch(self, alive: Callable[[], None] | None) -> None:
-        self._watched.alive = alive
+    def _work(self, group: Any, work: Any, tensors: Any, then: Callable[[], None] | None = None) -> TorchWork:
+        """A collective started on `group`: a negotiated group's wait calls `alive` itself (timed), a planned
+        group's sleeps untimed (torch_collectives.py `TorchWork`)."""
+        return TorchWork(work, tensors, then, timed=not isinstance(group, TorchPlannedGroup))
 
-    def _wait(self, work: Any) -> None:
-        """Wait for a data call started asynchronously, calling the calling thread's watched `alive` (if any)
-        about once a second: a peer that freezes inside the call is named at the stall times, not when Gloo's
-        timeout (HVDPLUS_TIMEOUT) ends the wait."""
-        wait_work(work, getattr(self._watched, "alive", None))
-
-    def allreduce(self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None) -> None:
+    def start_allreduce(
+        self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None
+    ) -> TorchWork:
         if send is not None:  # Gloo reduces in place only
             np.copyto(buf, send)
+        pg = _process_group(group)
         if dtype in WIDENED:
             wide = buf.astype(WIDENED[dtype])
-            self._wait(self._dist.all_reduce(self._tensor(wide), op=self._ops[op], group=group, async_op=True))
-            buf[...] = wide
-            return
-        self._wait(self._dist.all_reduce(self._tensor(buf, dtype), op=self._ops[op], group=group, async_op=True))
+            tensor = self._tensor(wide)
+            return self._work(group, pg.allreduce([tensor], self._options[op]), tensor, partial(_narrow, buf, wide))
+        tensor = self._tensor(buf, dtype)
+        return self._work(group, pg.allreduce([tensor], self._options[op]), tensor)
 
-    def allgather(self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any) -> None:
+    def start_allgather(
+        self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any
+    ) -> TorchWork:
+        pg = _process_group(group)
         if send is None:
-            index = self._dist.get_group_rank(group, self.rank)
+            index = pg.rank()
             start = int(sum(counts[:index]))
             send = recv[start : start + counts[index]].copy()
         byte_counts = [c * send.dtype.itemsize for c in counts]
-        gather_bytes(self._dist, self._bytes(send), self._bytes(recv), byte_counts, group, self._wait)
+        return self._work(group, *start_gather(pg, self._bytes(send), self._bytes(recv), byte_counts))
 
-    def broadcast(self, buf: np.ndarray, root: int, group: Any) -> None:
-        self._wait(self._dist.broadcast(self._bytes(buf), group_src=root, group=group, async_op=True))
+    def start_broadcast(self, buf: np.ndarray, root: int, group: Any) -> TorchWork:
+        tensor = self._bytes(buf)
+        return self._work(group, self._dist.broadcast(tensor, group_src=root, group=group, async_op=True), tensor)
 
-    def alltoall(
+    def start_alltoall(
         self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Any
-    ) -> None:
+    ) -> TorchWork:
         itemsize = send.dtype.itemsize
+        tensors = (self._bytes(recv), self._bytes(send))
         work = self._dist.all_to_all_single(
-            self._bytes(recv),
-            self._bytes(send),
+            *tensors,
             output_split_sizes=[c * itemsize for c in recv_counts],
             input_split_sizes=[c * itemsize for c in send_counts],
             group=group,
             async_op=True,
         )
-        self._wait(work)
+        return self._work(group, work, tensors)
 
-    def reducescatter(
+    def start_reducescatter(
         self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
-    ) -> None:
+    ) -> TorchWork:
         # Gloo's own reduce_scatter exists but measured about 3x slower than its allreduce here (64 MiB, 2 ranks:
         # 254 ms against 82 ms), so reduce everything and keep this rank's slice.
         if send is None:  # in place: this rank's slice of the reduced buffer is already at its offset
-            self.allreduce(recv, dtype, op, group)
-            return
-        reduced = send.copy()
-        self.allreduce(reduced, dtype, op, group)
-        index = self._dist.get_group_rank(group, self.rank)
+            return self.start_allreduce(recv, dtype, op, group)
+        index = _process_group(group).rank()
         start = int(sum(counts[:index]))
-        recv[...] = reduced[start : start + counts[index]]
+        reduced = send.copy()
+        work = self.start_allreduce(reduced, dtype, op, group)
+        return work.followed_by(partial(np.copyto, recv, reduced[start : start + counts[index]]))
 
-    def barrier(self, group: Any) -> None:
-        self._wait(self._dist.barrier(group=group, async_op=True))
+    def start_barrier(self, group: Any) -> TorchWork:
+        return self._work(group, self._dist.barrier(group=group, async_op=True), None)
 
-    def sendrecv(self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None) -> None:
+    def start_sendrecv(
+        self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None
+    ) -> Completed:
         # Blocking: a timed wait that expires on a point-to-point work leaves it unusable (its transfer then never
         # completes), unlike a collective's.
         request = self._dist.isend(self._bytes(send), group=group, group_dst=peer)
         self._dist.recv(self._bytes(recv), group=group, group_src=peer if source is None else source)
         assert request is not None  # None only on a rank outside `group`
         request.wait()
+        return _DONE
 
     def allgather_bytes(self, data: bytes, group: Any) -> list[bytes]:
         n = self._dist.get_world_size(group)
@@ -245,7 +257,7 @@ class TorchDistEngine:
         all_gather_single(self._dist)(sizes, self._torch.tensor([len(data)], dtype=self._torch.int64), group=group)
         counts = sizes.tolist()
         recv = np.empty(sum(counts), dtype=np.uint8)
-        self.allgather(np.frombuffer(data, dtype=np.uint8).copy(), recv, counts, group)
+        self.start_allgather(np.frombuffer(data, dtype=np.uint8).copy(), recv, counts, group).wait()
         offsets = np.concatenate([[0], np.cumsum(counts)])
         return [recv[offsets[i] : offsets[i + 1]].tobytes() for i in range(n)]
 
@@ -307,6 +319,19 @@ class TorchDistEngine:
             self._srun_server.close()
             with contextlib.suppress(OSError):
                 os.unlink(self._srun_secret_file)
+
+
+_DONE = Completed()
+
+
+def _process_group(group: Any) -> Any:
+    """The process group a collective runs on: a registered group itself, or a planned group's own."""
+    return group.pg if isinstance(group, TorchPlannedGroup) else group
+
+
+def _narrow(buf: np.ndarray, wide: np.ndarray) -> None:
+    """Copy a widened reduction's result back into its buffer."""
+    buf[...] = wide
 
 
 def _beacon_key(stream: int, rank: int) -> str:

@@ -16,7 +16,7 @@ import torch
 
 from hvdplus.common.basics import ProcessSet, runtime
 from hvdplus.common.compression import CastCompressor, NoneCompressor
-from hvdplus.common.engines.base import PlannedGroup
+from hvdplus.common.engines.base import DataEngine, PlannedGroup
 from hvdplus.common.ops import Average, ReduceOp, Sum
 from hvdplus.common.planned_steps import agree_to_freeze, open_planned_group, settings_allow
 from hvdplus.common.plans.grouping import bucket_indices
@@ -114,20 +114,30 @@ def try_freeze(
     frozen = freeze_plan(params, eligible, items, name, process_set)
     if isinstance(frozen, Decision):
         return frozen
-    group, ranks, digest, host = frozen
+    engine, group, ranks, digest, host = frozen
     # A device plane's guard travels on the host engine (reducer.py says why), agreed on every member alike.
     guard_group = None if host or len(ranks) == 1 else open_planned_group(runtime().engine, ranks, process_set)
     return Reducer(
-        params, names, plan, group, ranks, digest, wire, (prescale, postscale), host=host, guard_group=guard_group
+        params,
+        names,
+        plan,
+        engine,
+        group,
+        ranks,
+        digest,
+        wire,
+        (prescale, postscale),
+        host=host,
+        guard_group=guard_group,
     )
 
 
 def freeze_plan(
     params: Sequence[torch.Tensor], eligible: bool, items: list[Any], name: str, process_set: ProcessSet
-) -> tuple[PlannedGroup, list[int], int, bool] | Decision:
+) -> tuple[DataEngine, PlannedGroup, list[int], int, bool] | Decision:
     """Collective over the process set: agree, under `name`, on freezing the plan that `items` describe (the
-    set's ranks and the plane `params` travel on join them); (the plan's new group, the set's global ranks, the
-    digest, whether the group is the host engine's), or the decision not to freeze (yet)."""
+    set's ranks and the plane `params` travel on join them); (the engine of that plane, the plan's new group on it,
+    the set's global ranks, the digest, whether the engine is the host's), or the decision not to freeze (yet)."""
     carrier = _carrier(params) if eligible else None  # none yet: a device plane no negotiated step has built
     agreed = agree_to_freeze(None if carrier is None else carrier[1], items, name, process_set)
     if isinstance(agreed, Decision):
@@ -135,4 +145,4 @@ def freeze_plan(
     assert carrier is not None  # a freeze needs every rank eligible
     ranks, digest = agreed
     engine, plane = carrier
-    return open_planned_group(engine, ranks, process_set), ranks, digest, plane == "host"
+    return engine, open_planned_group(engine, ranks, process_set), ranks, digest, plane == "host"

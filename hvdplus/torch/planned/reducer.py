@@ -4,11 +4,11 @@ the backward hooks.
 Once the ranks have frozen a step plan (common/plans/step_plan.py), the reducer owns the gradient memory, as DDP's
 Reducer does with `gradient_as_bucket_view`: each bucket is one persistent flat buffer per dtype, and every
 `p.grad` is a view into it, so backward accumulates into the buffer and nothing is copied in or out. When the
-last gradient of a bucket arrives, the hook starts the bucket's allreduce on the plan's own communicator
-(`PlannedGroup`) without waiting for it; buckets start in plan order, so every rank starts the same collectives
-in the same order even when its gradients arrive in another. `finish()` (from synchronize) starts what backward
-did not (unused parameters contribute zeros, as in Horovod), waits, reads the step's guard (common/plans/step_plan.py)
-and scales. Compression (fp16, bf16) casts the whole bucket into a persistent wire buffer.
+last gradient of a bucket arrives, the hook starts the bucket's allreduce on the plan's own communicator (a
+`PlannedGroup` of the engine) without waiting for it; buckets start in plan order, so every rank starts the same
+collectives in the same order even when its gradients arrive in another. `finish()` (from synchronize) starts what
+backward did not (unused parameters contribute zeros, as in Horovod), waits, reads the step's guard
+(common/plans/step_plan.py) and scales. Compression (fp16, bf16) casts the whole bucket into a persistent wire buffer.
 
 Where the guard travels. On the host engine it is one more element of the last bucket, read for free once the
 bucket is reduced. On a device plane (CUDA tensors on NCCL) reading an element of a reduced bucket is a
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hvdplus.common.engines.base import PlannedGroup
+from hvdplus.common.engines.base import DataEngine, PlannedGroup
 from hvdplus.common.exceptions import PlanMismatchError
 from hvdplus.common.handles import Work
 from hvdplus.common.ops import ReduceOp
@@ -72,6 +72,7 @@ class Reducer(PlannedStep):
         params: Sequence[torch.Tensor],
         names: dict[torch.Tensor, str],
         plan: Sequence[Sequence[int]],
+        engine: DataEngine,
         group: PlannedGroup,
         ranks: Sequence[int],
         digest: int,
@@ -83,7 +84,7 @@ class Reducer(PlannedStep):
         """`plan`: positions in `params` of each bucket's gradients, in launch order, covering every parameter.
         `scales`: (before, after) the sum. `guard_group`: the host engine's group that sums the step's guard, for a
         device plane's buckets (None: the guard rides in the last bucket). The other arguments: PlannedStep's."""
-        super().__init__(group, ranks, digest, host, planned_buffer_of(host), guard_group)
+        super().__init__(engine, group, ranks, digest, host, planned_buffer_of(host), guard_group)
         self._device = params[0].device
         self._guard_request: Work | None = None
         self._names = names
@@ -188,7 +189,9 @@ class Reducer(PlannedStep):
                 sent[-1] = guard
             bucket.traced = self._trace_start([bucket.row], "ALLREDUCE")
         with self._engine_errors():
-            bucket.request = self._group.start_allreduce(self._buffer(sent), dtype_name(sent), ReduceOp.SUM)
+            bucket.request = self._engine.start_allreduce(
+                self._buffer(sent), dtype_name(sent), ReduceOp.SUM, self._group
+            )
             if bucket is self._buckets[-1] and self._guard_group is not None:
                 self._guard_request = self._start_guard_word(guard)
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from hvdplus.common.control.negotiation import NOT_WITH_JOIN
-from hvdplus.common.engines.base import PlannedGroup
+from hvdplus.common.engines.base import DataEngine, PlannedGroup
 from hvdplus.common.exceptions import PlanMismatchError
 from hvdplus.common.handles import Work
 from hvdplus.common.ops import OpKind, ReduceOp
@@ -39,6 +39,7 @@ class ShardPlan(PlannedStep):
 
     def __init__(
         self,
+        engine: DataEngine,
         group: PlannedGroup,
         ranks: Sequence[int],
         digest: int,
@@ -50,7 +51,7 @@ class ShardPlan(PlannedStep):
         """`buckets`: in plan order, each bucket's (elements, dtype on the wire, elements each rank keeps).
         `device`: the buckets' (a joined rank's zeros live there too). `guard_group`: the host engine's group that
         sums the guard, for a device plane's plan (None: the guard is an element on the plan's own group)."""
-        super().__init__(group, ranks, digest, host, planned_buffer_of(host), guard_group)
+        super().__init__(engine, group, ranks, digest, host, planned_buffer_of(host), guard_group)
         self._device = device
         self._buckets = list(buckets)
         self._guard = torch.zeros(1, dtype=torch.float32, device=device) if guard_group is None else None
@@ -65,7 +66,7 @@ class ShardPlan(PlannedStep):
         `name`: the bucket's row in the timeline."""
         traced = self._trace_start([name], "REDUCESCATTER")
         with self._engine_errors():
-            request = self._group.start_reducescatter(self._buffer(sent), dtype_name(sent), counts)
+            request = self._start_reducescatter(sent, counts)
         self._traced[id(request)] = (traced, name)
         return request
 
@@ -73,9 +74,16 @@ class ShardPlan(PlannedStep):
         """Start gathering every rank's run of `full` (its updated shard) into every rank's `full`, in place."""
         traced = self._trace_start([name], "ALLGATHER")
         with self._engine_errors():
-            request = self._group.start_allgather(self._buffer(full), dtype_name(full), counts)
+            buffer = self._buffer(full)
+            request = self._engine.start_allgather(None, buffer, counts, self._group)
         self._traced[id(request)] = (traced, name)
         return request
+
+    def _start_reducescatter(self, sent: torch.Tensor, counts: Sequence[int]) -> Work:
+        """Start the in-place sum of `sent` of which this rank keeps its run (DataEngine.start_reducescatter)."""
+        return self._engine.start_reducescatter(
+            None, self._buffer(sent), counts, dtype_name(sent), ReduceOp.SUM, self._group
+        )
 
     def poke(self, request: Work) -> None:
         """Test `request` without waiting, which moves it along on an engine whose collectives progress only inside
@@ -101,7 +109,7 @@ class ShardPlan(PlannedStep):
             if self._guard is None:
                 return self._start_guard_word(value)
             self._guard.fill_(value)
-            return self._group.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM)
+            return self._engine.start_allreduce(self._buffer(self._guard), "float32", ReduceOp.SUM, self._group)
 
     def _summed_guard(self) -> float:
         return float(self._guard_word[0] if self._guard is None else self._guard[0])
@@ -135,8 +143,7 @@ class ShardPlan(PlannedStep):
                 zeros.zero_()  # the last step left the others' sums in them
         with self._engine_errors():
             self._joined = [
-                self._group.start_reducescatter(self._buffer(z), dtype_name(z), counts)
-                for z, (_, _, counts) in zip(self._zeros, self._buckets)
+                self._start_reducescatter(z, counts) for z, (_, _, counts) in zip(self._zeros, self._buckets)
             ]
         self._joined.append(self._send_guard(0.0))
 

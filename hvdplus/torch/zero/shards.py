@@ -459,7 +459,7 @@ class Shards:
         if isinstance(frozen, Decision):
             self.freeze = frozen
             return
-        group, ranks, digest, host = frozen
+        engine, group, ranks, digest, host = frozen
         # A device plane's guard is summed on the host engine (shard_plan.py says why).
         guard_group = None if host else open_planned_group(runtime().engine, ranks, self.process_set)
         specs = []
@@ -469,7 +469,7 @@ class Shards:
             specs.append(
                 (bucket.end - bucket.start, wire or reduced, counts_within(flat.part.bounds, bucket.start, bucket.end))
             )
-        self.frozen = ShardPlan(group, ranks, digest, host, specs, self.device, guard_group)
+        self.frozen = ShardPlan(engine, group, ranks, digest, host, specs, self.device, guard_group)
         self.addresses = [p.data_ptr() for p in self.params]
 
     def host_step_ready(self) -> None:

@@ -32,14 +32,14 @@ if sys.argv[1] in ("raise-in-collectives", "freeze", "freeze-in-data-call"):  # 
             from hvdplus.common import basics
 
             engine = basics.runtime().engine
-            run_allreduce = engine.allreduce
+            run_allreduce = engine.start_allreduce
 
             def freeze_then_allreduce(*args, run_allreduce=run_allreduce, **kwargs):
                 print(f"failing at {time.time()}", flush=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
-                run_allreduce(*args, **kwargs)
+                return run_allreduce(*args, **kwargs)
 
-            engine.allreduce = freeze_then_allreduce
+            engine.start_allreduce = freeze_then_allreduce
         if hvd.rank() == 1 and step == 20 and sys.argv[1] != "freeze-in-data-call":
             print(f"failing at {time.time()}", flush=True)
             if sys.argv[1] == "freeze":

@@ -134,6 +134,30 @@ def test_planned_steps_match_negotiated_with_no_copies_and_no_rounds(hvd):
     assert all(p.grad.untyped_storage().data_ptr() in flats for p in model.parameters())
 
 
+def test_both_paths_start_their_collectives_with_the_engines_one_call(hvd, monkeypatch):
+    """One execution model: the negotiated rounds' executor and the frozen plan start their allreduces with the
+    same engine call (DataEngine.start_allreduce), the first on the rounds' groups, the plan on its own group."""
+    from hvdplus.common.basics import runtime
+    from hvdplus.common.engines.nccl import TorchTensorEngine
+
+    started: list[int] = []  # id() of the group of every allreduce started, by any thread
+    for engine_class in {type(runtime().engine), TorchTensorEngine}:
+        start = engine_class.start_allreduce
+
+        def spy(self, buf, dtype, op, group, send=None, start=start):
+            started.append(id(group))
+            return start(self, buf, dtype, op, group, send)
+
+        monkeypatch.setattr(engine_class, "start_allreduce", spy)
+    with planned(True):
+        _, optimizer = train(hvd, "plan.one_call")
+    reducer = optimizer._reducer
+    assert reducer is not None
+    on_plan = started.count(id(reducer._group))
+    assert on_plan >= (STEPS - 1) * len(reducer._buckets), (on_plan, len(started))
+    assert len(started) > on_plan  # the first, negotiated step (and the freeze's agreement) on the rounds' groups
+
+
 def test_unused_parameters_contribute_zeros(hvd):
     # Rank 0 never uses head b after step 1; the other ranks do on odd steps. Buckets still start in the same
     # order everywhere (head b's gradients are zeros on the ranks that skipped it).
