@@ -14,7 +14,13 @@ from typing import Any
 
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.engines.torch_collectives import TensorTransfer, TorchWork, reduce_options, start_gather
-from hvdplus.common.engines.torch_planned import PlannedMeeting, TorchPlannedGroup, meet_in_store, store_incarnation
+from hvdplus.common.engines.torch_planned import (
+    PlannedMeeting,
+    TorchPlannedGroup,
+    meet_in_store,
+    process_group_of,
+    store_incarnation,
+)
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["TorchTensorEngine", "TensorChannel"]
@@ -91,7 +97,7 @@ class TorchTensorEngine:
     def start_allreduce(self, buf: Any, dtype: str, op: ReduceOp, group: Any, send: Any | None = None) -> TorchWork:
         if send is not None:  # both backends reduce in place
             buf.copy_(send)
-        pg = _process_group(group)
+        pg = process_group_of(group)
         if dtype in _WIDENED:
             wide = buf.to(getattr(self._torch, _WIDENED[dtype]))
             return TorchWork(pg.allreduce([wide], self._options[op]), wide, partial(buf.copy_, wide))
@@ -99,7 +105,7 @@ class TorchTensorEngine:
 
     def start_allgather(self, send: Any | None, recv: Any, counts: Sequence[int], group: Any) -> TorchWork:
         """Bytes move as uint8: neither backend gathers every dtype (Gloo has no int16, NCCL no bool)."""
-        pg, width = _process_group(group), recv.element_size()
+        pg, width = process_group_of(group), recv.element_size()
         if send is None:
             index = pg.rank()
             start = int(sum(counts[:index])) * width
@@ -117,7 +123,7 @@ class TorchTensorEngine:
     ) -> TorchWork:
         """NCCL's reduce-scatter for even slices of a type it reduces; otherwise an allreduce that keeps this
         rank's slice (Gloo's reduce-scatter measured 3x slower than its allreduce, engines/torch_dist.py)."""
-        pg = _process_group(group)
+        pg = process_group_of(group)
         index = pg.rank()
         start, count = int(sum(counts[:index])), counts[index]
         if self.backend == "nccl" and dtype not in _WIDENED and len(set(counts)) == 1:
@@ -196,11 +202,6 @@ class TensorChannel:
 
     def close(self) -> None:
         self._group = None  # the group's threads and connections go with its last reference
-
-
-def _process_group(group: Any) -> Any:
-    """The process group a collective runs on: a registered group itself, or a planned group's own."""
-    return group.pg if isinstance(group, TorchPlannedGroup) else group
 
 
 def _pinned_like(tensor: Any) -> Any:

@@ -24,7 +24,12 @@ from hvdplus.common.engines.torch_collectives import (
     reduce_options,
     start_gather,
 )
-from hvdplus.common.engines.torch_planned import PlannedMeeting, TorchPlannedGroup, store_incarnation
+from hvdplus.common.engines.torch_planned import (
+    PlannedMeeting,
+    TorchPlannedGroup,
+    process_group_of,
+    store_incarnation,
+)
 from hvdplus.common.engines.torch_store import authenticated_store
 from hvdplus.common.handles import Completed
 from hvdplus.common.ops import ReduceOp
@@ -187,7 +192,7 @@ class TorchDistEngine:
     ) -> TorchWork:
         if send is not None:  # Gloo reduces in place only
             np.copyto(buf, send)
-        pg = _process_group(group)
+        pg = process_group_of(group)
         if dtype in WIDENED:
             wide = buf.astype(WIDENED[dtype])
             tensor = self._tensor(wide)
@@ -198,7 +203,7 @@ class TorchDistEngine:
     def start_allgather(
         self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any
     ) -> TorchWork:
-        pg = _process_group(group)
+        pg = process_group_of(group)
         if send is None:
             index = pg.rank()
             start = int(sum(counts[:index]))
@@ -231,7 +236,7 @@ class TorchDistEngine:
         # 254 ms against 82 ms), so reduce everything and keep this rank's slice.
         if send is None:  # in place: this rank's slice of the reduced buffer is already at its offset
             return self.start_allreduce(recv, dtype, op, group)
-        index = _process_group(group).rank()
+        index = process_group_of(group).rank()
         start = int(sum(counts[:index]))
         reduced = send.copy()
         work = self.start_allreduce(reduced, dtype, op, group)
@@ -322,11 +327,6 @@ class TorchDistEngine:
 
 
 _DONE = Completed()
-
-
-def _process_group(group: Any) -> Any:
-    """The process group a collective runs on: a registered group itself, or a planned group's own."""
-    return group.pg if isinstance(group, TorchPlannedGroup) else group
 
 
 def _narrow(buf: np.ndarray, wide: np.ndarray) -> None:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["PlannedMeeting", "TorchPlannedGroup", "meet_in_store", "store_incarnation"]
+__all__ = ["PlannedMeeting", "TorchPlannedGroup", "meet_in_store", "process_group_of", "store_incarnation"]
 
 _PLANNED_TIMEOUT = datetime.timedelta(days=365)  # the planned path's groups: stalls are watched, not timed out
 
@@ -93,3 +93,8 @@ class TorchPlannedGroup:
 
     def close(self) -> None:
         self.pg = None  # the group's threads and connections go with its last reference
+
+
+def process_group_of(group: Any) -> Any:
+    """The process group an engine's collective runs on: a registered group itself, or a planned group's own."""
+    return group.pg if isinstance(group, TorchPlannedGroup) else group
