@@ -70,14 +70,21 @@ def test_large_parameters_stay_out_of_buckets():
 
 
 def test_the_first_bucket_closes_early():
-    """DDP's first-bucket rule: the first bucket (the last layers' gradients, produced first by backward) holds at
-    most first_bucket_bytes, the later ones bucket_bytes; never more than bucket_bytes; 0 turns the rule off."""
+    """DDP's first-bucket rule: the first bucket (the last layers' gradients, produced first by backward) closes
+    once it holds first_bucket_bytes, with the gradient that reaches that limit in it (DDP's reducer does the
+    same), the later ones hold at most bucket_bytes; never more than bucket_bytes; 0 turns the rule off."""
     from hvdplus.common.plans.grouping import bucket_indices
 
     nbytes, kinds = [4, 4, 4, 4, 4, 4], ["f"] * 6
     assert bucket_indices(nbytes, kinds, 100, None, 8) == [(4, 5), (0, 1, 2, 3)]
     assert bucket_indices(nbytes, kinds, 100, None, 0) == [(0, 1, 2, 3, 4, 5)]
     assert bucket_indices(nbytes, kinds, 8, None, 100) == [(4, 5), (2, 3), (0, 1)]  # capped by bucket_bytes
-    assert bucket_indices([4, 4, 10, 4], kinds[:4], 100, None, 8) == [(3,), (0, 1, 2)]  # 10 does not fit in it
+    assert bucket_indices([4, 4, 10, 4], kinds[:4], 100, None, 8) == [(2, 3), (0, 1)]  # 10 reaches the limit: in it
+    # The bench CNN's layout (a 4 MiB linear layer behind the small last one): DDP's first bucket holds both.
+    assert bucket_indices([3456, 128, 73728, 256, 4194304, 1024, 10240, 40], ["f"] * 8, 25 << 20, None, 1 << 20) == [
+        (4, 5, 6, 7),
+        (0, 1, 2, 3),
+    ]
+    assert bucket_indices([4, 4, 30, 4], kinds[:4], 16, None, 8) == [(3,), (2,), (0, 1)]  # within bucket_bytes
     # a large parameter alone, before any bucket: the first bucket is still the first one filled
     assert bucket_indices([4, 4, 4, 4, 4, 20], kinds, 100, 20, 8) == [(3, 4), (0, 1, 2)]

@@ -54,12 +54,13 @@ def bucket_indices(
     alone_bytes: int | None,
     first_bucket_bytes: int = 0,
 ) -> list[tuple[int, ...]]:
-    """DDP's gradient buckets, as positions: the parameters in reverse order (backward produces the last
-    layers' gradients first) cut into contiguous runs of one kind (dtype) and at most `bucket_bytes`. The first
-    bucket holds at most `first_bucket_bytes` (DDP's first-bucket rule; 0: no separate limit), so that its
-    reduction starts early in the backward pass. A parameter of `alone_bytes` or more (None: no limit) is in no
-    bucket: it is reduced alone and in place, where packing it would cost more than the engine call it saves. No
-    buckets when `bucket_bytes` is 0. Every rank computes the same buckets."""
+    """DDP's gradient buckets, as positions: the parameters in reverse order (backward produces the last layers'
+    gradients first) cut into contiguous runs of one kind (dtype) and at most `bucket_bytes`. The first bucket closes
+    once it holds `first_bucket_bytes` (DDP's first-bucket rule: the gradient that reaches the limit is in it, within
+    `bucket_bytes`; 0: no separate limit), so that its reduction starts early in the backward pass, with the last
+    layers' large gradients in it rather than behind every earlier layer's. A parameter of `alone_bytes` or more (None:
+    no limit) is in no bucket: it is reduced alone and in place, where packing it would cost more than the engine call
+    it saves. No buckets when `bucket_bytes` is 0. Every rank computes the same buckets."""
     if bucket_bytes <= 0:
         return []
     buckets: list[list[int]] = []
@@ -69,12 +70,13 @@ def bucket_indices(
         if alone_bytes is not None and nbytes[i] >= alone_bytes:
             current = None  # buckets stay contiguous: a large parameter closes the open one
             continue
-        limit = min(first_bucket_bytes, bucket_bytes) if first_bucket_bytes and len(buckets) == 1 else bucket_bytes
-        if current is None or kinds[current[-1]] != kinds[i] or filled + nbytes[i] > limit:
+        if current is None or kinds[current[-1]] != kinds[i] or filled + nbytes[i] > bucket_bytes:
             current, filled = [], 0
             buckets.append(current)
         current.append(i)
         filled += nbytes[i]
+        if first_bucket_bytes and len(buckets) == 1 and filled >= first_bucket_bytes:
+            current = None  # the first bucket is full: the next gradient opens the second
     return [tuple(sorted(bucket)) for bucket in buckets]
 
 

@@ -247,31 +247,42 @@ def test_buckets_follow_the_engine_unless_set(hvd):
     tensors with HVDPLUS_DEVICE_PATH_ON_CPU=1) share DDP's bucket on every engine. A value set for the job wins."""
     from hvdplus.common.basics import runtime
 
-    model = torch.nn.Sequential(torch.nn.Linear(640, 640), torch.nn.ReLU(), torch.nn.Linear(640, 3))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 640), torch.nn.ReLU(), torch.nn.Linear(640, 640), torch.nn.ReLU(), torch.nn.Linear(640, 3)
+    )
     optimizer = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=named(model, "policy")
     )
     buckets = {frozenset(bucket) for bucket in optimizer._p_to_group.values()}
-    large = model[0].weight
+    first, large, last = model[0], model[2].weight, model[4]
     assert large.numel() * 4 > 1 << 20
     if runtime().settings.bucket_bytes is not None:
         assert runtime().bucket_bytes == runtime().settings.bucket_bytes
     elif runtime().settings.device_path_on_cpu or hvd.gloo_enabled():
-        # DDP's 25 MiB bucket, but the first one closes at 1 MiB (DDP's first-bucket rule): the last layer's
-        # gradients are reduced while backward still computes the large one, which starts the next bucket.
+        # DDP's 25 MiB bucket, but the first one closes once it holds 1 MiB (DDP's first-bucket rule): the large
+        # gradient reaches that limit and travels in it with the last layer's, while backward still computes the
+        # first layer, whose gradients start the next bucket.
         assert hvd.mpi_enabled() or runtime().bucket_bytes == 25 << 20
-        assert buckets == {frozenset(model.parameters()) - {large}, frozenset([large])}
-    else:  # alone: a group of its own
+        assert buckets == {frozenset([*last.parameters(), *model[2].parameters()]), frozenset(first.parameters())}
+    else:  # alone: a group of its own, which closes the open bucket
         assert runtime().bucket_bytes == 1 << 20
-        assert buckets == {frozenset(model.parameters()) - {large}, frozenset([large])}
+        assert buckets == {
+            frozenset([*last.parameters(), model[2].bias]),
+            frozenset([large]),
+            frozenset(first.parameters()),
+        }
     for _ in range(2):  # the first step negotiates, the second may run planned, with the same buckets
-        x = torch.full((2, 640), float(hvd.rank() + 1))
+        x = torch.full((2, 8), float(hvd.rank() + 1))
         model(x).sum().backward()
         optimizer.step()  # the step completes with the buckets chosen, on every rank alike
     reducer = optimizer._planned()
     if reducer is not None and runtime().settings.bucket_bytes is None:
         planned = [{id(p) for p in bucket.params} for bucket in reducer._buckets]
-        assert planned[0] == {id(p) for p in model.parameters()} - {id(large)}, "the first bucket closes at 1 MiB"
+        # The planned path has no gradient alone: DDP's first bucket, closed by the large gradient where the buckets
+        # are larger than it (25 MiB); over MPI's 1 MiB buckets the large gradient starts the second.
+        ddp_sized = runtime().settings.device_path_on_cpu or hvd.gloo_enabled()
+        in_first = [*last.parameters(), model[2].bias] + ([large] if ddp_sized else [])
+        assert planned[0] == {id(p) for p in in_first}, "DDP's first bucket"
     weights = hvd.allgather(model[0].weight.detach().reshape(1, -1), name="policy.weights")
     assert torch.equal(weights[0], weights[-1])
 
