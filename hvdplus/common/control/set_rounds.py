@@ -376,7 +376,7 @@ class SetRounds:
 
     def _run(self, responses: list[Response], timeline: Timeline | None) -> None:
         """Run the round's responses. Their data calls wait for the peers as the next round would: a member that
-        freezes inside one is named as in a round (the engine calls `alive` while a call waits), and a member
+        freezes inside one is named as in a round (each call's wait calls the executor's `alive`), and a member
         blocked in one answers the beacons of the members already waiting in the next round, whose number it
         beacons, so that they name the frozen member only."""
         self._watched(partial(self._dispatcher.run, responses, timeline))

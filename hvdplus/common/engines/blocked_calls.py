@@ -3,12 +3,12 @@
 A control round's wait, a planned step's and a Gloo data call's call `alive` about once a second themselves
 (handles.Work). MPI's blocking collectives cannot: a thread blocked in `MPI_Allreduce` with a frozen peer stays
 there, and before this the rank neither answered the peers' beacons (so a live rank that waited in a control
-round named it with the frozen one) nor ever gave up. The thread that runs a cycle registers the `alive` of the
-data calls it makes (`watch`), and this watcher calls it for each call blocked longer than a second: it answers
-the peers' beacons, warns, and at HOROVOD_STALL_SHUTDOWN_TIME_SECONDS names the silent peers. The blocked call
-cannot be released then, so `on_stuck` ends the process (the MPI engine aborts the job, as MPI does on an error).
-The planned path's Gloo waits sleep untimed in Gloo for the same reason (torch_planned.py): there `on_stuck` logs
-the verdict, and Gloo's own timeout ends the wait.
+round named it with the frozen one) nor ever gave up. A blocking call waited for with an `alive` (`CallAtWait`)
+registers it for as long as the call lasts (`watch`), and this watcher calls it for each call blocked longer than
+a second: it answers the peers' beacons, warns, and at HOROVOD_STALL_SHUTDOWN_TIME_SECONDS names the silent peers.
+The blocked call cannot be released then, so `on_stuck` ends the process (the MPI engine aborts the job, as MPI
+does on an error). Untimed torch waits (torch_collectives.py `TorchWork`: the planned groups', a device plane's)
+sleep in torch for the same reason: there `on_stuck` logs the verdict, and the group's own timeout ends the wait.
 """
 
 from __future__ import annotations
