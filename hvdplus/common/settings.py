@@ -91,9 +91,10 @@ SETTINGS: tuple[Setting, ...] = (
         "first_bucket_bytes",
         int,
         1 << 20,
-        "DDP's first-bucket rule: the first gradient bucket a DistributedOptimizer fills (the last layers') holds "
-        "at most this many bytes, so its allreduce starts early in the backward pass; the later buckets hold "
-        "HVDPLUS_BUCKET_BYTES. 0 gives the first bucket the same size as the others.",
+        "DDP's first-bucket rule: the first gradient bucket a DistributedOptimizer fills (the last layers') closes "
+        "once it holds this many bytes (the gradient that reaches the limit is in it), so its allreduce starts early "
+        "in the backward pass; the later buckets hold HVDPLUS_BUCKET_BYTES. 0 gives the first bucket the same size "
+        "as the others.",
         "HVDPLUS_FIRST_BUCKET_BYTES",
     ),
     Setting(

@@ -80,3 +80,22 @@ def test_a_call_at_wait_runs_once_on_the_waiting_thread_watched_with_its_alive()
         watcher.close()
     assert ran == [threading.get_ident()] and work.done()
     assert seen, "the wait's alive was not called while the call blocked"
+
+
+def test_a_failed_call_at_wait_raises_at_every_wait():
+    def call() -> None:
+        raise RuntimeError("MPI_ERR_TRUNCATE")
+
+    watcher = BlockedCalls("test-watch", lambda error: None)
+    work = CallAtWait(call, watcher)
+    try:
+        for _ in range(2):
+            try:
+                work.wait(lambda: None)
+            except RuntimeError as exc:
+                assert str(exc) == "MPI_ERR_TRUNCATE"
+            else:
+                raise AssertionError("the call's error was not raised")
+    finally:
+        watcher.close()
+    assert work.done()

@@ -196,7 +196,9 @@ def _pipelined_allreduce(
     while chunk k+1 is reduced within the host and chunk k-1 gathered. Every rank runs the same calls in the same
     order on each group. Returns the cross-host algorithm (that of the chunks, which are of one size give or take
     an element)."""
-    cross = functools.partial(cross_allreduce, engine, groups.cross, groups.cross_rank, groups.cross_size)
+    # The lane's thread waits unwatched: the round's `alive` expects one caller (the round's thread, waiting below).
+    lane = engine.unwatched()
+    cross = functools.partial(cross_allreduce, lane, groups.cross, groups.cross_rank, groups.cross_size)
     in_flight: tuple[np.ndarray, list[int], Handle] | None = None
     for chunk in chunks:
         counts, shard = _reduce_within_host(engine, groups, chunk, dtype, op, mark)

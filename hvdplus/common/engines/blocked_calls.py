@@ -74,23 +74,26 @@ class CallAtWait:
     it, watched by `calls` with the wait's `alive`. The negotiated path's rounds wait for each call as soon as they
     start it, so the call costs no thread hop; `done()` is False until it has run."""
 
-    __slots__ = ("_call", "_calls", "_ran")
+    __slots__ = ("_call", "_calls", "_ran", "_error")
 
     def __init__(self, call: Callable[[], Any], calls: BlockedCalls) -> None:
         self._call, self._calls, self._ran = call, calls, False
+        self._error: BaseException | None = None
 
     def done(self) -> bool:
         return self._ran
 
     def wait(self, alive: Callable[[], None] | None = None) -> None:
-        if self._ran:
-            return
-        self._ran = True
-        if alive is None:
-            self._call()
-            return
-        self._calls.watch(alive)
-        try:
-            self._call()
-        finally:
-            self._calls.watch(None)
+        if not self._ran:
+            self._ran = True
+            if alive is not None:
+                self._calls.watch(alive)
+            try:
+                self._call()
+            except BaseException as exc:  # a later wait raises it again, as every Work's does
+                self._error = exc
+            finally:
+                if alive is not None:
+                    self._calls.watch(None)
+        if self._error is not None:
+            raise self._error

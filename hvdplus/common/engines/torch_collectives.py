@@ -107,7 +107,8 @@ class TorchWork:
     path's host collectives) wakes each `ALIVE_EVERY_S` to call `alive`, which may raise to end it; an untimed one
     (a planned group's, and a device plane's, where NCCL's timed wait would block the host until the GPU drained)
     sleeps in torch while `_WATCHDOG` calls `alive` from the side and logs its verdict: the wait itself ends by the
-    group's own timeout (the stall shutdown time) or a peer's error."""
+    group's own timeout (a planned group's: the stall shutdown time; a device plane's: HVDPLUS_TIMEOUT) or a peer's
+    error."""
 
     __slots__ = ("_work", "_tensors", "_then", "_timed")
 
