@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
-from hvdplus.common.control.messages import Response
+from hvdplus.common.control.messages import Request, Response
 from hvdplus.common.control.negotiation import device_kind
 from hvdplus.common.data.buffer_ops import DataPlane, DeviceKind
 from hvdplus.common.data.executor import Executor, Submission
@@ -53,12 +54,10 @@ class ControlCollectives:
             self.joined = False
             self._join_done()
             return response.join_last_rank
-        if response.kind == OpKind.ADD_PROCESS_SET:
-            set_id = self._sets.add(tuple(sorted(work.request.ranks or ())), self._planes.values())
-            self._set_added(set_id)
-            return set_id
+        if response.kind == OpKind.ADD_PROCESS_SET:  # its groups' creation waits for the peers as a data call does
+            return self._engine.run_watched(partial(self._add_set, work.request), self._executor.alive)
         if response.kind == OpKind.OPEN_CHANNEL:
-            self._channels.append(self._engine.open_channel())
+            self._channels.append(self._engine.run_watched(self._engine.open_channel, self._executor.alive))
             return self._channels[-1]
         if response.kind == OpKind.REMOVE_PROCESS_SET:
             removed = work.request.root  # the id of the set to remove travels in `root`
@@ -66,6 +65,12 @@ class ControlCollectives:
             self._sets.remove(removed)
             return removed
         return self._executor.run(response, work, response.members.index(self._engine.rank))
+
+    def _add_set(self, request: Request) -> int:
+        """Collective over all ranks: add the process set of `request`'s ranks and start its rounds."""
+        set_id = self._sets.add(tuple(sorted(request.ranks or ())), self._planes.values())
+        self._set_added(set_id)
+        return set_id
 
     def build_planes(self, responses: list[Response]) -> None:
         """Build the plane of each device kind at its first agreed collective, with a group for every process set.

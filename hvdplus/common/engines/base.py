@@ -8,7 +8,7 @@ framework's tensors. Ranks and roots are indices within `group`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -29,6 +29,7 @@ __all__ = [
 ]
 
 Group = Any  # an engine-specific communicator handle
+_T = TypeVar("_T")
 
 
 class Doorbell(Protocol):
@@ -140,6 +141,12 @@ class ControlPlane(Protocol):
         non-blocking, so the coordinator waits for a late peer without polling a core (MPI's blocking calls spin).
         Engines whose waits poll test back to back for `spin_s` first (the peers are expected at once), then
         sleep between tests, so that a late peer costs no core."""
+
+    def run_watched(self, call: Callable[[], _T], alive: Callable[[], None] | None) -> _T:
+        """Run `call`, blocking control collectives of this engine (a process set's groups, a channel), on this
+        thread, with `alive` called about once a second while it blocks, as a data call's wait calls it (MPI's
+        blocking calls cannot call it themselves); engines whose blocking calls end at a timeout of their own run it
+        as it is."""
 
     def open_doorbell(self, on_ring: Callable[[], None], ranks: Sequence[int] | None = None) -> Doorbell | None:
         """Collective over all ranks (at the coordinator's start, or as a process set is added): this rank's

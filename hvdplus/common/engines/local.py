@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import numpy as np
 
@@ -11,6 +11,8 @@ from hvdplus.common.handles import Completed
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["LocalEngine"]
+
+_T = TypeVar("_T")
 
 _COMPLETE = Completed()  # every collective of one rank: its buffers hold the result once it is started
 
@@ -69,6 +71,9 @@ class LocalEngine:
 
     def allgather_bytes(self, data: bytes, group: str) -> list[bytes]:
         return [data]
+
+    def run_watched(self, call: Callable[[], _T], alive: Callable[[], None] | None) -> _T:
+        return call()  # one rank: nothing waits for a peer
 
     def start_bitwise_and(self, words: np.ndarray, group: str, spin_s: float = 0.0) -> Completed:
         return Completed(words.copy())

@@ -10,7 +10,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -22,6 +22,8 @@ from hvdplus.common.handles import ALIVE_EVERY_S, Work
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["MPIEngine", "check_launcher_size", "check_thread_levels"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("hvdplus")
 
@@ -201,6 +203,15 @@ class MPIEngine:
         )
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         return [recv[offsets[i] : offsets[i + 1]].tobytes() for i in range(len(sizes))]
+
+    def run_watched(self, call: Callable[[], _T], alive: Callable[[], None] | None) -> _T:
+        if alive is None:
+            return call()
+        self._blocked.watch(alive)
+        try:
+            return call()
+        finally:
+            self._blocked.watch(None)
 
     def start_bitwise_and(self, words: np.ndarray, group: Any, spin_s: float = 0.0) -> _MPIWork:
         out = np.empty_like(words)

@@ -16,7 +16,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -25,6 +25,8 @@ from hvdplus.common.handles import ALIVE_EVERY_S, Completed
 from hvdplus.common.ops import ReduceOp
 
 __all__ = ["ThreadWorld", "ThreadEngine"]
+
+_T = TypeVar("_T")
 
 _DONE = Completed()  # a simulated collective has completed once its call returns
 _REDUCERS: dict[ReduceOp, np.ufunc] = {
@@ -243,6 +245,9 @@ class ThreadEngine:
         everyone: list[bytes] = self._collective(data, list, 0)
         self.bytes_received += sum(map(len, everyone)) - len(data)
         return everyone
+
+    def run_watched(self, call: Callable[[], _T], alive: Callable[[], None] | None) -> _T:
+        return call()  # simulated ranks are threads of one process: none freezes alone
 
     def start_bitwise_and(self, words: np.ndarray, group: Any, spin_s: float = 0.0) -> _ThreadRound | Completed:
         self._check(group)

@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -36,6 +36,8 @@ from hvdplus.common.ops import ReduceOp
 from hvdplus.common.settings import LaunchEnv
 
 __all__ = ["TorchDistEngine"]
+
+_T = TypeVar("_T")
 
 log = logging.getLogger("hvdplus")
 
@@ -265,6 +267,9 @@ class TorchDistEngine:
         self.start_allgather(np.frombuffer(data, dtype=np.uint8).copy(), recv, counts, group).wait()
         offsets = np.concatenate([[0], np.cumsum(counts)])
         return [recv[offsets[i] : offsets[i + 1]].tobytes() for i in range(n)]
+
+    def run_watched(self, call: Callable[[], _T], alive: Callable[[], None] | None) -> _T:
+        return call()  # Gloo groups are created with a timeout of their own
 
     def start_bitwise_and(self, words: np.ndarray, group: Any, spin_s: float = 0.0) -> GlooRound:
         out = words.copy()
