@@ -77,9 +77,9 @@ class PlannedGroup(Protocol):
     """A communicator of one process set's ranks that only the planned path uses (torch/planned/reducer.py), opened
     with `Channels.open_planned`. Its collectives are the engine's own data calls, in place, as every group's are
     (`DataEngine.start_allreduce`, `start_reducescatter` and `start_allgather`: the ones a plan makes); what sets it
-    apart is that they may be started from any thread,
-    several in flight, with no negotiation, and progress while the caller computes. Every member starts the same
-    collectives in the same order; that is what freezing a plan agrees on."""
+    apart is that they may be started from any thread, several in flight, with no negotiation, and progress while
+    the caller computes. Every member starts the same collectives in the same order; that is what freezing a plan
+    agrees on."""
 
     size: int
 

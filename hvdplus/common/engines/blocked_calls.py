@@ -16,11 +16,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from hvdplus.common.handles import ALIVE_EVERY_S
 
 __all__ = ["BlockedCalls", "CallAtWait"]
+
+_T = TypeVar("_T")
 
 
 class BlockedCalls:
@@ -44,6 +46,16 @@ class BlockedCalls:
         self._calls[ident] = (alive, time.monotonic())
         if self._thread is None:
             self._start()
+
+    def run(self, call: Callable[[], _T], alive: Callable[[], None] | None) -> _T:
+        """`call()` on this thread, watched with `alive` while it lasts (None: run as it is)."""
+        if alive is None:
+            return call()
+        self.watch(alive)
+        try:
+            return call()
+        finally:
+            self.watch(None)
 
     def _start(self) -> None:
         with self._start_lock:
@@ -86,14 +98,9 @@ class CallAtWait:
     def wait(self, alive: Callable[[], None] | None = None) -> None:
         if not self._ran:
             self._ran = True
-            if alive is not None:
-                self._calls.watch(alive)
             try:
-                self._call()
+                self._calls.run(self._call, alive)
             except BaseException as exc:  # a later wait raises it again, as every Work's does
                 self._error = exc
-            finally:
-                if alive is not None:
-                    self._calls.watch(None)
         if self._error is not None:
             raise self._error

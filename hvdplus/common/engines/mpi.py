@@ -205,13 +205,7 @@ class MPIEngine:
         return [recv[offsets[i] : offsets[i + 1]].tobytes() for i in range(len(sizes))]
 
     def run_watched(self, call: Callable[[], _T], alive: Callable[[], None] | None) -> _T:
-        if alive is None:
-            return call()
-        self._blocked.watch(alive)
-        try:
-            return call()
-        finally:
-            self._blocked.watch(None)
+        return self._blocked.run(call, alive)
 
     def start_bitwise_and(self, words: np.ndarray, group: Any, spin_s: float = 0.0) -> _MPIWork:
         out = np.empty_like(words)

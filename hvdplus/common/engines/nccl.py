@@ -17,6 +17,7 @@ from hvdplus.common.engines.torch_collectives import TensorTransfer, TorchWork, 
 from hvdplus.common.engines.torch_planned import (
     PlannedMeeting,
     TorchPlannedGroup,
+    collective_work,
     meet_in_store,
     process_group_of,
     store_incarnation,
@@ -64,6 +65,10 @@ class TorchTensorEngine:
             ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
         }
         self._options = reduce_options(dist.AllreduceOptions, self._ops)
+        # Over Gloo (CPU tensors, or CUDA tensors of ranks sharing a GPU) a wait blocks the host and may call
+        # `alive` itself; NCCL's timed wait would hold the host until the GPU drained (torch_planned.py
+        # `collective_work`).
+        self._host_waits = backend == "gloo"
         self._scatter_options = reduce_options(dist.ReduceScatterOptions, self._ops)
         incarnation = store_incarnation(self._store, self.size)
         self.planned_meeting = PlannedMeeting(dist, backend, self._store, incarnation, self.rank)
@@ -94,22 +99,16 @@ class TorchTensorEngine:
         """The planned path's group of `ranks` on this engine's backend: its buffers are the tensors themselves."""
         return self.planned_meeting.open(ranks, key, timeout_s, alive)
 
-    def _work(self, group: Any, work: Any, tensors: Any, then: Callable[[], None] | None = None) -> TorchWork:
-        """A collective started on `group`. Over Gloo (CPU tensors, or CUDA tensors of ranks sharing a GPU) a
-        negotiated group's wait calls `alive` itself (timed), so a frozen peer fails the round at the stall shutdown
-        time; NCCL's timed wait would hold the host until the GPU drained, and a planned group's wait sleeps:
-        those are watched from the side (torch_collectives.py `TorchWork`)."""
-        timed = self.backend == "gloo" and not isinstance(group, TorchPlannedGroup)
-        return TorchWork(work, tensors, then, timed=timed)
-
     def start_allreduce(self, buf: Any, dtype: str, op: ReduceOp, group: Any, send: Any | None = None) -> TorchWork:
         if send is not None:  # both backends reduce in place
             buf.copy_(send)
         pg = process_group_of(group)
         if dtype in _WIDENED:
             wide = buf.to(getattr(self._torch, _WIDENED[dtype]))
-            return self._work(group, pg.allreduce([wide], self._options[op]), wide, partial(buf.copy_, wide))
-        return self._work(group, pg.allreduce([buf], self._options[op]), buf)
+            return collective_work(
+                group, pg.allreduce([wide], self._options[op]), wide, partial(buf.copy_, wide), timed=self._host_waits
+            )
+        return collective_work(group, pg.allreduce([buf], self._options[op]), buf, timed=self._host_waits)
 
     def start_allgather(self, send: Any | None, recv: Any, counts: Sequence[int], group: Any) -> TorchWork:
         """Bytes move as uint8: neither backend gathers every dtype (Gloo has no int16, NCCL no bool)."""
@@ -120,11 +119,18 @@ class TorchTensorEngine:
             send_bytes = _bytes(recv)[start : start + counts[index] * width].clone()
         else:
             send_bytes = _bytes(send)
-        return self._work(group, *start_gather(pg, send_bytes, _bytes(recv), [c * width for c in counts]))
+        return collective_work(
+            group, *start_gather(pg, send_bytes, _bytes(recv), [c * width for c in counts]), timed=self._host_waits
+        )
 
     def start_broadcast(self, buf: Any, root: int, group: Any) -> TorchWork:
         tensor = _bytes(buf)
-        return self._work(group, self._dist.broadcast(tensor, group_src=root, group=group, async_op=True), tensor)
+        return collective_work(
+            group,
+            self._dist.broadcast(tensor, group_src=root, group=group, async_op=True),
+            tensor,
+            timed=self._host_waits,
+        )
 
     def start_reducescatter(
         self, send: Any | None, recv: Any, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
@@ -139,8 +145,12 @@ class TorchTensorEngine:
             if send is None:  # in place: the output must not alias the input, so reduce into a copy of the slice
                 mine = recv[start : start + count].clone()
                 work = pg._reduce_scatter_base(mine, recv, options)
-                return self._work(group, work, (mine, recv), partial(recv[start : start + count].copy_, mine))
-            return self._work(group, pg._reduce_scatter_base(recv, send, options), (recv, send))
+                return collective_work(
+                    group, work, (mine, recv), partial(recv[start : start + count].copy_, mine), timed=self._host_waits
+                )
+            return collective_work(
+                group, pg._reduce_scatter_base(recv, send, options), (recv, send), timed=self._host_waits
+            )
         if send is None:  # in place: this rank's slice of the reduced buffer is already at its offset
             return self.start_allreduce(recv, dtype, op, group)
         reduced = send.clone()
@@ -148,7 +158,7 @@ class TorchTensorEngine:
         return work.followed_by(partial(recv.copy_, reduced[start : start + count]))
 
     def start_barrier(self, group: Any) -> TorchWork:
-        return self._work(group, self._dist.barrier(group=group, async_op=True), None)
+        return collective_work(group, self._dist.barrier(group=group, async_op=True), None, timed=self._host_waits)
 
     # Point-to-point transfers started on this engine's channels so far (tests check the device path ran).
     p2p_transfers = 0

@@ -1,5 +1,5 @@
-"""torch.distributed pieces that the Gloo engine and the NCCL engine share: the single-tensor allgather and
-reduce-scatter under their names in each torch release, uneven allgathers, which Gloo runs only padded to equal
+"""torch.distributed pieces that the Gloo engine and the NCCL engine share: the single-tensor allgather under its
+name in each torch release, uneven allgathers, which Gloo runs only padded to equal
 parts, and a collective (`TorchWork`) or point-to-point transfer in flight as a handles.Work, with the waits that
 report a stall."""
 
@@ -23,7 +23,6 @@ __all__ = [
     "all_gather_single",
     "padded_parts",
     "reduce_options",
-    "reduce_scatter_single",
     "start_gather",
     "wait_work",
 ]
@@ -38,11 +37,6 @@ def all_gather_single(dist: Any) -> Any:
     """torch.distributed's allgather into one tensor: `all_gather_single` since torch 2.13, which deprecates
     the `all_gather_into_tensor` of earlier releases (2.11 on the GPU machines has only that one)."""
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def reduce_scatter_single(dist: Any) -> Any:
-    """Likewise `reduce_scatter_single` (torch 2.13), else `reduce_scatter_tensor`."""
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def start_gather(pg: Any, send: Any, recv: Any, counts: Sequence[int]) -> tuple[Any, Any, Callable[[], None] | None]:
@@ -131,14 +125,8 @@ class TorchWork:
     def wait(self, alive: Callable[[], None] | None = None) -> None:
         if self._timed:
             wait_work(self._work, alive)
-        elif alive is None or self._work.is_completed():
-            self._work.wait()
         else:
-            _WATCHDOG.watch(alive)
-            try:
-                self._work.wait()
-            finally:
-                _WATCHDOG.watch(None)
+            _WATCHDOG.run(self._work.wait, None if self._work.is_completed() else alive)
         self._then_once()
 
     def _then_once(self) -> None:

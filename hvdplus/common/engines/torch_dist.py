@@ -27,6 +27,7 @@ from hvdplus.common.engines.torch_collectives import (
 from hvdplus.common.engines.torch_planned import (
     PlannedMeeting,
     TorchPlannedGroup,
+    collective_work,
     process_group_of,
     store_incarnation,
 )
@@ -184,11 +185,6 @@ class TorchDistEngine:
                 set_timeout(self._call_timeout, group)
         return group
 
-    def _work(self, group: Any, work: Any, tensors: Any, then: Callable[[], None] | None = None) -> TorchWork:
-        """A collective started on `group`: a negotiated group's wait calls `alive` itself (timed), a planned
-        group's sleeps untimed (torch_collectives.py `TorchWork`)."""
-        return TorchWork(work, tensors, then, timed=not isinstance(group, TorchPlannedGroup))
-
     def start_allreduce(
         self, buf: np.ndarray, dtype: str, op: ReduceOp, group: Any, send: np.ndarray | None = None
     ) -> TorchWork:
@@ -198,9 +194,14 @@ class TorchDistEngine:
         if dtype in WIDENED:
             wide = buf.astype(WIDENED[dtype])
             tensor = self._tensor(wide)
-            return self._work(group, pg.allreduce([tensor], self._options[op]), tensor, partial(_narrow, buf, wide))
+            return collective_work(
+                group,
+                pg.allreduce([tensor], self._options[op]),
+                tensor,
+                partial(np.copyto, buf, wide, casting="unsafe"),
+            )
         tensor = self._tensor(buf, dtype)
-        return self._work(group, pg.allreduce([tensor], self._options[op]), tensor)
+        return collective_work(group, pg.allreduce([tensor], self._options[op]), tensor)
 
     def start_allgather(
         self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], group: Any
@@ -211,11 +212,11 @@ class TorchDistEngine:
             start = int(sum(counts[:index]))
             send = recv[start : start + counts[index]].copy()
         byte_counts = [c * send.dtype.itemsize for c in counts]
-        return self._work(group, *start_gather(pg, self._bytes(send), self._bytes(recv), byte_counts))
+        return collective_work(group, *start_gather(pg, self._bytes(send), self._bytes(recv), byte_counts))
 
     def start_broadcast(self, buf: np.ndarray, root: int, group: Any) -> TorchWork:
         tensor = self._bytes(buf)
-        return self._work(group, self._dist.broadcast(tensor, group_src=root, group=group, async_op=True), tensor)
+        return collective_work(group, self._dist.broadcast(tensor, group_src=root, group=group, async_op=True), tensor)
 
     def start_alltoall(
         self, send: np.ndarray, send_counts: Sequence[int], recv: np.ndarray, recv_counts: Sequence[int], group: Any
@@ -229,7 +230,7 @@ class TorchDistEngine:
             group=group,
             async_op=True,
         )
-        return self._work(group, work, tensors)
+        return collective_work(group, work, tensors)
 
     def start_reducescatter(
         self, send: np.ndarray | None, recv: np.ndarray, counts: Sequence[int], dtype: str, op: ReduceOp, group: Any
@@ -245,7 +246,7 @@ class TorchDistEngine:
         return work.followed_by(partial(np.copyto, recv, reduced[start : start + counts[index]]))
 
     def start_barrier(self, group: Any) -> TorchWork:
-        return self._work(group, self._dist.barrier(group=group, async_op=True), None)
+        return collective_work(group, self._dist.barrier(group=group, async_op=True), None)
 
     def start_sendrecv(
         self, send: np.ndarray, recv: np.ndarray, peer: int, group: Any, source: int | None = None
@@ -332,11 +333,6 @@ class TorchDistEngine:
 
 
 _DONE = Completed()
-
-
-def _narrow(buf: np.ndarray, wide: np.ndarray) -> None:
-    """Copy a widened reduction's result back into its buffer."""
-    buf[...] = wide
 
 
 def _beacon_key(stream: int, rank: int) -> str:

@@ -9,7 +9,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["PlannedMeeting", "TorchPlannedGroup", "meet_in_store", "process_group_of", "store_incarnation"]
+from hvdplus.common.engines.torch_collectives import TorchWork
+
+__all__ = [
+    "PlannedMeeting",
+    "TorchPlannedGroup",
+    "collective_work",
+    "meet_in_store",
+    "process_group_of",
+    "store_incarnation",
+]
 
 _PLANNED_TIMEOUT = datetime.timedelta(days=365)  # the planned path's groups: stalls are watched, not timed out
 
@@ -98,3 +107,12 @@ class TorchPlannedGroup:
 def process_group_of(group: Any) -> Any:
     """The process group an engine's collective runs on: a registered group itself, or a planned group's own."""
     return group.pg if isinstance(group, TorchPlannedGroup) else group
+
+
+def collective_work(
+    group: Any, work: Any, tensors: Any, then: Callable[[], None] | None = None, timed: bool = True
+) -> TorchWork:
+    """The `Work` of a collective an engine started on `group`. A negotiated group's wait calls `alive` itself when
+    `timed` (the engine's waits may block the host: Gloo's); a planned group's always sleeps, watched from the side
+    (torch_collectives.py `TorchWork`)."""
+    return TorchWork(work, tensors, then, timed=timed and not isinstance(group, TorchPlannedGroup))
