@@ -68,6 +68,15 @@ class Flat:
         self.stepped.copy_(mine)
         self.grad = host_empty(self.grad.numel(), self.grad.dtype, mine.device).zero_()
 
+    def refresh(self, index: int) -> None:
+        """Offload, before the host step: take this rank's range of the master again, so that every write to the
+        parameters since the last step (broadcast_parameters, load_state_dict, torch.nn.init, p.data.copy_, a
+        ZeRO-3 load, an elastic restore) reaches the step. A version counter cannot tell: `p.data.copy_` and the
+        host collectives' writes through numpy views do not bump it. After a step the copy is exact (same dtype)."""
+        if self.offloaded:
+            start, end = self.part.shard(index)
+            self.stepped.copy_(self.master[start - self.base : end - self.base])
+
     @property
     def offloaded(self) -> bool:
         return self.stepped is not self.master
@@ -160,7 +169,8 @@ class Shards:
         self.freeze = Decision.RETRY if sharded is None and passes == 1 else Decision.NEVER
         self.next_bucket = 0  # planned: the first bucket not started this step
         self.differs: list[str] = []  # planned: how this rank's step differs from the plan (a changed model)
-        self.addresses: list[int] = []  # planned: where each parameter's data was when the plan froze
+        # Stage 1/2: where each parameter's data is, a view of its flat buffer (a rebound parameter raises).
+        self.addresses = [p.data_ptr() for p in params] if sharded is None else []
         # The shard parameters: one per parameter piece in this rank's range, shaped like the parameter when the
         # piece is all of it (a 0-d one stays 1-D: 0-d state means one value per shard, like Adam's step). The
         # wrapped optimizer then sees the tensors it would see unsharded (per-tensor rules such as LAMB's trust
@@ -399,6 +409,10 @@ class Shards:
             if self.frozen is not None:
                 self._synchronize_planned(self.frozen)
             else:
+                rebound = self.rebound()
+                if rebound:  # what backward started completes first; the other ranks fail on this rank's exit
+                    self.finish_in_flight()
+                    raise RuntimeError(f"{rebound[0]}; write into it in place instead: p.data.copy_(t)")
                 for bucket in self.buckets:
                     if bucket.written:
                         self.start(bucket)
@@ -433,14 +447,19 @@ class Shards:
         for bucket in self.buckets:
             if not bucket.fills:
                 self.start(bucket)
-        differs = self.differs + [
+        differs = self.differs + self.rebound()
+        plan.start_guard(bool(differs))
+        self.finish_in_flight()
+        plan.check_guard(differs)
+
+    def rebound(self) -> list[str]:
+        """Stage 1/2: what says which parameters are no longer the views of the flat buffers they were made (a
+        `p.data = t` after wrapping): the step would neither read them nor write them back."""
+        return [
             f"parameter {self.names[i]!r} no longer is the view of ZeroOptimizer's flat buffer it was"
             for i, (p, address) in enumerate(zip(self.params, self.addresses))
             if p.data_ptr() != address or p.dtype != self.flats[self.where[i][0]].master.dtype
         ]
-        plan.start_guard(bool(differs))
-        self.finish_in_flight()
-        plan.check_guard(differs)
 
     def _try_freeze(self) -> None:
         """After a negotiated step (collective): freeze the plan if every rank can, with the same buckets."""
@@ -470,14 +489,15 @@ class Shards:
                 (bucket.end - bucket.start, wire or reduced, counts_within(flat.part.bounds, bucket.start, bucket.end))
             )
         self.frozen = ShardPlan(engine, group, ranks, digest, host, specs, self.device, guard_group)
-        self.addresses = [p.data_ptr() for p in self.params]
 
     def host_step_ready(self) -> None:
         """Offload: the last step's copies of the host masters to the device have read them (the optimizer is
-        about to write them again)."""
+        about to write them again), and the host masters hold the parameters as they are now (Flat.refresh)."""
         if self.returned is not None:
             self.returned.synchronize()
             self.returned = None
+        for flat in self.flats:
+            flat.refresh(self.index)
 
     def stepped(self) -> None:
         """After the optimizer's step: offloaded masters go back to the device, on the stream that gathers them."""

@@ -43,9 +43,16 @@ def make_optimizer(model: torch.nn.Module, groups: bool) -> torch.optim.Optimize
     )
 
 
-def reference(size: int, steps: int = STEPS, groups: bool = False, frozen: bool = False, clip: float | None = None):
-    """One process, the whole batch of all ranks, plain AdamW."""
-    model = make_model(frozen=frozen)
+def reference(
+    size: int,
+    steps: int = STEPS,
+    groups: bool = False,
+    frozen: bool = False,
+    clip: float | None = None,
+    start: torch.nn.Module | None = None,
+):
+    """One process, the whole batch of all ranks, plain AdamW (from `start`, else make_model's weights)."""
+    model = make_model(frozen=frozen) if start is None else start
     optimizer = make_optimizer(model, groups)
     norms = []
     for x, y in batches(size, steps):
@@ -387,6 +394,60 @@ def test_offloaded_optimizer_clips_and_resumes_from_its_sharded_state(hvd):
     model, optimizer, _ = train(hvd, steps=2, offload="optimizer")
     shard = optimizer.sharded_state_dict()
     assert_resumes_bit_for_bit(hvd, model, lambda fresh: fresh.load_sharded_state_dict(shard), 2, uninterrupted)
+
+
+WRITES = ["broadcast_parameters", "load_state_dict", "torch.nn.init", "p.data.copy_"]
+
+
+def write_rank_0s_start(hvd, model: torch.nn.Module, how: str) -> None:
+    """Give every rank the weights `start_written_by(how)` returns, by `how`, a write made after wrapping."""
+    if how == "broadcast_parameters":
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    elif how == "load_state_dict":
+        model.load_state_dict(make_model(seed=7).state_dict())
+    elif how == "torch.nn.init":
+        torch.manual_seed(8)
+        for p in model.parameters():
+            torch.nn.init.uniform_(p, -0.5, 0.5)
+    else:
+        for p, q in zip(model.parameters(), make_model(seed=7).parameters()):
+            p.data.copy_(q)
+
+
+def start_written_by(how: str) -> torch.nn.Module:
+    model = make_model(seed=1)  # rank 0's own start (seeded by rank + 1)
+    if how in ("load_state_dict", "p.data.copy_"):
+        model = make_model(seed=7)
+    elif how == "torch.nn.init":
+        torch.manual_seed(8)
+        for p in model.parameters():
+            torch.nn.init.uniform_(p, -0.5, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("offload", [None, "optimizer"])
+@pytest.mark.parametrize("how", WRITES)
+def test_a_write_to_the_parameters_after_wrapping_reaches_the_next_step(hvd, how, offload):
+    """Horovod's order (wrap, then broadcast_parameters) and every other in-place write after wrapping: the
+    steps start from the written weights, with the optimizer offloaded too (whose host master is taken again at
+    each step), equal to one process from those weights."""
+    model = make_model(seed=hvd.rank() + 1)  # the ranks start apart
+    optimizer = hvd.ZeroOptimizer(
+        make_optimizer(model, groups=False), named_parameters=model.named_parameters(), offload=offload
+    )
+    write_rank_0s_start(hvd, model, how)
+    train(hvd, model=model, optimizer=optimizer)
+    assert_same_parameters(model, reference(hvd.size(), start=start_written_by(how))[0])
+
+
+def test_rebinding_a_parameter_after_wrapping_raises(hvd):
+    """`p.data = t` after wrapping would leave the parameter out of the step: step() raises, naming it."""
+    model = make_model()
+    optimizer = hvd.ZeroOptimizer(make_optimizer(model, groups=False), named_parameters=model.named_parameters())
+    model[2].weight.data = model[2].weight.data.clone()
+    torch.nn.functional.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 3)).backward()
+    with pytest.raises(RuntimeError, match=r"'2.weight' no longer is the view.*p.data.copy_\(t\)"):
+        optimizer.step()
 
 
 def test_parameters_on_two_devices_or_other_device_kinds_than_the_peers_are_refused(hvd):

@@ -280,10 +280,28 @@ def test_checkpoints_load_into_a_plain_model_and_resume_exactly(hvd, tmp_path_fa
     uninterrupted, uninterrupted_optimizer = sharded(hvd)
     train(hvd, uninterrupted, uninterrupted_optimizer)
     for load in (hvd.load_full_checkpoint, hvd.load_sharded_checkpoint):
-        resumed, resumed_optimizer = sharded(hvd, model=build(seed=9))
-        load(path if load is hvd.load_full_checkpoint else directory, resumed, resumed_optimizer)
-        train(hvd, resumed, resumed_optimizer, first=2)
-        assert_close_to(hvd, resumed, whole_model(hvd, uninterrupted), rtol=0, atol=0)
+        for offload in (False, True):  # an offloaded optimizer steps host copies of the shards the load wrote
+            resumed, resumed_optimizer = sharded(hvd, model=build(seed=9), offload_optimizer=offload)
+            load(path if load is hvd.load_full_checkpoint else directory, resumed, resumed_optimizer)
+            train(hvd, resumed, resumed_optimizer, first=2)
+            assert_close_to(hvd, resumed, whole_model(hvd, uninterrupted), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("offload", [False, True])
+@pytest.mark.parametrize("write", ["load_full_state_dict", "gathered_parameters"])
+def test_weights_written_after_wrapping_are_the_ones_trained(hvd, write, offload):
+    """A load or a modifying gather after the optimizer is wrapped writes the units' shards; the steps, with the
+    optimizer offloaded to host copies too, go on from those weights as one process does."""
+    model, optimizer = sharded(hvd, model=build(seed=9), offload_optimizer=offload)
+    start = build(seed=4)
+    if write == "load_full_state_dict":
+        hvd.load_full_state_dict(model, start.state_dict())
+    else:
+        with hvd.gathered_parameters(model, modify=True), torch.no_grad():
+            for p, q in zip(model.parameters(), start.parameters()):
+                p.copy_(q)
+    train(hvd, model, optimizer)
+    assert_close_to(hvd, model, reference(hvd.size(), model=build(seed=4))[0], **ONE_PROCESS)
 
 
 def whole_model(hvd, model) -> torch.nn.Module:
