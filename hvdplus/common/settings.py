@@ -282,6 +282,15 @@ SETTINGS: tuple[Setting, ...] = (
         "HVDPLUS_DEVICE_PATH_ON_CPU",
     ),
     Setting(
+        "staged_path_on_cpu",
+        _parse_bool,
+        False,
+        "Treat CPU torch tensors as device tensors that no device plane takes (HOROVOD_GPU_OPERATIONS=mpi): each "
+        "collective stages them through a host copy that never shares their memory, and no plan freezes. How the "
+        "staged path of CUDA tensors is tested on machines without a GPU.",
+        "HVDPLUS_STAGED_PATH_ON_CPU",
+    ),
+    Setting(
         "dynamic_process_sets",
         _parse_bool,
         False,
@@ -494,6 +503,7 @@ class Settings:
     cpu_operations: str = ""
     gpu_operations: str = "nccl"
     device_path_on_cpu: bool = False
+    staged_path_on_cpu: bool = False
     dynamic_process_sets: bool = False
     timeout_seconds: float = 60.0
     elastic_timeout: float = 600.0

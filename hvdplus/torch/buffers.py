@@ -3,8 +3,9 @@
 A tensor travels one of two ways. On a device plane (CUDA tensors on NCCL, or CPU tensors under
 HVDPLUS_DEVICE_PATH_ON_CPU=1) the core takes the tensor itself, and its result is a tensor on the same device.
 Otherwise it takes a zero-copy numpy view of a contiguous host tensor (CUDA tensors without a plane are staged
-through host memory), and its result is turned back into a tensor on the input's device. The collectives
-(mpi_ops), the reducer, the planned steps, ZeRO 1-3 and the pipeline all convert here.
+through host copies, and so are CPU tensors under HVDPLUS_STAGED_PATH_ON_CPU=1), and its result is turned back
+into a tensor on the input's device, or copied back into it (`copy_back`). The collectives (mpi_ops), the
+reducer, the planned steps, ZeRO 1-3 and the pipeline all convert here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ __all__ = [
     "DTYPE_NAMES",
     "dtype_name",
     "host_tensor",
+    "in_host_memory",
+    "copy_back",
     "plane_kind",
     "device_label",
     "as_numpy",
@@ -60,12 +63,21 @@ def dtype_name(tensor: torch.Tensor) -> str:
         ) from None
 
 
+def in_host_memory(tensor: torch.Tensor) -> bool:
+    """Whether the host engine may take `tensor`'s own memory: a CPU tensor, except under
+    HVDPLUS_STAGED_PATH_ON_CPU=1, where CPU tensors stand for device tensors that no plane takes and travel
+    through host copies, as CUDA tensors do under HOROVOD_GPU_OPERATIONS=mpi."""
+    return tensor.is_cpu and not runtime().settings.staged_path_on_cpu
+
+
 def host_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor with the same values (the tensor itself when it already is one)."""
+    """A contiguous CPU tensor with the same values (the tensor itself when it already is one in host memory)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_cpu and tensor.is_contiguous():  # the common case, with no dispatcher calls (device.type: 6x)
-        return tensor.detach() if tensor.requires_grad else tensor
+        if not runtime().settings.staged_path_on_cpu:
+            return tensor.detach() if tensor.requires_grad else tensor
+        return tensor.detach().clone()  # a host copy, as a device tensor's
     return tensor.detach().cpu().contiguous()
 
 
@@ -121,6 +133,16 @@ def collective_input(tensor: torch.Tensor) -> tuple[Any, str]:
 def collective_result(buffer: Any, like: torch.Tensor) -> torch.Tensor:
     """A core result as a tensor of `like`'s dtype on `like`'s device (device-plane results already are)."""
     return buffer if isinstance(buffer, torch.Tensor) else from_numpy(buffer, like.dtype, like.device)
+
+
+def copy_back(buffer: Any, tensor: torch.Tensor) -> None:
+    """Copy a collective's result `buffer` (from `collective_input(tensor)`, or a slice of it) into `tensor`,
+    unless it is `tensor`'s own memory: how a device tensor staged through a host copy gets its result."""
+    if isinstance(buffer, torch.Tensor):
+        if buffer.data_ptr() != tensor.data_ptr():
+            tensor.copy_(buffer)
+    elif buffer.size and buffer.ctypes.data != tensor.data_ptr():
+        tensor.copy_(from_numpy(buffer, tensor.dtype, _CPU).view(tensor.shape))
 
 
 def collective_buffers(tensor: torch.Tensor, inplace: bool, kind: str | None) -> tuple[torch.Tensor, Any, Any, str]:

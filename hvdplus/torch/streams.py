@@ -15,6 +15,8 @@ from contextlib import contextmanager
 
 import torch
 
+from hvdplus.torch.buffers import in_host_memory
+
 __all__ = ["SideStream", "wait_for", "host_empty", "host_copy"]
 
 
@@ -62,8 +64,8 @@ def host_empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Te
 
 
 def host_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A pinned host copy of a device tensor (the tensor itself when it is on the host already)."""
-    if tensor.device.type == "cpu":
+    """A pinned host copy of a device tensor (the tensor itself when it is in host memory already)."""
+    if in_host_memory(tensor):
         return tensor
     host = host_empty(tensor.numel(), tensor.dtype, tensor.device).view(tensor.shape)
     host.copy_(tensor)

@@ -171,6 +171,18 @@ def test_sharding_and_pipelines_on_the_device_plane(engine, np):
 
 @pytest.mark.parallel
 @pytest.mark.timeout(300)
+def test_sharding_and_pipelines_staged_through_host_copies():
+    """HVDPLUS_STAGED_PATH_ON_CPU=1: ZeRO 1-3, offload and the pipeline on the path of CUDA tensors that no device
+    plane takes (HOROVOD_GPU_OPERATIONS=mpi), where a tensor's host buffer is a copy that never shares its memory:
+    a result that is not copied back fails here, as it would on a GPU."""
+    argv = pytest_argv(*(str(WORKERS / name) for name in SHARDING_FILES))
+    code, output = run_job("gloo", 2, argv, extra_env={"HVDPLUS_STAGED_PATH_ON_CPU": "1"})
+    assert code == 0, f"staged job with 2 ranks failed (exit {code}):\n{output[-20000:]}"
+    assert_every_rank_ran("gloo", 2, output, at_least=70)
+
+
+@pytest.mark.parallel
+@pytest.mark.timeout(300)
 def test_cuda_suite_on_one_rank():
     """The CUDA worker tests on NCCL, at 1 rank (NCCL refuses two ranks on one GPU); on machines with a GPU."""
     torch = pytest.importorskip("torch")

@@ -21,7 +21,7 @@ from hvdplus.common.ops import Average, ReduceOp, Sum
 from hvdplus.common.planned_steps import agree_to_freeze, open_planned_group, settings_allow
 from hvdplus.common.plans.grouping import bucket_indices
 from hvdplus.common.plans.step_plan import Decision
-from hvdplus.torch.buffers import DTYPE_NAMES, plane_kind
+from hvdplus.torch.buffers import DTYPE_NAMES, in_host_memory, plane_kind
 from hvdplus.torch.planned.reducer import Reducer
 
 __all__ = [
@@ -62,13 +62,13 @@ def _carrier(params: Sequence[torch.Tensor]) -> tuple[Any, str] | None:
     """The engine whose planned groups carry these gradients, and the plane's name: the host engine for CPU
     tensors, else the device plane their kind travels on (NCCL for CUDA tensors), built by the negotiated steps
     before the freeze. None where the gradients cannot be planned: several devices, or CUDA tensors staged
-    through host memory (HOROVOD_GPU_OPERATIONS=mpi)."""
+    through host memory (HOROVOD_GPU_OPERATIONS=mpi, or CPU tensors under HVDPLUS_STAGED_PATH_ON_CPU=1)."""
     if not params or len({p.device for p in params}) != 1:
         return None
     rt = runtime()
     kind = plane_kind(params[0])
     if kind is None:
-        return (rt.engine, "host") if params[0].device.type == "cpu" else None
+        return (rt.engine, "host") if in_host_memory(params[0]) else None
     engine = rt.coordinator.plane_engine(kind)
     return None if engine is None else (engine, kind)
 

@@ -21,7 +21,7 @@ from hvdplus.torch._optimizer import (
     TOO_MANY_PASSES,
     AllreduceInFlightError,
 )
-from hvdplus.torch.buffers import as_numpy, collective_input, dtype_name, plane_kind
+from hvdplus.torch.buffers import as_numpy, collective_input, copy_back, dtype_name, plane_kind
 from hvdplus.torch.compression import Compressor
 from hvdplus.torch.planned.planned import freeze_plan, wire_dtype
 from hvdplus.torch.streams import SideStream, host_empty, wait_for
@@ -103,6 +103,23 @@ class Bucket:
         self.ready = False  # planned: full, waiting for the buckets before it in plan order to start
 
 
+@dataclasses.dataclass(slots=True)
+class ReduceScatter:
+    """One bucket fill's reduce-scatter in flight: `sent` is the (compressed) buffer, `received` what the core
+    writes this rank's slice into (`sent` itself, or its host copy when staged), `offset`/`count` that slice;
+    `plan` the frozen plan that started it (None: negotiated)."""
+
+    bucket: Bucket
+    handle: Any
+    sent: torch.Tensor
+    received: Any
+    ctx: Any
+    offset: int
+    count: int
+    buffer: torch.Tensor
+    plan: ShardPlan | None
+
+
 class Shards:
     """The flat sequences, buckets and shard parameters of one ZeroOptimizer (everything but the optimizer).
 
@@ -161,7 +178,7 @@ class Shards:
         # Reduce-scatters in flight before the oldest is finished and its buffer freed: two buckets, or one ZeRO-3
         # unit (a unit's backward takes far longer than its reduce-scatter, so one overlaps it already).
         self.in_flight_limit = 1 if sharded is not None else 2
-        self.in_flight: list[tuple[Bucket, Any, torch.Tensor, Any, int, int, torch.Tensor, ShardPlan | None]] = []
+        self.in_flight: list[ReduceScatter] = []
         self.spares: list[tuple[torch.Tensor, Any]] = []  # (buffer, the event its last reader ends at)
         # The planned path (stages 1 and 2, one backward pass a step): once every rank agrees after a negotiated
         # step, the buckets' reduce-scatters start in plan order on a communicator of the plan's own.
@@ -286,7 +303,7 @@ class Shards:
         self.passes_done[i] += 1
         if self.frozen is not None:  # MPI moves a non-blocking collective only inside its calls
             for entry in self.in_flight:
-                self.frozen.poke(entry[1])
+                self.frozen.poke(entry.handle)
         if len(bucket.written) == len(bucket.params):
             self.start(bucket)
 
@@ -338,7 +355,7 @@ class Shards:
                 tag=tag,
                 device=device,
             )
-        self.in_flight.append((bucket, handle, sent, ctx, offset, count, bucket.buffer, plan))
+        self.in_flight.append(ReduceScatter(bucket, handle, sent, array, ctx, offset, count, bucket.buffer, plan))
         bucket.buffer, bucket.fills = None, bucket.fills + 1
         bucket.written = set()
         if (
@@ -359,22 +376,23 @@ class Shards:
                 return spare
         return torch.empty(bucket.end - bucket.start, dtype=dtype, device=flat.device)
 
-    def finish(self, entry: tuple) -> None:
+    def finish(self, entry: ReduceScatter) -> None:
         """Wait for one reduce-scatter, add this rank's averaged slice into its gradient shard, and keep the
         buffer as a spare (ZeRO-3's equal units then reuse two buffers instead of faulting in fresh pages for
         each; the spares go at step())."""
-        bucket, handle, sent, ctx, offset, count, buffer, plan = entry
-        if plan is None:
-            handle.wait()
+        sent, offset, count = entry.sent, entry.offset, entry.count
+        if entry.plan is None:
+            entry.handle.wait()
+            copy_back(entry.received[offset : offset + count], sent[offset : offset + count])  # a staged copy's
         else:
-            plan.wait(handle)
+            entry.plan.wait(entry.handle)
             with torch.no_grad():  # on the wire's dtype, as Horovod averages a compressed gradient
                 sent[offset : offset + count].mul_(1.0 / self.size)
         read = None
         if count:
-            flat = self.flats[bucket.flat]
-            mine = self.compression.decompress(sent[offset : offset + count], ctx)
-            first = max(bucket.start, flat.part.bounds[self.index]) - flat.part.bounds[self.index]
+            flat = self.flats[entry.bucket.flat]
+            mine = self.compression.decompress(sent[offset : offset + count], entry.ctx)
+            first = max(entry.bucket.start, flat.part.bounds[self.index]) - flat.part.bounds[self.index]
             target = flat.grad[first : first + count]
             with torch.no_grad():
                 if target.device == mine.device and not flat.offloaded:
@@ -387,7 +405,7 @@ class Shards:
                     read = self.copy_stream.record()
                     self.copies.append((read, staged, target))
         if len(self.spares) < self.in_flight_limit + 1:
-            self.spares.append((buffer, read))
+            self.spares.append((entry.buffer, read))
 
     def finish_in_flight(self) -> None:
         while self.in_flight:
@@ -547,22 +565,19 @@ class Shards:
                 sent = full[start:end]
             else:
                 sent = collective_input(flat.master.to(flat.full.dtype))[0]
-            handles.append(
-                (
-                    core.submit_allgather(
-                        sent,
-                        dtype_name(flat.full),
-                        f"ZeroOptimizer.gather.{self.names[part.params[0]]}",
-                        process_set=self.process_set,
-                        counts=part.counts,
-                        output=full,
-                        device=device,
-                    ),
-                    sent,
-                )
+            handle = core.submit_allgather(
+                sent,
+                dtype_name(flat.full),
+                f"ZeroOptimizer.gather.{self.names[part.params[0]]}",
+                process_set=self.process_set,
+                counts=part.counts,
+                output=full,
+                device=device,
             )
-        for handle, _ in handles:
+            handles.append((handle, sent, full, flat.full))  # `sent` lives until the gather is done
+        for handle, _, full, target in handles:
             handle.wait()
+            copy_back(full, target)  # a staged copy's result (a GPU without a device plane)
 
     def grad_norm(self, norm_type: float) -> float:
         """The norm of the whole averaged gradient, from every rank's shard. Collective."""

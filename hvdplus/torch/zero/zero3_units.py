@@ -25,7 +25,7 @@ import torch
 from hvdplus.common import collectives as core
 from hvdplus.common.basics import ProcessSet, runtime
 from hvdplus.common.plans.sharding import DtypePartition, partition
-from hvdplus.torch.buffers import as_numpy, collective_input, dtype_name, plane_kind
+from hvdplus.torch.buffers import as_numpy, collective_input, dtype_name, in_host_memory, plane_kind
 from hvdplus.torch.streams import SideStream, host_empty, wait_for
 
 __all__ = ["Unit", "ROOT", "PERSISTENT", "OFFLOADS", "empty_like_dtype", "add_gradient"]
@@ -188,7 +188,7 @@ class Unit:
         staged = None
         if plane_kind(full) is not None:
             output: Any = collective_input(full)[0]
-        elif full.is_cpu:
+        elif in_host_memory(full):
             output = _unguarded_numpy(full)
         else:  # a GPU without a device plane (HOROVOD_GPU_OPERATIONS=mpi): through host memory
             staged = host_empty(part.total, full.dtype, full.device)

@@ -493,7 +493,10 @@ def test_offloaded_shards_live_on_the_host_and_train_as_one_process_does(hvd):
     model, optimizer = sharded(hvd, offload="parameters", persist_below=WIDTH)
     units = model._hvdplus_zero3.units
     assert all(u.offload == ("parameters" if not u.persistent else None) for u in units)
+    # In host memory (the CPU here, so also): storage of their own, which each gather copies to the device.
     assert all(shard.device.type == "cpu" for u in units for shard in u.shards)
+    offloaded = [shard for u in units if u.offload for shard in u.shards]
+    assert offloaded and len({shard.untyped_storage().data_ptr() for shard in offloaded}) == len(offloaded)
     copies = []
     stream = units[0].copies
     copy_in = stream.after_current
@@ -515,6 +518,10 @@ def test_an_offloaded_optimizer_steps_the_units_shards_on_the_host(hvd, paramete
     # A unit offloaded with its parameters is stepped where it lives; any other shard through a host copy.
     assert all(flat.offloaded == (flat.unit.offload is None) for flat in flats)
     assert all(shard.device.type == "cpu" for shard in optimizer._zero.shard_params)
+    # Host copies (the CPU here, so: not views of the units' shards), or the offloaded shards themselves.
+    stepped = {shard.untyped_storage().data_ptr() for shard in optimizer._zero.shard_params}
+    units_shards = {flat.master.untyped_storage().data_ptr(): flat for flat in flats}
+    assert all(units_shards[ptr].unit.offload == "parameters" for ptr in stepped & units_shards.keys())
     train(hvd, model, optimizer)
     assert_close_to(hvd, model, reference(hvd.size())[0], **ONE_PROCESS)
 
