@@ -399,7 +399,7 @@ def shard_parameters(
     ]
     digests = materialize(model, built, unit_names, init or default_init, places, device)
     _move_buffers(model, device)
-    check_same_everywhere(built, digests, process_set, device)
+    check_same_everywhere(built, digests, process_set, device, list(model.named_buffers()))
     sharded = ShardedModel(
         model,
         built,

@@ -8,7 +8,9 @@ exists at once, in host or in device memory. Modules are initialised children fi
 `reset_parameters()`, or the `init` given), the order in which a normally built model drew them from the random
 generator, so each rank keeps exactly its slice of the values a normal build with the same seed makes. A
 parameter tied after construction (an output layer sharing the embedding's weight) gets a scratch stand-in while
-the second module initialises, so that its draws are made and dropped as in a normal build."""
+the second module initialises, so that its draws are made and dropped as in a normal build. A buffer built on the
+meta device must be set when its module initialises (by `init`, `reset_parameters()` or `reset_running_stats()`,
+in place or by assignment): anything else raises, naming it, instead of leaving uninitialised memory."""
 
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def meta_parameters(model: torch.nn.Module) -> Places:
 
 
 def default_init(module: torch.nn.Module) -> None:
-    """Initialise a meta-built module's own parameters with its `reset_parameters()` (or `_reset_parameters()`)."""
+    """Initialise a meta-built module's own parameters with its `reset_parameters()` (or `_reset_parameters()`);
+    its meta-built buffers must be set there too, or by `reset_running_stats()` (materialize checks)."""
     for method in ("reset_parameters", "_reset_parameters"):
         if callable(getattr(module, method, None)):
             getattr(module, method)()
@@ -50,6 +53,28 @@ def default_init(module: torch.nn.Module) -> None:
         raise ValueError(
             f"module {type(module).__name__} was built on the meta device but has no "
             f"reset_parameters(): pass init= to hvd.shard_parameters to initialise its parameters"
+        )
+
+
+def _unset(module: torch.nn.Module, fresh: dict[str, torch.Tensor]) -> list[str]:
+    """The names of `fresh` buffers (materialised from meta, version 0) that nothing wrote or replaced yet."""
+    return [name for name, buffer in fresh.items() if module._buffers.get(name) is buffer and buffer._version == 0]
+
+
+def _check_buffers_set(module: torch.nn.Module, fresh: dict[str, torch.Tensor], path: str) -> None:
+    """After `module` initialised: its meta-built buffers hold values, else ValueError naming them. Running
+    statistics are set by `reset_running_stats()` where the initialisation left them."""
+    unset = _unset(module, fresh)
+    if unset and callable(getattr(module, "reset_running_stats", None)):
+        module.reset_running_stats()
+        unset = _unset(module, fresh)
+    if unset:
+        names = ", ".join(repr(f"{path}.{name}" if path else name) for name in unset)
+        raise ValueError(
+            f"buffer {names} of {type(module).__name__} was built on the meta device, and neither init= nor its "
+            f"reset_parameters() or reset_running_stats() set it: it would hold uninitialised memory. Set it in "
+            f"the init= function given to hvd.shard_parameters (in place or by assignment, e.g. computing a "
+            f"rotary inv_freq there), or build that module outside the meta device."
         )
 
 
@@ -85,13 +110,15 @@ def materialize(
             unit.empty_parameters()
 
     done: set[int] = set()
+    paths = {id(m): path for path, m in model.named_modules()}
 
     def initialise(module: torch.nn.Module) -> None:
         """init(module); a parameter an earlier module already initialised (a tie made after construction)
         gets a scratch stand-in, so that the draws are made and dropped as a normal build's were."""
+        fresh = {}
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
-                module._buffers[name] = torch.empty_like(buffer, device=device)
+                module._buffers[name] = fresh[name] = torch.empty_like(buffer, device=device)
         for p in list(module._parameters.values()):
             if p is not None and p.is_meta and id(p) in places:
                 twin = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)
@@ -104,6 +131,7 @@ def materialize(
         init(module)
         module._parameters.update(tied)
         done.update(id(p) for p in module.parameters(recurse=False))
+        _check_buffers_set(module, fresh, paths[id(module)])
 
     visited: set[int] = set()
 
@@ -129,15 +157,20 @@ def materialize(
 
 
 def check_same_everywhere(
-    units: list[Unit], digests: dict[str, list[bytes]], process_set: ProcessSet, device: torch.device
+    units: list[Unit],
+    digests: dict[str, list[bytes]],
+    process_set: ProcessSet,
+    device: torch.device,
+    buffers: list[tuple[str, torch.Tensor]],
 ) -> None:
     """CollectiveMismatchError on every rank if the ranks shard on different kinds of device, or if their
-    parameters differ in names, shapes, dtypes or values."""
+    parameters (or the model's `buffers`) differ in names, shapes, dtypes or values."""
     mine = [
         (name, tuple(shape), str(p.dtype), digest)
         for u in units
         for name, shape, p, digest in zip(u.names, u.shapes, u.params, digests[u.name])
     ]
+    mine += [(f"buffer {name}", tuple(b.shape), str(b.dtype), _digest(b)) for name, b in buffers]
     gathered = core.allgather_object((device.type, mine), name="shard_parameters.check", process_set=process_set)
     ranks = process_set.ranks or list(range(runtime().size))
     kinds = {rank: kind for rank, (kind, _) in zip(ranks, gathered)}
@@ -153,8 +186,9 @@ def check_same_everywhere(
     for position, (name, *_rest) in enumerate(mine):
         values = {rank: listed[position][3].hex()[:12] for rank, listed in zip(ranks, everyone)}
         if len(set(values.values())) > 1:
+            what = f"Buffer {name.removeprefix('buffer ')!r}" if name.startswith("buffer ") else f"Parameter {name!r}"
             raise CollectiveMismatchError(
-                f"Parameter {name!r} differs between ranks at hvd.shard_parameters (digests: "
+                f"{what} differs between ranks at hvd.shard_parameters (digests: "
                 f"{disagreement(values)}): broadcast the parameters from one rank first "
                 f"(hvd.broadcast_parameters), or build the model with the same seed on every rank."
             )

@@ -126,10 +126,11 @@ def test_a_meta_model_is_materialised_on_the_gpu_one_unit_at_a_time(hvd, cuda):
     assert torch.cuda.max_memory_allocated() - base <= whole / hvd.size() + unit_bytes() + (1 << 20)
     assert all(shard.is_cuda for u in model._hvdplus_zero3.units for shard in u.shards)
     torch.manual_seed(0)
-    expected = wide_model()
+    with torch.device(cuda):  # a normal build on the same device draws from the same (CUDA) generator
+        expected = wide_model()
     got = whole_on_cpu(hvd, model)
     for name, p in expected.named_parameters():  # each rank's slice of what a normal build with the seed makes
-        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=0)
+        torch.testing.assert_close(got[name], p.detach().cpu(), rtol=0, atol=0)
 
 
 def test_model_state_per_rank_is_one_nth_plus_the_units_in_use(hvd, cuda):

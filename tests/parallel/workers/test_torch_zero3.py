@@ -627,6 +627,55 @@ def test_a_meta_model_is_materialised_one_unit_at_a_time_on_the_given_device(hvd
     assert_close_to(hvd, model, reference(hvd.size(), model=build(3))[0], **ONE_PROCESS)
 
 
+class Rotary(torch.nn.Module):
+    """A buffer computed in __init__ (a rotary embedding's inverse frequencies), and running statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, WIDTH, 2).float() / WIDTH)))
+        self.norm = torch.nn.BatchNorm1d(WIDTH)
+        self.proj = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + self.inv_freq.repeat(2)
+
+
+def test_meta_buffers_are_set_by_their_initialisation_or_raise_naming_them(hvd):
+    """A meta-built buffer takes its value from init=, reset_parameters() or reset_running_stats(); one that none
+    of them sets (a rotary inv_freq computed in __init__) raises at shard_parameters, naming it, instead of
+    holding uninitialised memory. The ranks' buffers are digested with the parameters."""
+    with torch.device("meta"):
+        model = torch.nn.Sequential(Rotary(), torch.nn.Linear(WIDTH, WIDTH))
+    with pytest.raises(ValueError, match=r"buffer '0.inv_freq' of Rotary was built on the meta device.*init="):
+        hvd.shard_parameters(model, units=[Rotary])
+
+    def init(module):
+        default_init(module)
+        if isinstance(module, Rotary):  # computed on the device, as in __init__
+            module.inv_freq = 1.0 / (10000 ** (torch.arange(0, WIDTH, 2).float() / WIDTH))
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(Rotary(), torch.nn.Linear(WIDTH, WIDTH))
+    for name, buffer in model.named_buffers():  # what an uninitialised allocation could hold
+        assert buffer.is_meta, name
+    hvd.shard_parameters(model, units=[Rotary], init=init, device=torch.device("cpu"))
+    expected = Rotary()
+    torch.testing.assert_close(model[0].inv_freq, expected.inv_freq, rtol=0, atol=0)
+    norm = model[0].norm  # reset_running_stats(): zeros and ones, whatever the allocation held
+    assert torch.equal(norm.running_mean, torch.zeros(WIDTH)) and torch.equal(norm.running_var, torch.ones(WIDTH))
+    assert int(norm.num_batches_tracked) == 0
+
+
+def test_buffers_that_differ_between_ranks_raise_on_every_rank(hvd):
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+    model = torch.nn.Sequential(Rotary(), torch.nn.Linear(WIDTH, WIDTH))
+    if hvd.rank() == hvd.size() - 1:
+        model[0].norm.running_mean.fill_(1.0)
+    with pytest.raises(CollectiveMismatchError, match=r"Buffer '0.norm.running_mean' differs between ranks"):
+        hvd.shard_parameters(model, units=[Rotary])
+
+
 def test_ranks_that_shard_on_different_kinds_of_device_raise_on_every_rank(hvd):
     if hvd.size() == 1:
         pytest.skip("needs two ranks")
@@ -634,4 +683,4 @@ def test_ranks_that_shard_on_different_kinds_of_device_raise_on_every_rank(hvd):
     units = model._hvdplus_zero3.units
     device = torch.device("cuda" if hvd.rank() == 1 else "cpu")  # as a rank would report a GPU model
     with pytest.raises(CollectiveMismatchError, match="same kind of device on every rank.*has cuda"):
-        check_same_everywhere(units, {u.name: [b""] * len(u.params) for u in units}, hvd.global_process_set, device)
+        check_same_everywhere(units, {u.name: [b""] * len(u.params) for u in units}, hvd.global_process_set, device, [])
