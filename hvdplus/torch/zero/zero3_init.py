@@ -65,8 +65,9 @@ def _check_buffers_set(module: torch.nn.Module, fresh: dict[str, torch.Tensor], 
     """After `module` initialised: its meta-built buffers hold values, else ValueError naming them. Running
     statistics are set by `reset_running_stats()` where the initialisation left them."""
     unset = _unset(module, fresh)
-    if unset and callable(getattr(module, "reset_running_stats", None)):
-        module.reset_running_stats()
+    reset_running_stats = getattr(module, "reset_running_stats", None)
+    if unset and callable(reset_running_stats):
+        reset_running_stats()
         unset = _unset(module, fresh)
     if unset:
         names = ", ".join(repr(f"{path}.{name}" if path else name) for name in unset)
