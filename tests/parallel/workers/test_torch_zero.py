@@ -429,7 +429,7 @@ def test_offloaded_optimizer_clips_and_resumes_from_its_sharded_state(hvd):
     assert_resumes_bit_for_bit(hvd, model, lambda fresh: fresh.load_sharded_state_dict(shard), 2, uninterrupted)
 
 
-WRITES = ["broadcast_parameters", "load_state_dict", "torch.nn.init", "p.data.copy_"]
+WRITES = ["broadcast_parameters", "load_state_dict", "torch.nn.init", "p.data.copy_", "TorchState.restore"]
 
 
 def write_rank_0s_start(hvd, model: torch.nn.Module, how: str) -> None:
@@ -442,6 +442,14 @@ def write_rank_0s_start(hvd, model: torch.nn.Module, how: str) -> None:
         torch.manual_seed(8)
         for p in model.parameters():
             torch.nn.init.uniform_(p, -0.5, 0.5)
+    elif how == "TorchState.restore":
+        state = hvd.elastic.TorchState(model=model)
+        state.sync()  # rank 0's weights, as an elastic run starts
+        state.commit()
+        torch.manual_seed(100 + hvd.rank())
+        for p in model.parameters():
+            torch.nn.init.normal_(p)
+        state.restore()
     else:
         for p, q in zip(model.parameters(), make_model(seed=7).parameters()):
             p.data.copy_(q)
