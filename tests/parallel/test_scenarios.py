@@ -247,6 +247,23 @@ def test_single_process_without_launcher():
 
 
 @pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "engine,np",
+    [
+        pytest.param("mpi", 3, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+        ("gloo", 2),
+    ],
+)
+def test_init_process_sets_as_horovods_tests_use_them(engine, np):
+    """Duplicates in hvd.init(process_sets=...) raise on the ranks that listed them (MPI communicators included)
+    and a later init with valid sets works; the same sets work again after a shutdown."""
+    code, output = run_job(engine, np, [str(SCENARIOS / "init_process_sets.py")], {"TEST_SIZE": str(np)}, timeout=150)
+    assert code == 0, output
+    assert output.count("init process sets ok") == np, output
+
+
+@pytest.mark.parallel
 @pytest.mark.timeout(120)
 def test_timeline_is_a_valid_chrome_trace_with_horovods_phases(tmp_path):
     """4 ranks on 2 simulated hosts: every tensor's row holds NEGOTIATE, the op span and its activities (QUEUE,
