@@ -1,4 +1,5 @@
-"""Horovod's ElasticRayExecutor (its first elastic Ray API): settings with the bounds, then start() and run()."""
+"""horovod.ray.elastic: Horovod's ElasticRayExecutor (its first elastic Ray API: settings with the bounds, then
+start() and run()) and RayHostDiscovery; the job they run is hvdplus/ray/elastic_job.py."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from hvdplus.ray.elastic_job import RayHostDiscovery
 from hvdplus.ray.runner import RayExecutor
 from hvdplus.ray.settings import ElasticRaySettings
 from hvdplus.runner.cluster_env import deprecated_bounds
 
-__all__ = ["ElasticRayExecutor"]
+__all__ = ["ElasticRayExecutor", "RayHostDiscovery"]
 
 
 class ElasticRayExecutor:
