@@ -347,6 +347,7 @@ def test_a_raising_worker_fails_the_run_within_seconds_and_the_executor_goes_on(
 
 
 def test_arguments_are_checked_as_horovod_does():
+    pytest.importorskip("ray")
     from hvdplus.ray import RayExecutor
 
     settings = RayExecutor.create_settings()
@@ -366,6 +367,7 @@ def test_gpu_workers_see_their_node_s_gpus_in_local_rank_order():
     """No GPU here: the rank and device arithmetic alone. Actors on two nodes in creation order A, B, A, B with
     the GPUs Ray gave each: ranks 0-1 on A, 2-3 on B, and every worker of a node sees that node's GPUs ordered
     by local rank (Horovod's CUDA_VISIBLE_DEVICES), so local rank i drives device i."""
+    pytest.importorskip("ray")  # hvdplus.ray's package needs Ray
     from hvdplus.ray.ranks import WorkerNode, cuda_visible_devices, place_ranks
 
     a, b = "a" * 56, "b" * 56
