@@ -74,11 +74,13 @@ class ProcessSet:
     Pass `process_set=` to any collective; only members may call it."""
 
     def __init__(self, ranks_or_comm: Sequence[int] | MPI.Comm) -> None:
+        self.mpi_comm: MPI.Comm | None = None
+        """The mpi4py communicator it was built from, if any (its ranks then differ from rank to rank)."""
         if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator
             from mpi4py import MPI
 
             world = MPI.COMM_WORLD.Get_group()
-            comm = cast("MPI.Comm", ranks_or_comm)
+            comm = self.mpi_comm = cast("MPI.Comm", ranks_or_comm)
             ranks_or_comm = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world)
         ranks = sorted(int(r) for r in ranks_or_comm)
         if len(set(ranks)) != len(ranks):
@@ -192,7 +194,7 @@ def init(
     global_process_set.ranks = list(range(rt.size))
     # A later init() registers its sets that this job lacks (init() then shutdown() and init() again with them):
     # every rank lists the same ranks then, as Horovod asks of sets given by ranks.
-    order = [tuple(s.ranks) for s in sets] if started else _agreed_set_order(rt.init_set_ranks)
+    order = _later_set_order(rt, sets) if started else _agreed_set_order(rt.init_set_ranks)
     for ranks in order:
         if rt.coordinator.process_set_id_of(ranks) is None:
             register_process_set(ProcessSet(ranks))
@@ -205,6 +207,18 @@ def _agreed_set_order(set_ranks: list[list[tuple[int, ...]]]) -> list[tuple[int,
     longest = max((len(sets) for sets in set_ranks), default=0)
     ordered = [sets[i] for i in range(longest) for sets in set_ranks if i < len(sets)]
     return list(dict.fromkeys(ordered))
+
+
+def _later_set_order(rt: Runtime, sets: list[ProcessSet]) -> list[tuple[int, ...]]:
+    """The sets a later init() registers, in its list's order; ValueError for one built from a communicator, whose
+    ranks differ from rank to rank: only the first init() gathers every rank's (Horovod's registers them there)."""
+    for index, process_set in enumerate(sets):
+        if process_set.mpi_comm is not None and rt.coordinator.process_set_id_of(tuple(process_set.ranks)) is None:
+            raise ValueError(
+                f"process_sets entry number {index} ({process_set}) is built from an MPI communicator and is not "
+                "registered: pass it to the first hvd.init(), or build it from the list of its ranks"
+            )
+    return [tuple(process_set.ranks) for process_set in sets]
 
 
 def _assign_set_ids(rt: Runtime, sets: list[ProcessSet]) -> None:

@@ -56,6 +56,10 @@ if on_mpi:
     total = hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=mine_by_comm).item()
     assert total == mine_by_comm.size(), total
     hvd.shutdown()  # MPI stays initialized until the process exits
+    hvd.init()  # a later init cannot gather every rank's communicator: one not registered yet is refused
+    message = raises_value_error(comm=world, process_sets=[hvd.ProcessSet(half)])
+    assert "built from an MPI communicator and is not registered" in message, message
+    hvd.shutdown()
 
 hvd.init()
 hvd.init(process_sets=[again_first, again_rest])  # the same objects, in a later init of a new job: registered
