@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import importlib.util
+import json
 import logging
 import socket
 import threading
@@ -73,11 +74,13 @@ class ProcessSet:
     Pass `process_set=` to any collective; only members may call it."""
 
     def __init__(self, ranks_or_comm: Sequence[int] | MPI.Comm) -> None:
+        self.mpi_comm: MPI.Comm | None = None
+        """The mpi4py communicator it was built from, if any (its ranks then differ from rank to rank)."""
         if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator
             from mpi4py import MPI
 
             world = MPI.COMM_WORLD.Get_group()
-            comm = cast("MPI.Comm", ranks_or_comm)
+            comm = self.mpi_comm = cast("MPI.Comm", ranks_or_comm)
             ranks_or_comm = MPI.Group.Translate_ranks(comm.Get_group(), list(range(comm.Get_size())), world)
         ranks = sorted(int(r) for r in ranks_or_comm)
         if len(set(ranks)) != len(ranks):
@@ -119,12 +122,15 @@ global_process_set.process_set_id = 0
 class Runtime:
     """Everything `init()` builds: settings, engine, topology and the background coordinator."""
 
-    def __init__(self, settings: Settings, comm: Any) -> None:
+    def __init__(self, settings: Settings, comm: Any, set_ranks: Sequence[Sequence[int]] = ()) -> None:
+        """`set_ranks`: this rank's process sets for init (`init_set_ranks` becomes every rank's, by rank)."""
         self.settings = settings
         self.engine = create_engine(settings, comm)
         hostname = settings.launch.hostname or socket.gethostname()
-        hostnames = tuple(h.decode() for h in self.engine.allgather_bytes(hostname.encode(), self.engine.world))
-        self.topology = Topology(self.engine.rank, hostnames)
+        mine = json.dumps([hostname, [list(ranks) for ranks in set_ranks]]).encode()
+        gathered = [json.loads(both) for both in self.engine.allgather_bytes(mine, self.engine.world)]
+        self.init_set_ranks: list[list[tuple[int, ...]]] = [[tuple(r) for r in sets] for _, sets in gathered]
+        self.topology = Topology(self.engine.rank, tuple(host for host, _ in gathered))
         self.coordinator = Coordinator(self.engine, settings, self.topology, agreed_device_kinds(self.engine, settings))
         self._counters: dict[str, int] = {}
         self._counter_lock = threading.Lock()
@@ -166,34 +172,75 @@ def init(
     """Start hvdplus: connect to the other ranks and start the background thread.
 
     Collective: every rank must call this. `comm` is an mpi4py communicator (or a list of ranks)
-    to run on instead of MPI.COMM_WORLD; `process_sets` are registered right away."""
+    to run on instead of MPI.COMM_WORLD; `process_sets` are registered right away: every rank's, so a set built
+    from a communicator (its ranks differ by rank) is registered once per group. As in Horovod, an entry whose
+    ranks an earlier one or the global set has raises ValueError on the ranks that listed it, after the others
+    are registered; a later init() (hvdplus already running) registers those of its sets the job lacks and gives
+    each the id of its ranks' set."""
     global _runtime
     with _init_lock:
-        if _runtime is not None and _runtime.coordinator.running:
-            return
-        settings = Settings.from_env()
-        logging.basicConfig()
-        log.setLevel(_LOG_LEVELS.get(settings.log_level.lower(), logging.WARNING))
-        _runtime = _elastic_runtime(settings, comm) if settings.launch.elastic_worker else Runtime(settings, comm)
-    global_process_set.ranks = list(range(_runtime.size))
-    if process_sets is not None and process_sets != "dynamic":
-        # As in Horovod's init: the others are registered, then the first duplicate raises.
-        first_duplicate: tuple[int, ProcessSet] | None = None
-        for index, process_set in enumerate(process_sets):
-            if registered_process_set(process_set.ranks) is None:
-                register_process_set(process_set)
+        sets = [] if process_sets is None or process_sets == "dynamic" else list(process_sets)
+        started = _runtime is not None and _runtime.coordinator.running
+        if not started:
+            settings = Settings.from_env()
+            logging.basicConfig()
+            log.setLevel(_LOG_LEVELS.get(settings.log_level.lower(), logging.WARNING))
+            set_ranks = [process_set.ranks for process_set in sets]
+            if settings.launch.elastic_worker:
+                _runtime = _elastic_runtime(settings, comm, set_ranks)
             else:
-                process_set.process_set_id = None
-                first_duplicate = first_duplicate or (index, process_set)
-        if first_duplicate is not None:
-            index, process_set = first_duplicate
+                _runtime = Runtime(settings, comm, set_ranks)
+    rt = runtime()
+    global_process_set.ranks = list(range(rt.size))
+    # A later init() registers its sets that this job lacks (init() then shutdown() and init() again with them):
+    # every rank lists the same ranks then, as Horovod asks of sets given by ranks.
+    order = _later_set_order(rt, sets) if started else _agreed_set_order(rt.init_set_ranks)
+    for ranks in order:
+        if rt.coordinator.process_set_id_of(ranks) is None:
+            register_process_set(ProcessSet(ranks))
+    _assign_set_ids(rt, sets)
+
+
+def _agreed_set_order(set_ranks: list[list[tuple[int, ...]]]) -> list[tuple[int, ...]]:
+    """Every rank's init sets (each rank's list may differ: sets built from communicators), in the order every
+    rank registers them: by position in the lists, then by rank (Horovod's ids for its multi-comm test)."""
+    longest = max((len(sets) for sets in set_ranks), default=0)
+    ordered = [sets[i] for i in range(longest) for sets in set_ranks if i < len(sets)]
+    return list(dict.fromkeys(ordered))
+
+
+def _later_set_order(rt: Runtime, sets: list[ProcessSet]) -> list[tuple[int, ...]]:
+    """The sets a later init() registers, in its list's order; ValueError for one built from a communicator, whose
+    ranks differ from rank to rank: only the first init() gathers every rank's (Horovod's registers them there)."""
+    for index, process_set in enumerate(sets):
+        if process_set.mpi_comm is not None and rt.coordinator.process_set_id_of(tuple(process_set.ranks)) is None:
             raise ValueError(
-                f"Horovod could not be initialized because process_sets entry number {index} is a duplicate: "
-                f"{process_set}"
+                f"process_sets entry number {index} ({process_set}) is built from an MPI communicator and is not "
+                "registered: pass it to the first hvd.init(), or build it from the list of its ranks"
             )
+    return [tuple(process_set.ranks) for process_set in sets]
 
 
-def _elastic_runtime(settings: Settings, comm: Any) -> Runtime:
+def _assign_set_ids(rt: Runtime, sets: list[ProcessSet]) -> None:
+    """Give each of `sets` the id of the registered set of its ranks, as Horovod's init does; a set whose ranks an
+    earlier entry (or the global set) has is left without one, and the first such entry raises ValueError."""
+    seen, first_duplicate = {0}, None
+    for index, process_set in enumerate(sets):
+        set_id = rt.coordinator.process_set_id_of(tuple(process_set.ranks))
+        if set_id is None or set_id in seen:  # None: another rank's init failed to register it
+            process_set.process_set_id, process_set.registered_in = None, None
+            first_duplicate = first_duplicate or (index, process_set)
+        else:
+            seen.add(set_id)
+            process_set.process_set_id, process_set.registered_in = set_id, rt
+    if first_duplicate is not None:
+        index, process_set = first_duplicate
+        raise ValueError(
+            f"Horovod could not be initialized because process_sets entry number {index} is a duplicate: {process_set}"
+        )
+
+
+def _elastic_runtime(settings: Settings, comm: Any, set_ranks: Sequence[Sequence[int]]) -> Runtime:
     """Elastic mode: the runtime of this worker's next generation of the job (see elastic_rendezvous); if the
     launcher replaces that generation while its workers connect (one died), the one after it."""
     global _elastic
@@ -202,7 +249,7 @@ def _elastic_runtime(settings: Settings, comm: Any) -> Runtime:
     while True:
         launch = _elastic.join(settings.launch, settings.elastic_timeout)
         try:
-            return Runtime(dataclasses.replace(settings, launch=launch), comm)
+            return Runtime(dataclasses.replace(settings, launch=launch), comm, set_ranks)
         except Exception:
             if _elastic.latest() == launch.elastic_generation:
                 raise

@@ -191,7 +191,7 @@ class PlannedStep:
         if timeline is None:
             return None
         try:
-            timeline.begin(names, kind)
+            timeline.begin(names, kind, kind)
             timeline.begin(names, f"PLANNED_{kind}")
         except RuntimeError:  # closed by a swap under this thread: the events are dropped
             return None
@@ -204,7 +204,6 @@ class PlannedStep:
             try:
                 timeline.end(names)
                 timeline.end(names)
-                timeline.flush_if_due()  # the coordinator, idle on the planned path, would not write them
             except RuntimeError:
                 pass
 

@@ -8,7 +8,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("hvdplus.ray needs Ray: pip install 'hvdplus[ray]'") from exc
 
-from hvdplus.ray.elastic_executor import ElasticRayExecutor
+from hvdplus.ray.elastic import ElasticRayExecutor
 from hvdplus.ray.runner import RayExecutor
 from hvdplus.ray.settings import ElasticRaySettings, RaySettings
 from hvdplus.ray.worker import BaseHorovodWorker

@@ -12,25 +12,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from hvdplus.ray.strategy import create_placement_group
 from hvdplus.ray.worker import BaseHorovodWorker
 
-__all__ = ["Placement", "create_placement_group"]
+__all__ = ["Placement"]
 
 log = logging.getLogger("hvdplus.ray")
-
-
-def create_placement_group(bundle: dict[str, float], count: int, strategy: str, timeout_s: float) -> PlacementGroup:
-    """A ready placement group of `count` copies of `bundle`; TimeoutError naming what is missing."""
-    group: PlacementGroup = ray.util.placement_group([dict(bundle) for _ in range(count)], strategy=strategy)
-    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
-    if not ready:
-        ray.util.remove_placement_group(group)
-        raise TimeoutError(
-            f"hvdplus.ray: a {strategy} placement group of {count} x {bundle} was not ready within "
-            f"placement_group_timeout_s={timeout_s:g} s; the cluster has {ray.available_resources()} available: "
-            "add nodes (or use an autoscaling cluster), or ask for fewer workers or resources per worker"
-        )
-    return group
 
 
 @dataclass
@@ -59,12 +46,12 @@ class Placement:
             log.info("hvdplus.ray: using the current placement group (use_current_placement_group=False to not)")
             self.group = current
         elif self.num_workers:
-            self.group = create_placement_group(self._bundle(1), self.num_workers, "PACK", self.timeout_s)
+            self.group, _ = create_placement_group(self._bundle(1), self.num_workers, self.timeout_s, "PACK")
             self.created = True
         else:
             assert self.num_hosts is not None
             bundle = self._bundle(self.num_workers_per_host)
-            self.group = create_placement_group(bundle, self.num_hosts, "STRICT_SPREAD", self.timeout_s)
+            self.group, _ = create_placement_group(bundle, self.num_hosts, self.timeout_s, "STRICT_SPREAD")
             self.created = self.spread = True
 
     def start_actor(self, index: int) -> Any:

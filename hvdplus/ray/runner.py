@@ -11,7 +11,7 @@ from typing import Any
 
 import ray
 
-from hvdplus.ray.elastic import ElasticJob, RayHostDiscovery
+from hvdplus.ray.elastic_job import ElasticJob, RayHostDiscovery
 from hvdplus.ray.placement import Placement
 from hvdplus.ray.settings import RaySettings, settings_env
 from hvdplus.ray.static import StaticJob

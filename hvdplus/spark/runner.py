@@ -31,7 +31,8 @@ CANCEL_SECONDS = 5.0  # how long the driver waits for Spark to cancel the job be
 
 
 def check_engine(use_mpi: bool | None, use_gloo: bool | None, extra_mpi_args: str | None) -> None:
-    """Refuse MPI: Spark starts the ranks itself, so there is no mpirun; they run over Gloo."""
+    """Refuse MPI (use_mpi=True, use_gloo=False, MPI arguments): Spark starts the ranks itself, so there is no
+    mpirun; they run over Gloo."""
     if use_mpi:
         raise ValueError(
             "hvdplus.spark runs its ranks over Gloo (Spark starts the processes, so there is no mpirun): "
@@ -41,6 +42,11 @@ def check_engine(use_mpi: bool | None, use_gloo: bool | None, extra_mpi_args: st
         raise ValueError(f"extra_mpi_args={extra_mpi_args!r} needs MPI, which hvdplus.spark does not use: drop it")
     if use_gloo is not None and not isinstance(use_gloo, bool):
         raise TypeError(f"use_gloo must be True, False or None, got {use_gloo!r}")
+    if use_gloo is False:  # Horovod's run_controller: not Gloo means MPI
+        raise ValueError(
+            "hvdplus.spark runs its ranks over Gloo (Spark starts the processes, so there is no mpirun): "
+            "use_gloo=False asks for MPI; drop it or pass use_gloo=True"
+        )
 
 
 def dumps(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None) -> bytes:

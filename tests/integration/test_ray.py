@@ -248,14 +248,17 @@ def _train_from_a_task(workers: int) -> list[dict]:
 @pytest.mark.timeout(150)
 def test_a_driver_inside_a_placement_group_puts_its_workers_there(cluster):
     """use_current_placement_group: a task in a placement group of 3 one-CPU bundles (its own and two for
-    workers) runs the executor; the workers take the group's free bundles (the one CPU left outside the group
+    workers), made with horovod.ray.strategy's create_placement_group as Horovod's test_horovod_train_in_pg
+    does, runs the executor; the workers take the group's free bundles (the one CPU left outside the group
     could not hold a new group of two: placement_group_timeout_s would fail the test), and train like one
     process."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    group = ray.util.placement_group([{"CPU": 1}] * 3, strategy="PACK")
-    ray.get(group.ready(), timeout=30)
+    from hvdplus.ray.strategy import create_placement_group
+
+    group, bundles = create_placement_group({"CPU": 1, "GPU": 0}, 3, 30, "PACK")
+    assert bundles == [{"CPU": 1}] * 3 and ray.util.placement_group_table(group)["state"] == "CREATED"
     try:
         inside = PlacementGroupSchedulingStrategy(group, 0, placement_group_capture_child_tasks=True)
         task = ray.remote(_train_from_a_task).options(num_cpus=1, scheduling_strategy=inside)
@@ -265,6 +268,20 @@ def test_a_driver_inside_a_placement_group_puts_its_workers_there(cluster):
         assert ray.util.placement_group_table(group)["state"] == "CREATED"  # the executor left the group alone
     finally:
         ray.util.remove_placement_group(group)
+
+
+@pytest.mark.timeout(60)
+def test_a_placement_group_the_cluster_cannot_hold_times_out_and_is_removed(cluster):
+    import ray
+
+    from hvdplus.ray.strategy import create_placement_group
+
+    before = set(ray.util.placement_group_table())
+    missing = r"STRICT_PACK placement group of 1 x \{'CPU': 64\} was not ready within 1 s"
+    with pytest.raises(TimeoutError, match=missing):
+        create_placement_group({"CPU": 64}, 1, 1, "STRICT_PACK")
+    made = set(ray.util.placement_group_table()) - before
+    assert all(ray.util.placement_group_table()[g]["state"] == "REMOVED" for g in made), made
 
 
 @pytest.mark.timeout(150)
@@ -330,6 +347,7 @@ def test_a_raising_worker_fails_the_run_within_seconds_and_the_executor_goes_on(
 
 
 def test_arguments_are_checked_as_horovod_does():
+    pytest.importorskip("ray")
     from hvdplus.ray import RayExecutor
 
     settings = RayExecutor.create_settings()
@@ -349,6 +367,7 @@ def test_gpu_workers_see_their_node_s_gpus_in_local_rank_order():
     """No GPU here: the rank and device arithmetic alone. Actors on two nodes in creation order A, B, A, B with
     the GPUs Ray gave each: ranks 0-1 on A, 2-3 on B, and every worker of a node sees that node's GPUs ordered
     by local rank (Horovod's CUDA_VISIBLE_DEVICES), so local rank i drives device i."""
+    pytest.importorskip("ray")  # hvdplus.ray's package needs Ray
     from hvdplus.ray.ranks import WorkerNode, cuda_visible_devices, place_ranks
 
     a, b = "a" * 56, "b" * 56
@@ -366,10 +385,16 @@ def test_gpu_workers_see_their_node_s_gpus_in_local_rank_order():
 
 
 def test_the_horovod_alias_imports_hvdplus_ray():
-    """The horovod alias maps horovod.ray to hvdplus.ray, as hvdplusrun's workers see it."""
+    """The horovod alias maps horovod.ray and the modules Horovod users import from to hvdplus.ray's, as
+    hvdplusrun's workers see them."""
+    pytest.importorskip("ray")
     code = (
         "import hvdplus.ray, horovod.ray; from horovod.ray import RayExecutor, ElasticRayExecutor; "
         "assert RayExecutor is hvdplus.ray.RayExecutor and ElasticRayExecutor is hvdplus.ray.ElasticRayExecutor; "
+        "from horovod.ray.elastic import ElasticRayExecutor as E, RayHostDiscovery; "
+        "from horovod.ray.runner import RayExecutor as R; from horovod.ray.worker import BaseHorovodWorker as W; "
+        "from horovod.ray.strategy import create_placement_group; "
+        "assert (E, R, W) == (ElasticRayExecutor, RayExecutor, hvdplus.ray.BaseHorovodWorker); "
         "print('alias ok')"
     )
     alias = str(ROOT / "hvdplus" / "runner" / "horovod_alias")

@@ -247,6 +247,23 @@ def test_single_process_without_launcher():
 
 
 @pytest.mark.parallel
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize(
+    "engine,np",
+    [
+        pytest.param("mpi", 3, marks=pytest.mark.skipif(not HAS_MPI4PY, reason="needs mpi4py")),
+        ("gloo", 2),
+    ],
+)
+def test_init_process_sets_as_horovods_tests_use_them(engine, np):
+    """Duplicates in hvd.init(process_sets=...) raise on the ranks that listed them (MPI communicators included)
+    and a later init with valid sets works; the same sets work again after a shutdown."""
+    code, output = run_job(engine, np, [str(SCENARIOS / "init_process_sets.py")], {"TEST_SIZE": str(np)}, timeout=150)
+    assert code == 0, output
+    assert output.count("init process sets ok") == np, output
+
+
+@pytest.mark.parallel
 @pytest.mark.timeout(120)
 def test_timeline_is_a_valid_chrome_trace_with_horovods_phases(tmp_path):
     """4 ranks on 2 simulated hosts: every tensor's row holds NEGOTIATE, the op span and its activities (QUEUE,
@@ -266,15 +283,16 @@ def test_timeline_is_a_valid_chrome_trace_with_horovods_phases(tmp_path):
     assert "valid while running" in output, output
     events = json.loads(path.read_text())
     rows = {e["args"]["name"]: e["pid"] for e in events if e.get("ph") == "M"}
-    assert {"grad.w", "gathered", "fused.0", "fused.2", "after.flush"} <= set(rows)
+    named = {"grad.w", "fused.0", "fused.2", "after.flush"}
+    assert {f"allreduce.{name}" for name in named} | {"allgather.gathered"} <= set(rows)
 
     def spans(name):
         return [e["name"] for e in events if e.get("ph") == "B" and e["pid"] == rows[name]]
 
     hierarchical = ["HIERARCHICAL_ALLREDUCE", "LOCAL_REDUCESCATTER", "CROSS_ALLREDUCE", "LOCAL_ALLGATHER"]
-    assert spans("grad.w") == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE", *hierarchical] * 3
-    assert spans("gathered") == ["NEGOTIATE_ALLGATHER", "ALLGATHER", "QUEUE", "GLOO_ALLGATHER"] * 3
-    fused = spans("fused.1")
+    assert spans("allreduce.grad.w") == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE", *hierarchical] * 3
+    assert spans("allgather.gathered") == ["NEGOTIATE_ALLGATHER", "ALLGATHER", "QUEUE", "GLOO_ALLGATHER"] * 3
+    fused = spans("allreduce.fused.1")
     assert fused[:3] == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE", "QUEUE"], fused
     assert fused.count("MEMCPY_IN_FUSION_BUFFER") == fused.count("MEMCPY_OUT_FUSION_BUFFER") >= 1, fused
     for row in rows.values():  # every span on every row is closed, and closed after it opened

@@ -75,6 +75,16 @@ def test_narrow_dtypes_are_widened(dtype):
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_parallel_vectors_near_the_smallest_normal_average(dtype):
+    # Horovod's test_stability: parallel gradients of magnitude ~finfo.tiny average, not add; their squared norms
+    # (~1e-76 for float32) are tiny but nonzero in float64, above Horovod's sqrt(DBL_MIN) bound.
+    rng = np.random.default_rng(4)
+    a = (np.finfo(dtype).tiny * rng.uniform(1, 2, 1024) * rng.choice([-1, 1], 1024)).astype(dtype)
+    got = pair(a, a * 2, dtype=dtype)
+    np.testing.assert_allclose(got.astype(np.float64), a.astype(np.float64) * 1.5, rtol=np.finfo(dtype).eps)
+
+
 @pytest.mark.parametrize("size", [0, 3, 6, 12])
 def test_non_power_of_two_sizes_are_rejected_with_the_size(size):
     with pytest.raises(ValueError, match=f"power-of-two number of ranks in the process set, got {size}"):

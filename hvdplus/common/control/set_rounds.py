@@ -253,11 +253,7 @@ class SetRounds:
         """The timeline this cycle writes: the one written now, swapped only by the world's thread between its
         cycles (a write that comes after a swap closed it is dropped)."""
         current = self._timeline.current
-        if current is None:
-            return None
-        view = current.tolerant()
-        view.flush_if_due()  # the world's thread, idle while these rounds work, would not write the events
-        return view
+        return None if current is None else current.tolerant()
 
     def _timeline_off(self) -> bool:
         """Whether no timeline is written now (the lone lane writes none)."""
@@ -349,7 +345,7 @@ class SetRounds:
         timeline = self._timeline_now()
         for work in self._in_flight.take_queued():
             if timeline:
-                timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}")
+                timeline.begin(work.request.name, f"NEGOTIATE_{work.request.kind.name}", work.request.kind.name)
             self._agreement.announce(work)
         self._agreement.shadow_held()
         self.rounds += 1

@@ -8,6 +8,7 @@ keeps its own dot product and norms. Dots and norms accumulate in float64; fp16 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,8 +19,10 @@ from hvdplus.common.engines.waited import Waited
 
 __all__ = ["check_adasum_size", "partners", "combine", "adasum_allreduce", "adasum_tensors"]
 
-# Horovod leaves a coefficient at 1 when the norm is this small (a zero vector contributes nothing).
-_TINY_NORM = 1e-8
+# Horovod (ops/adasum/adasum.h) leaves a coefficient at 1 when the squared norm is below sqrt(DBL_MIN): a zero
+# vector contributes nothing, while a tiny but nonzero one (fp32 or fp16 values near their smallest normal) still
+# averages with a parallel partner; its float64 squared norm is far above this bound.
+_TINY_NORM = sys.float_info.min**0.5
 
 
 def check_adasum_size(set_size: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import sys
@@ -93,6 +94,9 @@ class MPIEngine:
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise ImportError("the MPI engine needs mpi4py: pip install 'hvdplus[mpi]'") from exc
         self._MPI = MPI
+        if not MPI.Is_initialized():  # mpi4py.rc.initialize = False: initialize it, finalize it at exit, as Horovod
+            MPI.Init_thread(MPI.THREAD_MULTIPLE)
+            atexit.register(MPI.Finalize)
         if comm is None:
             check_launcher_size(MPI.COMM_WORLD.Get_size(), os.environ, MPI.Get_library_version())
             comm = MPI.COMM_WORLD

@@ -352,7 +352,7 @@ def test_planned_steps_appear_in_the_timeline(hvd, tmp_path):
         return
     events = json.loads(path.read_text())
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M"}
-    ours = [e for e in events if e.get("ph") in "BE" and names[e["pid"]].startswith("plan.timeline.")]
+    ours = [e for e in events if e.get("ph") in "BE" and names[e["pid"]].startswith("allreduce.plan.timeline.")]
     planned_starts = [e["ts"] for e in ours if e.get("name") == "PLANNED_ALLREDUCE"]
     negotiated_starts = [e["ts"] for e in ours if e.get("name") == "NEGOTIATE_ALLREDUCE"]
     assert len(planned_starts) == (STEPS - 1) * buckets
