@@ -133,6 +133,9 @@ def test_elastic_flags_make_the_options_as_horovodrun_does():
     assert _options("-np", "2", "--min-np", "1", environ={"HOROVOD_ELASTIC_TIMEOUT": "30"}).timeout == 30.0
     assert _options("-np", "2", "--min-np", "1", "--elastic-timeout", "7").timeout == 7.0
     assert _options("--min-np", "3").np == 3  # -np defaults to --min-np
+    assert not fixed.wait_for_new_workers and _options("--min-np", "1", "--wait-for-new-workers").wait_for_new_workers
+    with pytest.raises(ValueError, match="--wait-for-new-workers is an elastic flag: add --min-np"):
+        _options("-np", "2", "--wait-for-new-workers")
 
 
 def test_the_discovery_script_must_be_executable(tmp_path):
