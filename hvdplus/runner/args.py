@@ -198,6 +198,13 @@ def _add_elastic_flags(parser: argparse.ArgumentParser) -> None:
         help="a failed host comes back after a random cooldown in MIN..MAX seconds, doubling "
         "with each failure (default: never)",
     )
+    elastic.add_argument(
+        "--wait-for-new-workers",
+        action="store_true",
+        help="at a scale-up, the workers wait at their next commit until the new workers have started (reached "
+        "hvd.init), up to --elastic-timeout, as in Horovod, so the script sees the new size there (default: they "
+        "train on, and the new workers join once started)",
+    )
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,8 @@
 Hosts keep the order in which they (re)appeared: the launcher gives the lowest ranks to the longest-lived hosts.
 A host where a worker failed is blacklisted; with a cooldown range (MIN, MAX) it comes back after a randomised
 cooldown that doubles with each failure (Horovod's rule: MIN * 2**failures + up to MIN more, within MIN..MAX) and
-is then treated as a new host. Without one, it never comes back.
+is then treated as a new host, from the moment its cooldown ends (not only at the next discovery round, so that
+the others start waiting for its workers at once). Without one, it never comes back.
 """
 
 from __future__ import annotations
@@ -65,34 +66,49 @@ class HostManager:
         self._discovered: dict[str, int] = {}
         self._order: list[str] = []  # usable hosts, in order of (re)appearance
         self._states: dict[str, _HostState] = {}
-        self.version = 0  # bumped whenever the usable hosts or their slots change
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        """Bumped whenever the usable hosts or their slots change (a cooldown that ends included)."""
+        with self._lock:
+            self._end_cooldowns()
+            return self._version
 
     def update(self, discovered: dict[str, int]) -> bool:
-        """Take a discovery result (and expired cooldowns); whether the usable hosts changed."""
+        """Take a discovery result; whether the usable hosts changed."""
         with self._lock:
+            self._end_cooldowns()
             before = self._usable()
-            now = time.monotonic()
-            for state in self._states.values():
-                if state.blacklisted_until is not None and state.blacklisted_until <= now:
-                    state.blacklisted_until = None  # back from its cooldown: a new host from now on
             self._discovered = dict(discovered)
             self._order = [h for h in self._order if h in discovered and not self._blacklisted(h)]
             self._order += [h for h in discovered if h not in self._order and not self._blacklisted(h)]
             changed = self._usable() != before
-            self.version += changed
+            self._version += changed
             return changed
+
+    def _end_cooldowns(self) -> None:
+        """Hosts whose cooldown has ended are usable again, as new hosts (last), if the last discovery listed them."""
+        now = time.monotonic()
+        for host, state in self._states.items():
+            if state.blacklisted_until is not None and state.blacklisted_until <= now:
+                state.blacklisted_until = None
+                if host in self._discovered and host not in self._order:
+                    self._order.append(host)
+                    self._version += 1
 
     def blacklist(self, host: str) -> None:
         """A worker failed on `host`: stop using it (for its cooldown, or for good). A host already in its
         cooldown keeps it: a second worker failing there is the same failure (Horovod's HostState.blacklist)."""
         with self._lock:
+            self._end_cooldowns()
             state = self._states.setdefault(host, _HostState())
             if state.blacklisted_until is None:
                 state.failures += 1
                 state.blacklisted_until = time.monotonic() + self._cooldown(state.failures)
             if host in self._order:
                 self._order.remove(host)
-                self.version += 1
+                self._version += 1
 
     def _cooldown(self, failures: int) -> float:
         if self.cooldown_range is None:
@@ -106,11 +122,13 @@ class HostManager:
 
     def is_blacklisted(self, host: str) -> bool:
         with self._lock:
+            self._end_cooldowns()
             return self._blacklisted(host)
 
     def returned(self, host: str) -> bool:
         """Whether `host` was blacklisted and is back from its cooldown."""
         with self._lock:
+            self._end_cooldowns()
             state = self._states.get(host)
             return state is not None and state.failures > 0 and state.blacklisted_until is None
 
@@ -120,6 +138,7 @@ class HostManager:
     def usable(self) -> list[tuple[str, int]]:
         """(host, slots) of the hosts the job may use, longest-lived first."""
         with self._lock:
+            self._end_cooldowns()
             return self._usable()
 
     def discovered(self) -> list[str]:

@@ -8,8 +8,8 @@ The job runs in generations. Each is a plan (hvdplus/common/elastic/plan.py): th
   for a transport timeout), or when the usable hosts would change the plan (workers see it at their next commit);
 - starts workers for new slots at once, and lets them join a generation once they reach hvd.init, so the
   others train on while they start and import;
-- lets workers on a host back from its blacklist cooldown in at once (the others wait for them at the next
-  commit, as in Horovod), so that the job regains its size;
+- lets workers on a host back from its blacklist cooldown in at once (the others wait for them from their next
+  commit, as in Horovod), so that the job regains its size; with --wait-for-new-workers, every new worker;
 - gives the lowest ranks to the longest-lived hosts, and rank 0 always to a worker that holds the state;
 - never plans a generation without a worker that holds the last commit (a worker holds it once its state sync is
   over: common/elastic/state.py marks it in the store): when discovery removes every host whose workers hold it, they
@@ -20,8 +20,9 @@ The job runs in generations. Each is a plan (hvdplus/common/elastic/plan.py): th
   holding the state is left, fewer than --min-np slots stay available for --elastic-timeout seconds, or the
   resets pass --reset-limit.
 The job succeeds once a worker of the current generation exits 0 and the rest of that generation ends the same
-way; a worker that a plan left out exits by itself (status 0) and counts for nothing (one still running 5 s after
-the new generation synced is stopped), and its id is planned again only once it has ended.
+way (a worker of it that never synced, planned as the others finished, is stopped); a worker that a plan left out
+exits by itself (status 0) and counts for nothing (one still running 5 s after the new generation synced is
+stopped), and its id is planned again only once it has ended.
 """
 
 from __future__ import annotations
@@ -222,10 +223,23 @@ class ElasticDriver:
                 return code if code > 0 else 1
             self._on_failure(wid, code)
             members = set(self.plan.workers) | self._joining
-        if self._finishing and all(self.workers[w].exited.is_set() for w in self.plan.workers):
-            codes = [self.workers[w].proc.returncode for w in self.plan.workers]
-            return next((c for c in codes if c != 0), 0)
-        return None
+        return self._finished() if self._finishing else None
+
+    def _finished(self) -> int | None:
+        """The job's exit status once the plan's workers that hold the state have ended. The plan's workers that
+        never synced (planned after the others' last commit: a host added or back as the job ended) would wait for
+        the finished ones until --elastic-timeout: they are stopped instead."""
+        assert self.plan is not None
+        self._refresh_holders()
+        trained = [w for w in self.plan.workers if w in self._holders]
+        if not all(self.workers[w].exited.is_set() for w in trained):
+            return None
+        for wid in self.plan.workers:
+            if wid not in trained and not self.workers[wid].exited.is_set():
+                self.say(f"hvdplusrun: stopping worker {wid}: the job finished before it joined")
+                self.workers[wid].stop()
+        codes = [self.workers[w].proc.returncode for w in trained]
+        return next((c for c in codes if c != 0), 0)
 
     def _on_failure(self, wid: str, code: int) -> None:
         """A worker of the running generation (or one starting to join) failed: blacklist its host, stop its host's
@@ -325,7 +339,7 @@ class ElasticDriver:
 
         Workers for new slots start at once, but join a generation only once they have reached hvd.init: until
         then the others train on (a scale-up does not pause training for a new worker's start and imports).
-        Workers on a host back from its blacklist cooldown join the next generation at once, as in Horovod."""
+        The workers the others wait for (_waited_for) are in the next generation at once, started or not."""
         version = self.hosts.version
         self._hosts_seen = dict(self.hosts.usable())
         holding = self._holding()
@@ -339,9 +353,9 @@ class ElasticDriver:
         for wid in candidates:
             if wid not in self.workers or self.workers[wid].exited.is_set():
                 self._start(wid, generation, candidates)
-        starting = [w for w in candidates if w not in holding and not self._ready(w) and not self._returned(w)]
+        starting = [w for w in candidates if w not in holding and not self._ready(w) and not self._waited_for(w)]
         admitted = self.plan is None or not starting  # one reset for a whole scale-up
-        workers = [w for w in candidates if w in holding or admitted or self._returned(w)]
+        workers = [w for w in candidates if w in holding or admitted or self._waited_for(w)]
         if self.plan is not None and tuple(workers) == self.plan.workers and not self._member_failed:
             self._plan_version = version  # the change does not change the plan
             return
@@ -377,9 +391,11 @@ class ElasticDriver:
             "there is no state to carry on from"
         )
 
-    def _returned(self, wid: str) -> bool:
-        """Whether `wid`'s host is back from a blacklist cooldown (its workers are let in without waiting)."""
-        return self.hosts.returned(host_of(wid))
+    def _waited_for(self, wid: str) -> bool:
+        """Whether the others wait for new worker `wid` from their next commit (bounded by --elastic-timeout)
+        instead of training on while it starts: its host is back from a blacklist cooldown (as in Horovod), or
+        --wait-for-new-workers asks for Horovod's scale-up, where a script sees the new size at its next commit."""
+        return self.options.wait_for_new_workers or self.hosts.returned(host_of(wid))
 
     def _short_of_slots(self, slots: int, starting: list[str]) -> None:
         """Fewer than --min-np workers can be planned: say what the driver waits for, up to --elastic-timeout."""

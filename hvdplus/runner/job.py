@@ -28,6 +28,7 @@ def elastic_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Ela
             ("--max-np", args.max_np),
             ("--reset-limit", args.reset_limit),
             ("--blacklist-cooldown-range", args.cooldown_range),
+            ("--wait-for-new-workers", args.wait_for_new_workers or None),
         ):
             if value is not None:
                 raise ValueError(f"{flag} is an elastic flag: add --min-np (or --host-discovery-script)")
@@ -64,6 +65,7 @@ def elastic_options(args: argparse.Namespace, environ: Mapping[str, str]) -> Ela
         timeout=float(timeout),
         reset_limit=args.reset_limit,
         cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None,
+        wait_for_new_workers=args.wait_for_new_workers,
     )
 
 

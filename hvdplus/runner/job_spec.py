@@ -48,3 +48,4 @@ class ElasticOptions:
     timeout: float  # --elastic-timeout
     reset_limit: int | None = None
     cooldown_range: tuple[float, float] | None = None
+    wait_for_new_workers: bool = False  # --wait-for-new-workers: pause at the next commit for every new worker

@@ -342,6 +342,47 @@ def test_discovery_adds_a_host_and_then_removes_it(tmp_path, slots):
     assert len(finals) == slots and len({tuple(f["final"]) for f in finals}) == 1, output[-4000:]
 
 
+def test_wait_for_new_workers_gives_the_new_size_at_the_next_commit(tmp_path):
+    """--wait-for-new-workers, Horovod's scale-up: every rank waits after step 3 (state.wait_for_host_updates) while
+    the discovery script adds 127.0.0.1, whose worker's start is held until the test ends it (a slow import). The
+    launcher plans the new generation at once, so the wait ends while that worker is still starting; the others
+    wait for it at their next commit, and every step after it runs at size 2. (By default nothing is planned until
+    the worker has started, and the others train on meanwhile.) Then the job ends while its ranks wait for a host
+    change (WAIT_AT_END), and discovery adds a third host, whose worker is held again: the generation planned
+    with it can never meet, since the others have finished, so hvdplusrun stops that worker and the job succeeds
+    at once (it used to wait for it until --elastic-timeout)."""
+    hosts, script = discovery_script(tmp_path, "localhost:1\n")
+    stop, gate = tmp_path / "stop", tmp_path / "started"
+    with _LiveJob(
+        [HVDPLUSRUN, "-np", "1", "--min-np", "1", "--wait-for-new-workers", "--host-discovery-script", str(script)]
+        + [PY, TRAIN],
+        job_env(STEPS="0", SLEEP="0.05", STOP_FILE=str(stop), WAIT_AT_STEP="3", START_GATE=str(gate), WAIT_AT_END="1"),
+    ) as job:
+        job.wait_until(lambda output: '"waiting": true' in output, "rank waiting for a host change")
+        hosts.write_text("localhost:1\n127.0.0.1:1\n")
+        job.wait_until(lambda output: '"waited": true' in output, "the wait ended by the new generation", timeout=30)
+        assert "generation 1 (hosts changed: added 127.0.0.1): 2 worker(s): localhost/0, 127.0.0.1/0" in job.output, (
+            job.output[-4000:]
+        )
+        time.sleep(1)  # the others reach their next commit: they wait there for the worker that is still starting
+        gate.write_text("")
+        job.wait_for_size(2)
+        gate.unlink()
+        stop.write_text("")
+        job.wait_until(lambda output: output.count('"ended": true') == 2, "the end of training")
+        hosts.write_text(f"localhost:1\n127.0.0.1:1\n{THIRD_HOST}:1\n")
+        code = job.proc.wait(timeout=30)
+    output = job.output
+    assert code == 0, output[-4000:]
+    assert output.count('"waited_at_end": true') == 2, output[-4000:]  # planned after the last commit
+    assert f"hvdplusrun: stopping worker {THIRD_HOST}/0: the job finished before it joined" in output, output[-4000:]
+    sizes = _sizes(output)
+    assert sizes[:3] == [1, 1, 1] and set(sizes[3:]) == {2}, sizes  # step 4's commit raised: not printed
+    finals = _finals(output)
+    assert len(finals) == 2 and len({tuple(f["final"]) for f in finals}) == 1, output[-4000:]
+    assert finals[0]["final"] == pytest.approx(_reference(finals[0]["steps"]), abs=1e-6)
+
+
 def test_every_original_host_replaced_the_job_goes_on(tmp_path):
     """localhost, then localhost and 127.0.0.1, then 127.0.0.1 only (horovod#3197): the state moves with the
     workers that hold it, rank 0 moves to 127.0.0.1, and the result is a one-process run's."""

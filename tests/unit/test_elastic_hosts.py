@@ -79,6 +79,25 @@ def test_a_second_failure_within_the_cooldown_neither_counts_nor_extends_it(monk
     assert hosts.is_blacklisted("a")  # the second failure's cooldown is 4-5 s
 
 
+def test_a_host_is_back_when_its_cooldown_ends_not_at_the_next_discovery_round(monkeypatch):
+    """The driver plans for a host back from its cooldown at once (the others wait for its workers from their next
+    commit), so the host is usable, `returned` and the version bumped the moment its cooldown ends, without
+    another discovery result; a host that the last discovery no longer listed stays out."""
+    clock = [100.0]
+    monkeypatch.setattr("hvdplus.runner.elastic_hosts.time.monotonic", lambda: clock[0])
+    hosts = HostManager(cooldown_range=(1.0, 1.0))
+    hosts.update({"a": 2, "b": 1})
+    hosts.blacklist("a")
+    hosts.blacklist("b")
+    hosts.update({"a": 2})  # b is gone from discovery while in its cooldown
+    version = hosts.version
+    clock[0] += 0.9
+    assert hosts.version == version and hosts.usable() == [] and not hosts.returned("a")
+    clock[0] += 0.2  # past the 1 s cooldown; no update() since
+    assert hosts.version == version + 1 and hosts.usable() == [("a", 2)]
+    assert hosts.returned("a") and not hosts.is_blacklisted("b")
+
+
 def test_a_plan_round_trips_and_names_its_keys():
     plan = Plan(3, (worker_id("a", 0), worker_id("b", 1)))
     assert Plan.decode(plan.encode()) == plan and plan.size == 2
@@ -114,6 +133,9 @@ def test_elastic_flags_make_the_options_as_horovodrun_does():
     assert _options("-np", "2", "--min-np", "1", environ={"HOROVOD_ELASTIC_TIMEOUT": "30"}).timeout == 30.0
     assert _options("-np", "2", "--min-np", "1", "--elastic-timeout", "7").timeout == 7.0
     assert _options("--min-np", "3").np == 3  # -np defaults to --min-np
+    assert not fixed.wait_for_new_workers and _options("--min-np", "1", "--wait-for-new-workers").wait_for_new_workers
+    with pytest.raises(ValueError, match="--wait-for-new-workers is an elastic flag: add --min-np"):
+        _options("-np", "2", "--wait-for-new-workers")
 
 
 def test_the_discovery_script_must_be_executable(tmp_path):

@@ -9,8 +9,10 @@ process set registered before the first reset after it), ZERO=1 (print the error
 and exit), KILL_IN_RESET=<worker id> (that worker is killed by its reset callback: after it joined the next
 generation, before the state sync), WAIT_AT_STEP (after that step's commit, every rank waits for
 a host change with state.wait_for_host_updates), LATE_START_DELAY (a worker started for a later generation
-sleeps that long before hvd.init, as a slow import would), HANG_AT_EXIT=<worker id> (that worker hangs at exit
-unless it finished training, as one stuck in a collective would).
+sleeps that long before hvd.init, as a slow import would), START_GATE (such a worker waits for this file to exist
+before hvd.init: a slow import that lasts until the test ends it), HANG_AT_EXIT=<worker id> (that worker hangs at exit
+unless it finished training, as one stuck in a collective would), WAIT_AT_END (once training is over, every rank
+waits for a host change with state.wait_for_host_updates before it exits).
 Prints one JSON line per committed step: {"step", "rank", "size", "worker", "generation", "t"}, and {"final": ...}.
 """
 
@@ -40,6 +42,8 @@ FAILURES = {
 
 if os.environ["HVDPLUS_ELASTIC_GENERATION"] != "0":
     time.sleep(float(os.environ.get("LATE_START_DELAY", "0")))
+    while not os.path.exists(os.environ.get("START_GATE", os.curdir)):
+        time.sleep(0.05)
 hvd.init()
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
@@ -149,6 +153,9 @@ def train(state):
 
 train(state)
 finished = True
+if os.environ.get("WAIT_AT_END"):
+    say(ended=True, rank=hvd.rank())
+    say(waited_at_end=state.wait_for_host_updates(60), rank=hvd.rank())
 say(
     final=[round(v, 7) for v in model.weight.flatten().tolist() + model.bias.tolist()],
     rank=hvd.rank(),
