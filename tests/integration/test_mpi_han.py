@@ -21,6 +21,7 @@ def test_han_on_runs_flat_and_says_why():
     seen = reports(done.output)
     assert len(seen) == 4 and not any(r["hierarchical"] for r in seen), done.output
     assert all("han component already reduces across hosts" in r["reason"] and r["han"] for r in seen), seen
+    assert all(r["thread_level_kept"] for r in seen), seen  # reading MPI_T left MPI at MPI_THREAD_MULTIPLE
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])

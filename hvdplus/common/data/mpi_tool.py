@@ -16,8 +16,6 @@ import struct
 
 __all__ = ["han_serves_allreduce", "int_control_variable"]
 
-_MPI_T_THREAD_SINGLE = 0
-
 
 def _libmpi() -> ctypes.CDLL | None:
     """The MPI library mpi4py loaded into this process (Linux: found in /proc/self/maps), or None."""
@@ -54,7 +52,9 @@ def han_serves_allreduce() -> str:
     if not MPI.Get_library_version().startswith("Open MPI"):
         return ""
     lib = _libmpi()
-    if lib is None or lib.MPI_T_init_thread(_MPI_T_THREAD_SINGLE, ctypes.byref(ctypes.c_int())) != 0:
+    # At MPI's own thread level: Open MPI takes MPI_T's level as the library's, and a lower one would leave
+    # hvdplus's threads calling an MPI that no longer serialises them.
+    if lib is None or lib.MPI_T_init_thread(MPI.Query_thread(), ctypes.byref(ctypes.c_int())) != 0:
         return ""
     try:
         han = int_control_variable(lib, "coll_han_priority")

@@ -3,6 +3,8 @@ han_serves_allreduce says and whether hierarchical_groups builds the groups or f
 
 import json
 
+from mpi4py import MPI
+
 from hvdplus.common.data.hierarchical import hierarchical_groups
 from hvdplus.common.data.mpi_tool import han_serves_allreduce
 from hvdplus.common.engines.mpi import MPIEngine
@@ -13,7 +15,13 @@ hosts = tuple("ab"[rank * 2 // engine.size] for rank in range(engine.size))
 groups, reason = hierarchical_groups(engine, Topology(engine.rank, hosts), range(engine.size))
 print(
     json.dumps(
-        {"rank": engine.rank, "han": han_serves_allreduce(), "hierarchical": groups is not None, "reason": reason}
+        {
+            "rank": engine.rank,
+            "han": han_serves_allreduce(),
+            "hierarchical": groups is not None,
+            "reason": reason,
+            "thread_level_kept": MPI.Query_thread() == MPI.THREAD_MULTIPLE,
+        }
     )
 )
 engine.shutdown()
