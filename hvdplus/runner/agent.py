@@ -5,7 +5,8 @@ runs before any environment is set up). It reads one JSON line from stdin:
     {"argv": [...], "env": {...}, "cwd": "...", "route_to": "10.0.0.1"}
 so the job's secret never appears on a command line, then keeps stdin open as a lifeline: end of
 input (the launcher stopped the job, died, or the ssh connection dropped), SIGTERM, SIGINT or SIGHUP
-stop the worker's whole process group with SIGTERM, then SIGKILL after GRACE_SECONDS.
+stop the worker's whole process group with SIGTERM, then SIGKILL after GRACE_SECONDS. The worker gets its share of
+this host's cores as OMP_NUM_THREADS unless the environment sets it (thread_share).
 Exit status: the worker's own, or 128 + the signal number that ended it.
 """
 
@@ -20,10 +21,31 @@ import struct
 import subprocess
 import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 GRACE_SECONDS = 1.0
 SIOCGIFADDR = 0x8915
+THREADS_VARIABLE = "OMP_NUM_THREADS"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which cgroups and taskset narrow), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def thread_share(env: Mapping[str, str], local_size: int | None = None, cores: int | None = None) -> dict[str, str]:
+    """OMP_NUM_THREADS for a rank whose environment is `env` and whose host runs `local_size` ranks (default: env's
+    HOROVOD_LOCAL_SIZE): the host's cores divided among them, at least 1, so that ranks sharing a host do not each
+    start a thread per core (torchrun sets 1 when it starts several local ranks). Empty when `env` sets
+    OMP_NUM_THREADS (the user's value wins) or the rank is alone on its host (its share is every core already)."""
+    if local_size is None:
+        local_size = int(env.get("HOROVOD_LOCAL_SIZE") or 1)
+    if THREADS_VARIABLE in env or local_size <= 1:
+        return {}
+    return {THREADS_VARIABLE: str(max(1, (cores or usable_cores()) // local_size))}
 
 
 def source_address(host: str) -> str:
@@ -58,6 +80,7 @@ class Worker:
 
     def __init__(self, spec: dict) -> None:
         env = {**os.environ, **spec.get("env", {})}
+        env.update(thread_share(env))
         if spec.get("route_to") and "GLOO_SOCKET_IFNAME" not in env:
             interface = interface_towards(spec["route_to"])
             if interface:

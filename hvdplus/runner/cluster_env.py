@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Mapping, Sequence
 
+from hvdplus.runner.agent import thread_share
 from hvdplus.runner.env import INHERITED_LAUNCH_VARIABLES
 from hvdplus.runner.hosts import Host, Slot, assign_slots
 
@@ -63,10 +64,12 @@ def rank_env(slot: Slot, address: str, port: int, secret: str, nics: Sequence[st
 
 def worker_environ(base: Mapping[str, str], user: Mapping[str, str], launch: Mapping[str, str]) -> dict[str, str]:
     """A worker process's whole environment: `base` (the engine's process) without launch variables it may have
-    inherited, then the user's `env=`, then the launch variables, which nothing overrides."""
+    inherited, then the user's `env=`, then the launch variables, which nothing overrides; and, unless one of these
+    sets OMP_NUM_THREADS (Spark sets it to the executor's cores), the rank's share of this host's cores."""
     env = {k: v for k, v in base.items() if k not in INHERITED_LAUNCH_VARIABLES}
     env.update(user)
     env.update(launch)
+    env.update(thread_share(env))
     return env
 
 

@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable, Mapping
 
 from hvdplus.common.settings import SETTINGS, LaunchEnv
+from hvdplus.runner.agent import THREADS_VARIABLE
 from hvdplus.runner.alias import ALIAS_PATH, real_horovod
 from hvdplus.runner.elastic_hosts import discover_with_script
 from hvdplus.runner.env import INHERITED_LAUNCH_VARIABLES
@@ -18,7 +19,7 @@ from hvdplus.runner.job_spec import ElasticOptions, JobSpec
 from hvdplus.runner.mpi_run import find_mpirun
 from hvdplus.runner.ssh import SshOptions
 
-__all__ = ["job_from_args", "elastic_options", "tuning_env", "ALIAS_PATH"]
+__all__ = ["job_from_args", "elastic_options", "threads_note", "tuning_env", "ALIAS_PATH"]
 
 
 def elastic_options(args: argparse.Namespace, environ: Mapping[str, str]) -> ElasticOptions | None:
@@ -160,4 +161,16 @@ def job_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> JobSp
         output_dir=args.output_filename,
         verbose=args.verbose,
         mpi_args=list(args.mpi_args),
+    )
+
+
+def threads_note(spec: JobSpec, elastic: bool) -> str | None:
+    """hvdplusrun's one line saying that ranks sharing a host get OMP_NUM_THREADS = their share of its cores (the
+    agents and rank_main set it on each host), or None when the user set it or no host runs several ranks."""
+    if THREADS_VARIABLE in spec.env or not (elastic or any(host.slots > 1 for host in spec.hosts)):
+        return None
+    return (
+        f"hvdplusrun: {THREADS_VARIABLE} is not set: each rank gets its host's cores divided among the host's ranks "
+        f"(at least 1) so that they do not oversubscribe it; set {THREADS_VARIABLE} (or -x {THREADS_VARIABLE}=N) "
+        "to choose"
     )

@@ -11,7 +11,7 @@ from hvdplus.runner.args import parse_args
 from hvdplus.runner.check_build import check_build
 from hvdplus.runner.elastic_run import run_elastic
 from hvdplus.runner.gloo_run import run_gloo
-from hvdplus.runner.job import elastic_options, job_from_args
+from hvdplus.runner.job import elastic_options, job_from_args, threads_note
 from hvdplus.runner.job_spec import JobSpec
 from hvdplus.runner.mpi_run import run_mpi
 from hvdplus.runner.preflight import LaunchError
@@ -37,6 +37,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         spec = job_from_args(args, os.environ)
         elastic = elastic_options(args, os.environ)
+        note = threads_note(spec, elastic is not None)
+        if note:
+            print(note, file=sys.stderr, flush=True)
         code = run_elastic(spec, elastic) if elastic else run_job(spec)[0]
     except (ValueError, LaunchError) as exc:
         print(f"hvdplusrun: error: {exc}", file=sys.stderr)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = ["find_mpirun", "mpi_flavor", "mpirun_command", "abort_on_exception", "launcher_libmpi", "run_mpi"]
 
 FLAVORS = ("openmpi", "mpich")
+RANK_MAIN = "hvdplus.runner.rank_main"
 
 
 def find_mpirun() -> str | None:
@@ -64,16 +65,16 @@ def mpi_flavor(mpirun: str) -> str:
     raise ValueError(f"{mpirun} is neither Open MPI nor MPICH/Hydra ({text.strip()[:200]!r}); use --gloo")
 
 
-def abort_on_exception(command: list[str], runner: str = "mpi4py") -> list[str]:
-    """Run Python programs through mpi4py's runner (`python -m mpi4py script.py`): an unhandled exception
-    then aborts the whole job instead of leaving the rank stuck in MPI_Finalize while the others wait.
-    `runner` is the module that does it (hvdplus.runner.rank_main also line-buffers the output)."""
+def abort_on_exception(command: list[str]) -> list[str]:
+    """Run Python programs through mpi4py's runner, as hvdplus.runner.rank_main does: an unhandled exception then
+    aborts the whole job instead of leaving the rank stuck in MPI_Finalize while the others wait (rank_main also
+    gives the rank its share of the host's cores and line-buffers the output)."""
     if (
         len(command) > 1
         and re.fullmatch(r"python[\d.]*", os.path.basename(command[0]))
         and (not command[1].startswith("-") or command[1] in ("-m", "-c"))
     ):
-        return [command[0], "-m", runner, *command[1:]]
+        return [command[0], "-m", RANK_MAIN, *command[1:]]
     return list(command)
 
 
@@ -128,7 +129,7 @@ def _mpich(mpirun: str, spec: JobSpec, exported: list[str]) -> list[str]:
         command += ["-iface", spec.nics[0]]
     if exported:
         command += ["-genvlist", ",".join(exported)]
-    return command + spec.mpi_args + abort_on_exception(spec.command, "hvdplus.runner.rank_main")
+    return command + spec.mpi_args + abort_on_exception(spec.command)
 
 
 def mpirun_command(mpirun: str, flavor: str, spec: JobSpec, exported: list[str], as_root: bool) -> list[str]:

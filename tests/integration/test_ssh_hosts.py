@@ -46,6 +46,7 @@ def test_hierarchical_collectives_across_real_hosts(ssh_hosts, mode):
             "-H",
             "hostA:2,hostB:2",
             mode,
+            *(["--mpi-args=--mca coll ^han"] if mode == "--mpi" else []),  # Open MPI's own hierarchy off (mpi_tool.py)
             "--hierarchical-allreduce",
             "--hierarchical-allgather",
             "-x",

@@ -27,12 +27,14 @@ def on_both_engines(test):
 @pytest.mark.parametrize(
     "engine,hosts,env,expect",
     [
-        ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "halving-doubling"),  # auto for 2 hosts over MPI
+        # auto for 2 hosts over MPI, with Open MPI's own hierarchical allreduce (han) off
+        ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "OMPI_MCA_coll": "^han"}, "halving-doubling"),
+        ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "flat"),  # han on: flat, with the reason
         ("gloo", "2,2,2", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1", "HVDPLUS_CROSS_ALGORITHM": "ring"}, "ring"),
         ("gloo", "2,1", {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, "flat"),  # uneven hosts: flat, with the reason
         ("mpi", "2,2", {"HOROVOD_HIERARCHICAL_ALLGATHER": "0"}, "flat"),  # nothing asked: flat (the default)
     ],
-    ids=["mpi-2x2-auto", "gloo-3x2-ring", "gloo-uneven", "mpi-2x2-default"],
+    ids=["mpi-2x2-auto", "mpi-2x2-han", "gloo-3x2-ring", "gloo-uneven", "mpi-2x2-default"],
 )
 def test_hierarchical_collectives_on_simulated_hosts(engine, hosts, env, expect):
     """Ranks told they live on several hosts: hierarchical allreduce and allgather on the global set and on
@@ -48,6 +50,8 @@ def test_hierarchical_collectives_on_simulated_hosts(engine, hosts, env, expect)
     assert output.count("hierarchical ok") == size, output
     if hosts == "2,1":
         assert "fall back to flat: its hosts run different numbers of ranks (host0: 2, host1: 1)" in output, output
+    if engine == "mpi" and expect == "flat" and "HOROVOD_HIERARCHICAL_ALLREDUCE" in env:
+        assert "fall back to flat: Open MPI's han component already reduces across hosts" in output, output
 
 
 @pytest.mark.parallel

@@ -6,7 +6,7 @@ import pytest
 
 from hvdplus.runner.args import parse_args
 from hvdplus.runner.job import job_from_args
-from hvdplus.runner.mpi_run import abort_on_exception, find_mpirun, launcher_libmpi, mpirun_command
+from hvdplus.runner.mpi_run import RANK_MAIN, abort_on_exception, find_mpirun, launcher_libmpi, mpirun_command
 
 
 def _spec(*flags):
@@ -25,7 +25,7 @@ def test_open_mpi_command():
     assert command[command.index("btl_tcp_if_include") + 1] == "eth0"
     assert command[command.index("oob_tcp_if_include") + 1] == "eth0"
     assert ["-x", "A", "-x", "PATH"] == command[command.index("-x") : command.index("-x") + 4]
-    assert command[-9:] == ["--mca", "btl", "tcp,self", "python", "-m", "mpi4py", "train.py", "--epochs", "1"]
+    assert command[-9:] == ["--mca", "btl", "tcp,self", "python", "-m", RANK_MAIN, "train.py", "--epochs", "1"]
 
 
 def test_open_mpi_as_a_user_needs_no_root_flag():
@@ -50,16 +50,12 @@ def test_mpich_command():
     assert command[command.index("-genvlist") + 1] == "A,B"
 
 
-def test_mpich_ranks_run_python_line_buffered_under_mpi4pys_runner():
+@pytest.mark.parametrize("flavor", ["openmpi", "mpich"])
+def test_ranks_run_python_under_rank_main(flavor):
+    # rank_main: mpi4py's runner, line-buffered output, and the rank's share of the host's cores
     spec = _spec("-np", "2")
-    assert mpirun_command("mpiexec", "mpich", spec, [], as_root=False)[-6:] == [
-        "python",
-        "-m",
-        "hvdplus.runner.rank_main",
-        "train.py",
-        "--epochs",
-        "1",
-    ]
+    command = mpirun_command("mpiexec", flavor, spec, [], as_root=False)
+    assert command[-6:] == ["python", "-m", "hvdplus.runner.rank_main", "train.py", "--epochs", "1"]
 
 
 def test_hvdplus_mpirun_chooses_the_mpirun(monkeypatch, tmp_path):
@@ -94,8 +90,8 @@ def test_unknown_flavor_is_refused():
 @pytest.mark.parametrize(
     "command,wrapped",
     [
-        (["python", "t.py", "-x"], ["python", "-m", "mpi4py", "t.py", "-x"]),
-        (["/usr/bin/python3.11", "-m", "pkg"], ["/usr/bin/python3.11", "-m", "mpi4py", "-m", "pkg"]),
+        (["python", "t.py", "-x"], ["python", "-m", RANK_MAIN, "t.py", "-x"]),
+        (["/usr/bin/python3.11", "-m", "pkg"], ["/usr/bin/python3.11", "-m", RANK_MAIN, "-m", "pkg"]),
         (["python", "-u", "t.py"], ["python", "-u", "t.py"]),
         (["./train.sh"], ["./train.sh"]),
     ],

@@ -25,6 +25,7 @@ import numpy as np
 from hvdplus.common.data import halfops
 from hvdplus.common.data.cross_lane import CrossLane
 from hvdplus.common.data.layout import balanced_counts
+from hvdplus.common.data.mpi_tool import han_serves_allreduce
 from hvdplus.common.engines.base import Engine
 from hvdplus.common.engines.waited import Waited
 from hvdplus.common.handles import Handle
@@ -73,8 +74,9 @@ def hierarchical_groups(
     engine: Engine, topology: Topology, ranks: Sequence[int]
 ) -> tuple[HierarchicalGroups | None, str]:
     """Collective over all ranks of the job: build the local and cross groups of the process set `ranks` (global
-    ranks, ascending), or return None and why the layout cannot use them. Every rank creates every group in the
-    same order, as the engines require."""
+    ranks, ascending), or return None and why the layout cannot use them, or why the MPI library's own allreduce is
+    hierarchical already (Open MPI's han, mpi_tool.py). Every rank creates every group in the same order, as the
+    engines require."""
     ranks = tuple(ranks)
     hosts: dict[str, list[int]] = {}
     for rank in ranks:
@@ -88,6 +90,10 @@ def hierarchical_groups(
         ) + ")"
     if sizes[0] == 1:
         return None, "each host runs one rank of it, so there is nothing to do within a host"
+    if engine.name == "mpi":
+        said = engine.allgather_bytes(han_serves_allreduce().encode(), engine.world)  # every rank takes the same way
+        if any(said):
+            return None, next(s for s in said if s).decode()
     local = cross = None
     for members in hosts.values():
         group = engine.new_group(members)
