@@ -24,10 +24,11 @@ from tests.integration.conftest import ROOT, job_env, unavailable
 
 torch = pytest.importorskip("torch")
 
-# Each node: 2 CPUs, a small object store, and the checkout on its workers' PYTHONPATH (they import hvdplus and
-# this module).
+# Each node: 2 CPUs, 2 GPUs that Ray only counts (as Horovod's Ray tests fake them), a small object store, and the
+# checkout on its workers' PYTHONPATH (they import hvdplus and this module).
 NODE = {
     "num_cpus": 2,
+    "num_gpus": 2,
     "object_store_memory": 120 * 1024 * 1024,
     "env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
 }
@@ -163,14 +164,23 @@ def elastic_train(progress: str, kill_at: int = 0, stop_file: str = "", steps: i
 
 # ---------------------------------------------------------------------------- the cluster
 @pytest.fixture(scope="module")
-def cluster():
-    """Two Ray nodes of 2 CPUs on this machine; the driver connected to the head node. Nodes are made without
-    Ray's exit hooks (they install signal handlers, which a test's helper thread cannot): this fixture stops them."""
+def ray_installed() -> None:
+    """Ray can be imported: else skip with the reason (fail under CI=true, where a skip would hide a broken
+    install)."""
     try:
-        import ray
-        from ray.cluster_utils import Cluster
+        import ray  # noqa: F401
     except ImportError as exc:
         unavailable(f"Ray is not installed (pip install 'hvdplus[ray]'): {exc}")
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_installed):
+    """Two Ray nodes of 2 CPUs and 2 GPUs (Ray's own, none on this machine: Ray hands out their ids as it would
+    real ones) on this machine; the driver connected to the head node. Nodes are made without Ray's exit hooks
+    (they install signal handlers, which a test's helper thread cannot): this fixture stops them."""
+    import ray
+    from ray.cluster_utils import Cluster
+
     made = Cluster(shutdown_at_exit=False)
     try:
         made.add_node(**NODE, include_dashboard=False)
@@ -346,8 +356,7 @@ def test_a_raising_worker_fails_the_run_within_seconds_and_the_executor_goes_on(
         executor.shutdown()
 
 
-def test_arguments_are_checked_as_horovod_does():
-    pytest.importorskip("ray")
+def test_arguments_are_checked_as_horovod_does(ray_installed):
     from hvdplus.ray import RayExecutor
 
     settings = RayExecutor.create_settings()
@@ -363,11 +372,47 @@ def test_arguments_are_checked_as_horovod_does():
         RayExecutor(settings, num_workers=1).start(extra_env_vars={"HOROVOD_CPU_OPERATIONS": "mpi"})
 
 
-def test_gpu_workers_see_their_node_s_gpus_in_local_rank_order():
-    """No GPU here: the rank and device arithmetic alone. Actors on two nodes in creation order A, B, A, B with
+def gpu_placement() -> dict:
+    """Where a GPU worker runs: its rank, local rank and node, the GPU ids Ray gave its actor, and the
+    CUDA_VISIBLE_DEVICES it runs with."""
+    import ray
+
+    return {
+        "rank": int(os.environ["HOROVOD_RANK"]),
+        "local_rank": int(os.environ["HOROVOD_LOCAL_RANK"]),
+        "node": ray.get_runtime_context().get_node_id(),
+        "gpus": [str(gpu) for gpu in ray.get_gpu_ids()],
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+@pytest.mark.timeout(150)
+def test_gpu_workers_see_their_node_s_gpus_in_local_rank_order(cluster):
+    """use_gpu with one GPU a worker, on the nodes' GPUs as Ray assigns them: two workers a node, each given a GPU
+    of its own by Ray, and every worker of a node sees that node's GPUs ordered by local rank (Horovod's
+    CUDA_VISIBLE_DEVICES), so local rank i drives device i, its own GPU."""
+    executor = _executor(num_workers=4, cpus_per_worker=1, use_gpu=True)
+    executor.start()
+    try:
+        reports = executor.run(gpu_placement)
+    finally:
+        executor.shutdown()
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3], reports
+    nodes = {r["node"] for r in reports}
+    assert len(nodes) == 2, reports
+    for node in nodes:
+        workers = sorted((r for r in reports if r["node"] == node), key=lambda r: r["local_rank"])
+        assert [w["local_rank"] for w in workers] == [0, 1] and all(len(w["gpus"]) == 1 for w in workers), reports
+        node_gpus = [w["gpus"][0] for w in workers]
+        assert len(set(node_gpus)) == 2, reports  # Ray gave each worker a GPU of its own
+        assert all(w["visible"] == ",".join(node_gpus) for w in workers), reports
+        assert all(w["visible"].split(",")[w["local_rank"]] == w["gpus"][0] for w in workers), reports
+
+
+def test_visible_gpus_follow_local_ranks_when_actors_alternate_nodes(ray_installed):
+    """The rank and device arithmetic where Ray interleaves the nodes: actors in creation order A, B, A, B with
     the GPUs Ray gave each: ranks 0-1 on A, 2-3 on B, and every worker of a node sees that node's GPUs ordered
-    by local rank (Horovod's CUDA_VISIBLE_DEVICES), so local rank i drives device i."""
-    pytest.importorskip("ray")  # hvdplus.ray's package needs Ray
+    by local rank, so local rank i drives device i."""
     from hvdplus.ray.ranks import WorkerNode, cuda_visible_devices, place_ranks
 
     a, b = "a" * 56, "b" * 56
@@ -384,10 +429,9 @@ def test_gpu_workers_see_their_node_s_gpus_in_local_rank_order():
     assert cuda_visible_devices([WorkerNode(a, "10.0.0.1")], place_ranks([WorkerNode(a, "10.0.0.1")])) == {}
 
 
-def test_the_horovod_alias_imports_hvdplus_ray():
+def test_the_horovod_alias_imports_hvdplus_ray(ray_installed):
     """The horovod alias maps horovod.ray and the modules Horovod users import from to hvdplus.ray's, as
     hvdplusrun's workers see them."""
-    pytest.importorskip("ray")
     code = (
         "import hvdplus.ray, horovod.ray; from horovod.ray import RayExecutor, ElasticRayExecutor; "
         "assert RayExecutor is hvdplus.ray.RayExecutor and ElasticRayExecutor is hvdplus.ray.ElasticRayExecutor; "

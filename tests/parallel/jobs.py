@@ -140,10 +140,12 @@ def assert_stress_ran(np: int, output: str) -> None:
     assert len(delayed) == np and min(delayed) > 0, f"stress summaries: {delayed}\n{output[-3000:]}"
 
 
-def pytest_argv(*paths: str) -> list[str]:
-    """A worker pytest session's arguments: short tracebacks, which `failure_digest` repeats after the output."""
+def pytest_argv(*paths: str, list_passed: bool = False) -> list[str]:
+    """A worker pytest session's arguments: short tracebacks, which `failure_digest` repeats after the output;
+    `list_passed`: each rank's summary lists the tests that passed (`passed_per_file` counts them)."""
     return [
         *("-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--timeout=90", "--tb=short"),
+        *(("-rp",) if list_passed else ()),
         *("-W", "ignore::FutureWarning", *paths),
     ]
 
@@ -205,6 +207,32 @@ def failure_digest(engine: str, output: str) -> str:
         if report:
             digest += [f"----- rank {rank}: its failure -----", *report[-_DIGEST_LINES:]]
     return "\n" + "\n".join(digest) + "\n" if digest else ""
+
+
+_PASSED_TEST = re.compile(r"^PASSED (\S+?)::")  # a line of a summary that lists the tests that passed
+
+
+def passed_per_file(engine: str, output: str) -> dict[int, dict[str, int]]:
+    """{rank: {test file name: number of its tests that passed there}}, from each rank's summary of a job run
+    with `pytest_argv(..., list_passed=True)`."""
+    counts: dict[int, dict[str, int]] = {}
+    for rank, lines in rank_outputs(engine, output).items():
+        files = counts.setdefault(rank, {})
+        for line in lines:
+            passed = _PASSED_TEST.match(line)
+            if passed:
+                name = Path(passed.group(1)).name
+                files[name] = files.get(name, 0) + 1
+    return counts
+
+
+def assert_every_file_ran(engine: str, np: int, output: str, expected: dict[str, int]) -> None:
+    """Every rank passed `expected[name]` tests of each file (the job listed them: `list_passed`), no more, no fewer:
+    a file whose tests all skipped, or a test skipping where it should run, fails the job."""
+    counts = passed_per_file(engine, output)
+    assert sorted(counts) == list(range(np)), f"summaries found for ranks {sorted(counts)} of {np}:\n{output[-3000:]}"
+    wrong = {rank: files for rank, files in counts.items() if files != expected}
+    assert not wrong, f"tests passed per file: {wrong}, expected on every rank: {expected}\n{output[-3000:]}"
 
 
 def assert_every_rank_ran(engine: str, np: int, output: str, at_least: int = 1) -> None:

@@ -9,6 +9,7 @@ import pytest
 from tests.parallel.jobs import (
     ROOT,
     WORKERS,
+    assert_every_file_ran,
     assert_every_rank_ran,
     assert_stress_ran,
     mpich_mpiexec,
@@ -141,16 +142,24 @@ def test_device_plane_on_cpu_tensors(engine, np, files):
     assert_every_rank_ran(engine, np, output, at_least=100 if engine == "gloo" else 25)
 
 
-# ZeroOptimizer's, stage 3's and the pipeline's own CUDA tests beside the collectives'.
-CUDA_FILES = tuple(
-    str(WORKERS / name)
-    for name in (
-        "test_torch_cuda.py",
-        "test_torch_cuda_zero.py",
-        "test_torch_cuda_zero3.py",
-        "test_torch_cuda_pipeline.py",
-    )
-)
+# ZeroOptimizer's, stage 3's and the pipeline's own CUDA tests beside the collectives', and how many tests of each
+# file pass on every rank at 1 rank (NCCL) and at 2 or 3 (ranks sharing a GPU over Gloo). At 1 rank ZeRO-3's
+# out-of-memory test (it needs a rank left waiting) and the multi-stage pipeline tests skip.
+CUDA_TESTS_RUN = {
+    1: {
+        "test_torch_cuda.py": 15,
+        "test_torch_cuda_zero.py": 5,
+        "test_torch_cuda_zero3.py": 8,
+        "test_torch_cuda_pipeline.py": 1,
+    },
+    2: {
+        "test_torch_cuda.py": 15,
+        "test_torch_cuda_zero.py": 5,
+        "test_torch_cuda_zero3.py": 9,
+        "test_torch_cuda_pipeline.py": 5,
+    },
+}
+CUDA_FILES = tuple(str(WORKERS / name) for name in CUDA_TESTS_RUN[1])
 
 
 SHARDING_FILES = ("test_torch_zero.py", "test_torch_zero3.py", "test_torch_pipeline.py")
@@ -188,9 +197,9 @@ def test_cuda_suite_on_one_rank():
     torch = pytest.importorskip("torch")
     if not (torch.cuda.is_available() and torch.distributed.is_nccl_available()):
         pytest.skip("needs a CUDA device and torch with NCCL")
-    code, output = run_job("gloo", 1, pytest_argv(*CUDA_FILES))
+    code, output = run_job("gloo", 1, pytest_argv(*CUDA_FILES, list_passed=True))
     assert code == 0, f"CUDA job failed (exit {code}):\n{output[-20000:]}"
-    assert_every_rank_ran("gloo", 1, output, at_least=12)
+    assert_every_file_ran("gloo", 1, output, CUDA_TESTS_RUN[1])
 
 
 @pytest.mark.parallel
@@ -202,10 +211,10 @@ def test_cuda_suite_on_ranks_sharing_a_gpu(np):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    argv = pytest_argv(*CUDA_FILES)
+    argv = pytest_argv(*CUDA_FILES, list_passed=True)
     code, output = run_job("gloo", np, argv, extra_env={"HOROVOD_GPU_OPERATIONS": "gloo"})
     assert code == 0, f"CUDA job with {np} ranks failed (exit {code}):\n{output[-20000:]}"
-    assert_every_rank_ran("gloo", np, output, at_least=12)
+    assert_every_file_ran("gloo", np, output, CUDA_TESTS_RUN[2])
 
 
 @pytest.mark.parallel

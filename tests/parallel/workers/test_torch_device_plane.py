@@ -28,6 +28,29 @@ def plane_tensors() -> int:
     return runtime().coordinator.counters.plane_tensors.get("torchgloo", 0)
 
 
+@pytest.fixture
+def plane_calls(monkeypatch) -> list[tuple[str, list[torch.Tensor]]]:
+    """Every collective the plane's engine starts during the test, from any thread (the negotiated rounds' executor
+    and the planned groups call the same methods): its kind and copies of its tensors as they were at its start (an
+    allreduce's last one is what it sends: `send`, else the buffer it reduces in place).
+    (Over Gloo a reduce-scatter is an allreduce inside: both are counted.)"""
+    from hvdplus.common.engines.nccl import TorchTensorEngine
+
+    calls: list[tuple[str, list[torch.Tensor]]] = []
+
+    def spy(kind: str, start):
+        def started(self, *args, **kwargs):
+            calls.append((kind, [a.clone() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]))
+            return start(self, *args, **kwargs)
+
+        return started
+
+    for kind in ("allreduce", "allgather", "broadcast", "reducescatter"):
+        name = f"start_{kind}"
+        monkeypatch.setattr(TorchTensorEngine, name, spy(kind, getattr(TorchTensorEngine, name)))
+    return calls
+
+
 def test_the_plane_is_built_at_its_first_collective(hvd):
     """Every rank agreed at init that it can use the plane; it is built (groups, engine) when the first
     collective of its device kind arrives, so a job that never sends such a tensor never builds it."""
@@ -143,11 +166,16 @@ def test_sparse_allreduce_on_the_plane(hvd):
     assert plane_runs() >= before + 1
 
 
-def test_join_contributes_zeros_on_the_plane(hvd):
+def test_join_contributes_zeros_on_the_plane(hvd, plane_calls):
+    """Rank 0 allreduces while the others have joined: every rank's part in it is an allreduce on the plane's
+    engine, the joined ranks' of zeros the plane made (torch tensors, as rank 0's ones)."""
     if hvd.rank() == 0:
         out = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="plane.join")
-        assert out.tolist() == [1.0] * 3  # the joined ranks sent zeros made by the plane
+        assert out.tolist() == [1.0] * 3  # the joined ranks sent zeros
     assert hvd.join() in range(hvd.size())
+    assert plane_calls, "no collective started on the plane"
+    kind, tensors = plane_calls[0]  # (once every rank joined, each runs the cached allreduces with zeros too)
+    assert kind == "allreduce" and tensors[-1].tolist() == [1.0 if hvd.rank() == 0 else 0.0] * 3, plane_calls
 
 
 def test_a_process_set_without_rank_0_on_the_plane(hvd):
@@ -183,7 +211,7 @@ def test_a_process_set_without_rank_0_on_the_plane(hvd):
 
 @pytest.mark.parametrize("offload", [None, "optimizer"])
 @pytest.mark.parametrize("without_rank_0", [False, True])
-def test_zero_optimizer_reduces_and_gathers_on_the_plane(hvd, without_rank_0, offload):
+def test_zero_optimizer_reduces_and_gathers_on_the_plane(hvd, plane_calls, without_rank_0, offload):
     """ZeroOptimizer's bucket reduce-scatters and its parameters' allgathers travel on the plane, as CUDA
     parameters' do, on the whole job and on a process set without rank 0, with the optimizer offloaded or not;
     its steps equal DistributedOptimizer's on the same set (1e-6: SGD with momentum, the sums differ in order
@@ -214,13 +242,14 @@ def test_zero_optimizer_reduces_and_gathers_on_the_plane(hvd, without_rank_0, of
         for step in range(3):
             torch.manual_seed(10 * step + hvd.rank())
             batch = torch.randn(4, 6)
-            before = plane_runs()
+            plane_calls.clear()
             zero.zero_grad()
             sharded(batch).square().mean().backward()
             zero.step()
-            if step == 0:  # the negotiated step's reduce-scatter (one bucket); the plan then freezes (its agreement
-                # is a host word) and the step's allgather already runs on the frozen plan's group
-                assert plane_runs() - before >= 1
+            # Each step (the first negotiated, the next ones on the frozen plan's group) reduce-scatters its one
+            # bucket and allgathers its one flat buffer on the plane's engine.
+            kinds = [kind for kind, _ in plane_calls]
+            assert kinds.count("reducescatter") == 1 and kinds.count("allgather") == 1, (step, kinds)
             dist.zero_grad()
             replicated(batch).square().mean().backward()
             dist.step()

@@ -108,6 +108,33 @@ def assert_same_parameters(model, expected, **tolerance):
         torch.testing.assert_close(got.detach(), want.detach(), **(tolerance or {"rtol": 1e-5, "atol": 1e-6}))
 
 
+def held_state_bytes(optimizer) -> dict[str, int]:
+    """The bytes of the storages that hold ZeroOptimizer's state per element, by device type: the wrapped
+    optimizer's state tensors (Adam's moments; not its step counts), the gradient shards it reduces into and,
+    offloaded, its host copies of the master ranges. Each storage counted once and whole: a shard that is a view
+    of a full-size buffer counts as that buffer."""
+    tensors = [v for state in optimizer.state.values() for k, v in state.items() if torch.is_tensor(v) and k != "step"]
+    tensors += [flat.grad for flat in optimizer._zero.flats]
+    tensors += [flat.stepped for flat in optimizer._zero.flats if flat.offloaded]
+    storages = {t.untyped_storage().data_ptr(): (t.device.type, t.untyped_storage().nbytes()) for t in tensors}
+    held: dict[str, int] = {}
+    for device, nbytes in storages.values():
+        held[device] = held.get(device, 0) + nbytes
+    return held
+
+
+def assert_state_is_one_nth(hvd, model, optimizer, where: str) -> None:
+    """ZeroOptimizer (AdamW, float32) holds 1/N of its state, all on device type `where`: two moments and a
+    gradient per element of this rank's shard (and offloaded, the master's host copy), the shard being N-th of
+    the trainable elements to one element."""
+    elements = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    per_element = 4 * (3 + any(flat.offloaded for flat in optimizer._zero.flats))
+    held = held_state_bytes(optimizer)
+    assert set(held) == {where}, held
+    shard = held[where] / per_element
+    assert elements // hvd.size() <= shard <= -(-elements // hvd.size()), (held, elements)
+
+
 @pytest.mark.parametrize("passes", [1, 2])
 def test_matches_single_process_adamw_and_holds_one_nth_of_the_state(hvd, passes):
     model, optimizer, _ = train(hvd, passes=passes)
@@ -116,6 +143,7 @@ def test_matches_single_process_adamw_and_holds_one_nth_of_the_state(hvd, passes
     total = sum(p.numel() for p in model.parameters())
     moments = sum(state["exp_avg"].numel() for state in optimizer.state.values())
     assert moments in (total // hvd.size(), total // hvd.size() + 1)  # this rank's shard, not the model
+    assert_state_is_one_nth(hvd, model, optimizer, "cpu")  # and nothing bigger behind it
     assert all(p.grad is None for p in model.parameters())  # the gradients live in the flat buffer
     assert runtime().coordinator.counters.largest_batch.get(OpKind.REDUCESCATTER, 0) >= 1
 
@@ -413,6 +441,7 @@ def test_offloaded_optimizer_steps_host_copies_and_matches_single_process_adamw(
     flat_storage = shards.flats[0].master.untyped_storage().data_ptr()
     assert all(p.untyped_storage().data_ptr() != flat_storage for p in shards.shard_params)
     assert all(state["exp_avg"].device.type == "cpu" for state in optimizer.state.values())
+    assert_state_is_one_nth(hvd, model, optimizer, "cpu")
     mine = sum(flat.part.counts[shards.index] for flat in shards.flats)
     # Every step copies this rank's reduced slices to the host (at least `mine` elements), after the host copies.
     assert sum(staged) >= mine * (1 + STEPS) and len(staged) >= STEPS
