@@ -10,7 +10,9 @@ Horovod's examples and the scripts written from them use Keras 2 forms that Kera
 - `variable.ref()` on a Keras variable (Keras 2's variables were tf.Variables; Keras 3's have no `ref()` and are
   not hashable),
 - `tf.keras.losses.mean_squared_error` and the other loss functions that Keras 3 exports from `keras.losses`
-  only (`tf.keras.losses` keeps the short names such as `MSE`).
+  only (`tf.keras.losses` keeps the short names such as `MSE`),
+- `session.run(keras_variable)` in a tf.compat.v1 Session (Keras 3: "Can not convert a Variable"; fetch
+  `variable.value`, its tf.Variable).
 
 `enable()` makes Keras 3 accept each of them, on every optimizer (plain ones too) and model of the process,
 and warns once per idiom with its Keras 3 form. hvdplusrun's `horovod` alias calls it when a script imports
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tensorflow as tf
+from tensorflow.python.client.session import register_session_run_conversion_functions
 from tensorflow.python.util.object_identity import Reference  # what tf.Variable.ref() returns
 
 __all__ = ["Keras2IdiomWarning", "enable", "enabled"]
@@ -137,6 +140,12 @@ def _variable_ref(self: Any) -> Reference:
     return Reference(self)
 
 
+def _fetch_value(variable: Any) -> tuple[list[Any], Callable[[list[Any]], Any]]:
+    """How a tf.compat.v1 Session fetches a Keras variable: its tf.Variable (`variable.value`)."""
+    _warn_once("session.run(keras_variable)", "session.run(variable.value)")
+    return [variable.value], lambda values: values[0]
+
+
 def _keras2_losses(module: types.ModuleType) -> Callable[[str], Any]:
     """A module `__getattr__` for `tf.keras.losses`: the loss functions only `keras.losses` exports in Keras 3."""
     import keras
@@ -171,6 +180,7 @@ def enable() -> None:
     BatchNormalization.__init__ = _drop_fused(BatchNormalization.__init__)
     Variable.ref = _variable_ref
     tf_keras_losses.__getattr__ = _keras2_losses(tf_keras_losses)
+    register_session_run_conversion_functions(Variable, _fetch_value)
     _enabled = True
 
 

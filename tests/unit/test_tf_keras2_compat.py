@@ -93,8 +93,9 @@ def test_horovod_alias_accepts_keras2_idioms_and_warns_once_each(module):
 
 @pytest.mark.timeout(150)
 def test_horovod_alias_accepts_keras2_layers_variables_and_losses():
-    """BatchNormalization(fused=...), variable.ref() and tf.keras.losses.mean_squared_error, as Horovod's
-    test_tensorflow.py and test_tensorflow2_keras.py use them; each warns once, pointing at the script."""
+    """BatchNormalization(fused=...), variable.ref(), tf.keras.losses.mean_squared_error and a Session fetching a
+    Keras variable, as Horovod's test_tensorflow.py and test_tensorflow2_keras.py use them; each warns once,
+    pointing at the script."""
     out = _python(
         """
         import warnings
@@ -121,6 +122,13 @@ def test_horovod_alias_accepts_keras2_layers_variables_and_losses():
                 assert "no_such_loss" in str(error)
             else:
                 raise AssertionError("tf.keras.losses.no_such_loss did not raise")
+            graph = tf.Graph()
+            with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
+                norm = keras.layers.BatchNormalization()
+                norm(tf.ones([2, 3]), training=True)
+                session.run(tf.compat.v1.global_variables_initializer())
+                assert session.run(norm.moving_variance).tolist() == [1.0] * 3
+                assert [v.tolist() for v in session.run([norm.gamma, norm.beta])] == [[1.0] * 3, [0.0] * 3]
         for warning in caught:
             if "Keras 2" in str(warning.message):
                 print(warning.category.__name__, warning.filename, str(warning.message))
@@ -128,6 +136,7 @@ def test_horovod_alias_accepts_keras2_layers_variables_and_losses():
         ALIAS,
     )
     lines = out.splitlines()
-    assert len(lines) == 3 and all(line.startswith("Keras2IdiomWarning <string> ") for line in lines), out
-    for idiom in ("BatchNormalization(fused=...)", "variable.ref()", "tf.keras.losses.mean_squared_error"):
+    assert len(lines) == 4 and all(line.startswith("Keras2IdiomWarning <string> ") for line in lines), out
+    idioms = ("BatchNormalization(fused=...)", "variable.ref()", "tf.keras.losses.mean_squared_error")
+    for idiom in (*idioms, "session.run(keras_variable)"):
         assert any(f"{idiom} is Keras 2" in line for line in lines), (idiom, out)
