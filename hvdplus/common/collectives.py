@@ -25,6 +25,7 @@ from hvdplus.common.ops import OpKind, ReduceOp, check_reducible, storage_dtype
 
 __all__ = [
     "resolve_op",
+    "process_set_ranks",
     "process_set_size",
     "check_root",
     "check_counts",
@@ -74,12 +75,17 @@ def _set_id(process_set: ProcessSet) -> int:
     return process_set.process_set_id
 
 
-def process_set_size(set_id: int) -> int:
-    """The number of ranks in process set `set_id`, or ValueError if it does not exist."""
+def process_set_ranks(set_id: int) -> tuple[int, ...]:
+    """The global ranks of process set `set_id`, or ValueError if it does not exist."""
     ranks = runtime().coordinator.process_set_ranks(set_id)
     if ranks is None:
         raise ValueError(f"process set {set_id} does not exist")
-    return len(ranks)
+    return ranks
+
+
+def process_set_size(set_id: int) -> int:
+    """The number of ranks in process set `set_id`, or ValueError if it does not exist."""
+    return len(process_set_ranks(set_id))
 
 
 def _request(

@@ -12,6 +12,7 @@ from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from hvdplus.common.basics import rank, size
 from hvdplus.common.collectives import allgather_object
@@ -32,17 +33,33 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     A built model (e.g. one with a `keras.Input`) is broadcast, optimizer included, when training begins,
     so the first step already starts from the root's values. A model that only builds itself on its first
-    call is broadcast after the first batch instead, as Horovod's TF2 callback does.
+    call is broadcast after the first batch instead, as Horovod's TF2 callback does. `local_variables` (a
+    variable or a list of them; more with `register_local_var`) keep each rank's own values.
     Collective: every rank must use it in `fit`."""
 
-    def __init__(self, root_rank: int, device: str = "") -> None:
+    def __init__(self, root_rank: int, device: str = "", local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank = root_rank
         self.broadcast_done = False
+        self._local_vars: list[Any] = []
+        if local_variables is None:
+            local_variables = []
+        elif _is_variable(local_variables):
+            local_variables = [local_variables]
+        if not all(_is_variable(v) for v in local_variables):
+            raise ValueError(
+                f"All local variables must be of tf.Variable or keras.Variable type, got {list(local_variables)!r}"
+            )
+        for variable in local_variables:
+            self.register_local_var(variable)
+
+    def register_local_var(self, var: Any) -> None:
+        """Leave `var` out of the broadcast: each rank keeps its own value (Horovod's method)."""
+        self._local_vars.append(var)
 
     def _broadcast(self) -> None:
         if not self.broadcast_done:
-            broadcast_model(self.model, self.root_rank)
+            broadcast_model(self.model, self.root_rank, local_variables=self._local_vars)
             self.broadcast_done = True
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
@@ -51,6 +68,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: dict[str, Any] | None = None) -> None:
         self._broadcast()
+
+
+def _is_variable(value: Any) -> bool:
+    return isinstance(value, (tf.Variable, keras.Variable))
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

@@ -19,11 +19,19 @@ from hvdplus.tensorflow.functions import broadcast_assign
 __all__ = ["broadcast_model", "broadcast_global_variables", "load_model", "allreduce", "allgather", "broadcast"]
 
 
-def broadcast_model(model: keras.Model, root_rank: int, process_set: ProcessSet = global_process_set) -> None:
-    """Give every rank the root's model variables and optimizer state (building the optimizer if needed).
+def broadcast_model(
+    model: keras.Model,
+    root_rank: int,
+    process_set: ProcessSet = global_process_set,
+    local_variables: Sequence[Any] = (),
+) -> None:
+    """Give every rank the root's model variables and optimizer state (building the optimizer if needed);
+    `local_variables` of the model are left out (each rank keeps its own).
 
-    Collective: every rank in the process set must call this, in the same order."""
-    broadcast_assign(model.variables, root_rank, process_set, "broadcast_model.variables")
+    Collective: every rank in the process set must call this, in the same order, with as many local variables."""
+    local = {id(v) for v in local_variables}
+    variables = [v for v in model.variables if id(v) not in local]
+    broadcast_assign(variables, root_rank, process_set, "broadcast_model.variables")
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None:
         if not optimizer.built:

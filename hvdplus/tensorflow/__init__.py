@@ -41,8 +41,10 @@ from hvdplus.tensorflow.functions import (
     broadcast_object,
     broadcast_object_fn,
     broadcast_variables,
+    gpu_available,
     local_rank_op,
     local_size_op,
+    process_set_included_op,
     rank_op,
     size_op,
 )
@@ -60,7 +62,7 @@ from hvdplus.tensorflow.mpi_ops import (
     reducescatter,
 )
 from hvdplus.tensorflow.optimizer import DistributedOptimizer
-from hvdplus.tensorflow.util import refs_to_vars, vars_to_refs
+from hvdplus.tensorflow.util import _cache, _executing_eagerly, _make_subgraph, refs_to_vars, vars_to_refs
 
 if TYPE_CHECKING:  # what the lazy attribute below gives, for type checkers
     from hvdplus.tensorflow.sync_batch_norm import SyncBatchNormalization

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import pickle
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -26,9 +27,11 @@ __all__ = [
     "broadcast_object_fn",
     "allgather_object",
     "size_op",
+    "process_set_included_op",
     "local_size_op",
     "rank_op",
     "local_rank_op",
+    "gpu_available",
 ]
 
 
@@ -151,6 +154,13 @@ def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     return tf.constant(core.process_set_size(process_set_id), tf.int32, name=name)
 
 
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """1 if this process is a member of a process set (the global one by default), else 0, as an int32 tensor;
+    ValueError for an id that is not registered (Horovod's op returns an error code there)."""
+    included = rank() in core.process_set_ranks(process_set_id)
+    return tf.constant(int(included), tf.int32, name=name)
+
+
 def local_size_op(name: str | None = None) -> tf.Tensor:
     """The number of ranks on this host as an int32 tensor."""
     return tf.constant(local_size(), tf.int32, name=name)
@@ -164,3 +174,22 @@ def rank_op(name: str | None = None) -> tf.Tensor:
 def local_rank_op(name: str | None = None) -> tf.Tensor:
     """This process's rank on its host as an int32 tensor."""
     return tf.constant(local_rank(), tf.int32, name=name)
+
+
+def gpu_available(ext_base_name: str, verbose: bool = False) -> bool:
+    """Whether the framework `ext_base_name` ("tensorflow", "torch" or "mxnet") sees a GPU in this process, as
+    Horovod's `gpu_available` asks its extension for that framework (hvdplus stages TensorFlow tensors through host
+    memory either way). `verbose` prints the answer, as Horovod does."""
+    if ext_base_name not in ("tensorflow", "torch", "mxnet"):
+        raise ValueError(f"ext_base_name must be 'tensorflow', 'torch' or 'mxnet', got {ext_base_name!r}")
+    if ext_base_name == "tensorflow":
+        available = bool(tf.config.list_physical_devices("GPU"))
+    elif ext_base_name == "torch" and importlib.util.find_spec("torch") is not None:
+        import torch
+
+        available = torch.cuda.is_available()
+    else:  # hvdplus has no MXNet adapter; torch not installed
+        available = False
+    if verbose:
+        print(f"Extension {ext_base_name} {'was' if available else 'was NOT'} running with GPU.")
+    return available

@@ -8,7 +8,7 @@ a tape before or after the `with` block, eagerly or inside tf.function.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import tensorflow as tf
@@ -45,6 +45,20 @@ class _DistributedGradientTape(_TapeMixin):
         flat_sources = tf.nest.flatten(sources)
         reduced = self._hvd_reducer.reduce(tf.nest.flatten(grads), flat_sources)
         return tf.nest.pack_sequence_as(grads, reduced)
+
+    def get_local_and_global_gradients(
+        self, target: Any, sources: Sequence[Any], output_gradients: Any = None
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+        """`gradient()`'s results split as Horovod's method does: (source, gradient) pairs of the local sources
+        (registered or of `local_layers`), then those of the others, each in the order of `sources`.
+
+        Collective: as `gradient()`."""
+        sources = list(sources)
+        grads = self.gradient(target, sources, output_gradients)
+        pairs = list(zip(sources, grads))
+        local = [(s, g) for s, g in pairs if self._hvd_reducer.is_local(s)]
+        shared = [(s, g) for s, g in pairs if not self._hvd_reducer.is_local(s)]
+        return local, shared
 
     def register_local_source(self, source: Any) -> None:
         """Keep `source`'s gradient local to this rank (not allreduced), as Horovod's method does."""

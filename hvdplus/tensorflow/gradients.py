@@ -51,6 +51,10 @@ class GradientReducer:
         """Leave the gradients of `variables` out of the allreduce (they stay local to each rank)."""
         self._local.update(id(v) for v in variables)
 
+    def is_local(self, variable: Any) -> bool:
+        """Whether `variable`'s gradient stays local to each rank (`register_local`)."""
+        return id(variable) in self._local
+
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any], names: Sequence[str] | None = None) -> list[Any]:
         """The gradients averaged (op) over the process set; None stays None. `names` (from `names()`) must be
         given when this runs inside a tf.cond branch, whose graph numbers names afresh.
@@ -61,9 +65,9 @@ class GradientReducer:
         if not self.process_set.included() or alone:
             return grads
         names = list(names) if names is not None else self.names(variables)
-        shared = [i for i, g in enumerate(grads) if g is not None and id(variables[i]) not in self._local]
+        shared = [i for i, g in enumerate(grads) if g is not None and not self.is_local(variables[i])]
         for i, g in enumerate(grads):
-            if g is not None and id(variables[i]) in self._local and self.scale_local_gradients:
+            if g is not None and self.is_local(variables[i]) and self.scale_local_gradients:
                 grads[i] = g / tf.cast(self.process_set.size(), g.dtype)
         dense = []
         for i in shared:

@@ -53,6 +53,21 @@ def as_tensors(tensors: Sequence[Any]) -> list[tf.Tensor]:
     return result
 
 
+def check_member(process_set: ProcessSet) -> None:
+    """Horovod's errors for a process set an op cannot run on, raised as the op is made (eagerly, or when a graph
+    is built, so that no failing op joins a graph): ValueError for an id that is not registered (Horovod's Python
+    raises it), InvalidArgument (also a tf.errors.InvalidArgumentError, as Horovod's enqueue fails) on a rank that is
+    not a member. Other misuse (not a ProcessSet, never registered) is left to the core's checks."""
+    set_id = getattr(process_set, "process_set_id", None)
+    if not set_id:  # the global set (0), or not registered: the core says why
+        return
+    ranks = core.process_set_ranks(set_id)
+    if rank() not in ranks:
+        raise InvalidArgument(
+            f"rank {rank()} is not a member of process set {set_id} (ranks {list(ranks)}); only members may submit"
+        )
+
+
 # ----------------------------------------------------------------------------- allreduce
 def _same_shape_op(
     tensors: list[tf.Tensor],
@@ -92,6 +107,7 @@ def allreduce_op(
     tensors: list[tf.Tensor], names: Names, op: ReduceOp, prescale: float, postscale: float, process_set: ProcessSet
 ) -> list[tf.Tensor]:
     """One op reducing every tensor (fused by the core); its gradient allreduces the gradients (Sum/Average)."""
+    check_member(process_set)
 
     def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
         if op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
@@ -235,6 +251,7 @@ def _resizing_op(
 def _allgather_op(tensors: list[tf.Tensor], names: Names, process_set: ProcessSet) -> list[tf.Tensor]:
     """One op gathering every tensor along dimension 0; the gradient is this rank's rows of the gradient averaged
     over the set (Horovod's `_allgather_grad`)."""
+    check_member(process_set)
 
     def gradient(xs: Sequence[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor]:
         averaged = allreduce_op(dys, collective_names("Allreduce", dys, None), ReduceOp.AVERAGE, 1.0, 1.0, process_set)
@@ -279,6 +296,7 @@ def broadcast_op(
     here on every member). The gradient is the gradient averaged over the set on the root, times 0 elsewhere
     (Horovod's `_broadcast_grad`): a product, so that a graph fetching it runs the average on every rank (tf.zeros_like
     of a tensor of static shape does not depend on it, and the root would wait for the others forever)."""
+    check_member(process_set)
     root_rank = core.check_root(root_rank, process_set)
 
     def gradient(dys: list[tf.Tensor]) -> list[tf.Tensor]:
@@ -384,6 +402,7 @@ def _rows_to_send(rows: int, splits: list[int] | None, set_size: int) -> int:
 def _alltoall_op(
     x: tf.Tensor, splits: tf.Tensor, even: bool, name: str | None, process_set: ProcessSet
 ) -> tuple[tf.Tensor, tf.Tensor]:
+    check_member(process_set)
     dtype = dtype_name(x.dtype)
 
     def start(array: np.ndarray, split_array: np.ndarray) -> Finish:
@@ -418,6 +437,7 @@ def _reducescatter_op(
 ) -> list[tf.Tensor]:
     """One op reduce-scattering every tensor; the gradient is the allgather of the shard gradients, scaled as
     Horovod's `_reducescatter_grad` does (by the set's size for Sum, and by both scale factors)."""
+    check_member(process_set)
 
     def gradient(_: Sequence[tf.Tensor], dys: list[tf.Tensor]) -> list[tf.Tensor]:
         scale = reducescatter_grad_scale(op, prescale, postscale, process_set.size())

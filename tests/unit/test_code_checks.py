@@ -172,6 +172,11 @@ PRIVATE_IMPORTS = {
     # Horovod's class names: horovod.torch.optimizer defines both, and hvdplus.torch.optimizer holds both.
     ("hvdplus.torch._optimizer", "_DistributedOptimizer"),
     ("hvdplus.torch._adasum_optimizer", "_DistributedAdasumOptimizer"),
+    # horovod.tensorflow re-exports horovod.tensorflow.util's underscored helpers (Horovod's tests call
+    # hvd._executing_eagerly()); hvdplus.tensorflow does the same.
+    ("hvdplus.tensorflow.util", "_executing_eagerly"),
+    ("hvdplus.tensorflow.util", "_make_subgraph"),
+    ("hvdplus.tensorflow.util", "_cache"),
 }
 
 

@@ -40,6 +40,11 @@ def test_hvdplus_imports_leave_keras_untouched():
         assert type(optimizer.variables) is list and not hasattr(optimizer, "lr")
         with pytest.raises(TypeError, match="experimental_run_tf_function"):
             keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]).compile(experimental_run_tf_function=False)
+        with pytest.raises(ValueError, match="fused"):
+            keras.layers.BatchNormalization(fused=False)
+        assert not hasattr(keras.Variable(1.0), "ref")
+        with pytest.raises(AttributeError):
+            import tensorflow as tf; tf.keras.losses.mean_squared_error
     """)
 
 
@@ -84,3 +89,54 @@ def test_horovod_alias_accepts_keras2_idioms_and_warns_once_each(module):
         ("optimizer.variables()", "optimizer.variables (a list property)"),
     ):
         assert any(f"{idiom} is Keras 2" in line and f"Keras 3: {keras3}" in line for line in lines), (idiom, out)
+
+
+@pytest.mark.timeout(150)
+def test_horovod_alias_accepts_keras2_layers_variables_and_losses():
+    """BatchNormalization(fused=...), variable.ref(), tf.keras.losses.mean_squared_error and a Session fetching a
+    Keras variable, as Horovod's test_tensorflow.py and test_tensorflow2_keras.py use them; each warns once,
+    pointing at the script."""
+    out = _python(
+        """
+        import warnings
+        import numpy as np
+        import keras, tensorflow as tf
+        import horovod.tensorflow as hvd
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plain = tf.keras.layers.BatchNormalization(axis=1, fused=False)
+            assert plain.axis == 1 and keras.layers.BatchNormalization(1).axis == 1
+            assert plain(np.ones([4, 2], np.float32), training=True).shape == (4, 2)
+            assert hvd.SyncBatchNormalization(fused=False, axis=1).axis == 1
+            layer = keras.layers.Dense(2)
+            layer.build((None, 3))
+            refs = {v.ref(): v for v in layer.weights}
+            assert [refs[v.ref()] is v for v in layer.weights] == [True, True]
+            assert layer.kernel.ref().deref() is layer.kernel
+            assert hvd.refs_to_vars(hvd.vars_to_refs([layer.bias])) == [layer.bias]
+            assert tf.keras.losses.mean_squared_error is keras.losses.mean_squared_error
+            assert tf.keras.losses.MSE is not None  # Keras 3's own names are untouched
+            try:
+                tf.keras.losses.no_such_loss
+            except AttributeError as error:
+                assert "no_such_loss" in str(error)
+            else:
+                raise AssertionError("tf.keras.losses.no_such_loss did not raise")
+            graph = tf.Graph()
+            with graph.as_default(), tf.compat.v1.Session(graph=graph) as session:
+                norm = keras.layers.BatchNormalization()
+                norm(tf.ones([2, 3]), training=True)
+                session.run(tf.compat.v1.global_variables_initializer())
+                assert session.run(norm.moving_variance).tolist() == [1.0] * 3
+                assert [v.tolist() for v in session.run([norm.gamma, norm.beta])] == [[1.0] * 3, [0.0] * 3]
+        for warning in caught:
+            if "Keras 2" in str(warning.message):
+                print(warning.category.__name__, warning.filename, str(warning.message))
+    """,
+        ALIAS,
+    )
+    lines = out.splitlines()
+    assert len(lines) == 4 and all(line.startswith("Keras2IdiomWarning <string> ") for line in lines), out
+    idioms = ("BatchNormalization(fused=...)", "variable.ref()", "tf.keras.losses.mean_squared_error")
+    for idiom in (*idioms, "session.run(keras_variable)"):
+        assert any(f"{idiom} is Keras 2" in line for line in lines), (idiom, out)
