@@ -190,6 +190,10 @@ def init(
                 _runtime = _elastic_runtime(settings, comm, set_ranks)
             else:
                 _runtime = Runtime(settings, comm, set_ranks)
+            # atexit runs the last registered first: shut down before what the engine registered (MPI_Finalize,
+            # where hvdplus initialized MPI), while no thread of ours is inside an MPI call.
+            atexit.unregister(shutdown)
+            atexit.register(shutdown)
     rt = runtime()
     global_process_set.ranks = list(range(rt.size))
     # A later init() registers its sets that this job lacks (init() then shutdown() and init() again with them):

@@ -46,7 +46,15 @@ def int_control_variable(lib: ctypes.CDLL, name: str) -> int | None:
 
 def han_serves_allreduce() -> str:
     """Why this process's MPI library reduces multi-host communicators hierarchically itself (Open MPI's han open
-    with a priority above tuned's), or "" when it does not or cannot be told. Needs MPI initialised (mpi4py)."""
+    with a priority above tuned's), or "" when it does not or cannot be told (a library that cannot be loaded or
+    lacks MPI_T: never an exception, since the ranks agree on the answer next). Needs MPI initialised (mpi4py)."""
+    try:
+        return _han_reason()
+    except (OSError, AttributeError):
+        return ""
+
+
+def _han_reason() -> str:
     from mpi4py import MPI
 
     if not MPI.Get_library_version().startswith("Open MPI"):

@@ -94,9 +94,9 @@ class MPIEngine:
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise ImportError("the MPI engine needs mpi4py: pip install 'hvdplus[mpi]'") from exc
         self._MPI = MPI
-        if not MPI.Is_initialized():  # mpi4py.rc.initialize = False: initialize it, finalize it at exit, as Horovod
+        if not MPI.Is_initialized():  # mpi4py.rc.initialize = False: initialize it, finalize it at exit
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
-            atexit.register(MPI.Finalize)
+            atexit.register(MPI.Finalize)  # after hvd.shutdown(), which init() registers again after this
         if comm is None:
             check_launcher_size(MPI.COMM_WORLD.Get_size(), os.environ, MPI.Get_library_version())
             comm = MPI.COMM_WORLD

@@ -10,7 +10,8 @@ generator, so each rank keeps exactly its slice of the values a normal build wit
 parameter tied after construction (an output layer sharing the embedding's weight) gets a scratch stand-in while
 the second module initialises, so that its draws are made and dropped as in a normal build. A buffer built on the
 meta device must be set when its module initialises (by `init`, `reset_parameters()` or `reset_running_stats()`,
-in place or by assignment): anything else raises, naming it, instead of leaving uninitialised memory."""
+in place, through `.data` or by assignment): anything else raises, naming it, instead of leaving uninitialised
+memory."""
 
 from __future__ import annotations
 
@@ -56,9 +57,31 @@ def default_init(module: torch.nn.Module) -> None:
         )
 
 
+def _with_marker(buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A meta buffer's real twin, filled with a value no initialisation writes (NaN; an integer dtype's least), so
+    that a write through `.data`, which bumps no version counter, still shows (a bool buffer: its version only)."""
+    if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
+        return torch.full_like(buffer, float("nan"), device=device)
+    if buffer.dtype == torch.bool:
+        return torch.zeros_like(buffer, device=device)
+    return torch.full_like(buffer, torch.iinfo(buffer.dtype).min, device=device)
+
+
+def _holds_marker(buffer: torch.Tensor) -> bool:
+    if buffer.dtype.is_floating_point or buffer.dtype.is_complex:
+        return bool(buffer.isnan().all())
+    if buffer.dtype == torch.bool:
+        return True
+    return bool((buffer == torch.iinfo(buffer.dtype).min).all())
+
+
 def _unset(module: torch.nn.Module, fresh: dict[str, torch.Tensor]) -> list[str]:
-    """The names of `fresh` buffers (materialised from meta, version 0) that nothing wrote or replaced yet."""
-    return [name for name, buffer in fresh.items() if module._buffers.get(name) is buffer and buffer._version == 0]
+    """The names of `fresh` buffers (from `_with_marker`) that nothing wrote or replaced yet."""
+    return [
+        name
+        for name, buffer in fresh.items()
+        if module._buffers.get(name) is buffer and buffer._version == 0 and buffer.numel() and _holds_marker(buffer)
+    ]
 
 
 def _check_buffers_set(module: torch.nn.Module, fresh: dict[str, torch.Tensor], path: str) -> None:
@@ -74,8 +97,8 @@ def _check_buffers_set(module: torch.nn.Module, fresh: dict[str, torch.Tensor], 
         raise ValueError(
             f"buffer {names} of {type(module).__name__} was built on the meta device, and neither init= nor its "
             f"reset_parameters() or reset_running_stats() set it: it would hold uninitialised memory. Set it in "
-            f"the init= function given to hvd.shard_parameters (in place or by assignment, e.g. computing a "
-            f"rotary inv_freq there), or build that module outside the meta device."
+            f"the init= function given to hvd.shard_parameters (in place, through .data, or by assignment, e.g. "
+            f"computing a rotary inv_freq there), or build that module outside the meta device."
         )
 
 
@@ -119,7 +142,7 @@ def materialize(
         fresh = {}
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.is_meta:
-                module._buffers[name] = fresh[name] = torch.empty_like(buffer, device=device)
+                module._buffers[name] = fresh[name] = _with_marker(buffer, device)
         for p in list(module._parameters.values()):
             if p is not None and p.is_meta and id(p) in places:
                 twin = torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), p.requires_grad)

@@ -644,23 +644,29 @@ def test_meta_buffers_are_set_by_their_initialisation_or_raise_naming_them(hvd):
     """A meta-built buffer takes its value from init=, reset_parameters() or reset_running_stats(); one that none
     of them sets (a rotary inv_freq computed in __init__) raises at shard_parameters, naming it, instead of
     holding uninitialised memory. The ranks' buffers are digested with the parameters."""
+    torch.manual_seed(0)
     with torch.device("meta"):
         model = torch.nn.Sequential(Rotary(), torch.nn.Linear(WIDTH, WIDTH))
     with pytest.raises(ValueError, match=r"buffer '0.inv_freq' of Rotary was built on the meta device.*init="):
         hvd.shard_parameters(model, units=[Rotary])
 
-    def init(module):
+    def init(module, through_data):
         default_init(module)
         if isinstance(module, Rotary):  # computed on the device, as in __init__
-            module.inv_freq = 1.0 / (10000 ** (torch.arange(0, WIDTH, 2).float() / WIDTH))
+            inv_freq = 1.0 / (10000 ** (torch.arange(0, WIDTH, 2).float() / WIDTH))
+            if through_data:  # a write that bumps no version counter
+                module.inv_freq.data.copy_(inv_freq)
+            else:
+                module.inv_freq = inv_freq
 
-    with torch.device("meta"):
-        model = torch.nn.Sequential(Rotary(), torch.nn.Linear(WIDTH, WIDTH))
-    for name, buffer in model.named_buffers():  # what an uninitialised allocation could hold
-        assert buffer.is_meta, name
-    hvd.shard_parameters(model, units=[Rotary], init=init, device=torch.device("cpu"))
-    expected = Rotary()
-    torch.testing.assert_close(model[0].inv_freq, expected.inv_freq, rtol=0, atol=0)
+    for through_data in (False, True):
+        torch.manual_seed(0)  # the same draws on every rank
+        with torch.device("meta"):
+            model = torch.nn.Sequential(Rotary(), torch.nn.Linear(WIDTH, WIDTH))
+        for name, buffer in model.named_buffers():  # what an uninitialised allocation could hold
+            assert buffer.is_meta, name
+        hvd.shard_parameters(model, units=[Rotary], init=lambda m: init(m, through_data), device=torch.device("cpu"))
+        torch.testing.assert_close(model[0].inv_freq, Rotary().inv_freq, rtol=0, atol=0)
     norm = model[0].norm  # reset_running_stats(): zeros and ones, whatever the allocation held
     assert torch.equal(norm.running_mean, torch.zeros(WIDTH)) and torch.equal(norm.running_var, torch.ones(WIDTH))
     assert int(norm.num_batches_tracked) == 0
