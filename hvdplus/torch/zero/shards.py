@@ -105,9 +105,8 @@ class Bucket:
 
 @dataclasses.dataclass(slots=True)
 class ReduceScatter:
-    """One bucket fill's reduce-scatter in flight: `sent` is the (compressed) buffer, `received` what the core
-    writes this rank's slice into (`sent` itself, or its host copy when staged), `offset`/`count` that slice;
-    `plan` the frozen plan that started it (None: negotiated)."""
+    """A bucket fill's reduce-scatter in flight: `received` is what the core writes this rank's slice (`offset`,
+    `count`) into, `sent` itself or its staged host copy; `plan` the frozen plan that started it, or None."""
 
     bucket: Bucket
     handle: Any
@@ -471,8 +470,7 @@ class Shards:
         plan.check_guard(differs)
 
     def rebound(self) -> list[str]:
-        """Stage 1/2: what says which parameters are no longer the views of the flat buffers they were made (a
-        `p.data = t` after wrapping): the step would neither read them nor write them back."""
+        """Stage 1/2: the parameters no longer views of their flat buffers (`p.data = t` after wrapping), named."""
         return [
             f"parameter {self.names[i]!r} no longer is the view of ZeroOptimizer's flat buffer it was"
             for i, (p, address) in enumerate(zip(self.params, self.addresses))
